@@ -1,0 +1,234 @@
+"""The vocabulary of the scheduling core: what goes into a cycle and what comes out.
+
+Every model is frozen: a cycle reads a snapshot and returns decisions, it never edits its input.
+Times are plain seconds on one clock chosen by the caller (trace seconds in the simulator, epoch
+seconds in the live system); the core never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GpuSlot = tuple[str, int]
+"""One GPU as (machine id, index on the machine); its topology path is ``f"{machine}/{index}"``."""
+
+
+def gpu_path(slot: GpuSlot) -> str:
+    return f"{slot[0]}/{slot[1]}"
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Priority(str, Enum):
+    critical = "critical"
+    high = "high"
+    normal = "normal"
+    low = "low"
+
+    @property
+    def rank(self) -> int:
+        """0 for the most important class; queue order and victim order both sort on it."""
+        return _PRIORITY_RANK[self]
+
+
+_PRIORITY_RANK = {Priority.critical: 0, Priority.high: 1, Priority.normal: 2, Priority.low: 3}
+
+
+class Topology(str, Enum):
+    machine = "machine"  # all GPUs on one machine
+    block = "block"  # all machines in one network block
+    any = "any"
+
+
+class JobKind(str, Enum):
+    training = "training"
+    inference = "inference"
+
+
+INFERENCE_PARTITION = "inference"
+
+
+class JobSpec(Frozen):
+    """What a user asks for. Immutable for the life of the job, except priority bumps."""
+
+    job_id: str = Field(min_length=1)
+    team: str = Field(min_length=1)
+    num_gpus: int = Field(ge=1)
+    gpu_type: str | None = None
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
+    topology: Topology | None = None  # None: machine if it fits one machine, else block
+    priority: Priority = Priority.normal
+    deadline: float | None = None  # a hint, on the snapshot's clock
+    checkpoint_interval: float | None = Field(default=None, ge=0)  # None or 0: never checkpoints
+    expected_duration: float = Field(gt=0)  # the user's estimate, seconds of running
+    kind: JobKind = JobKind.training
+    cluster: str | None = None  # None: any cluster
+
+    @property
+    def checkpoints(self) -> bool:
+        return bool(self.checkpoint_interval)
+
+    def topology_for(self, gpus_per_machine: int) -> Topology:
+        if self.topology is not None:
+            return self.topology
+        return Topology.machine if self.num_gpus <= gpus_per_machine else Topology.block
+
+
+class QueuedJob(Frozen):
+    """A job waiting for GPUs: new, or requeued after a preemption or failure."""
+
+    spec: JobSpec
+    submit_time: float
+    queued_since: float  # when it last entered the queue
+    progress: float = Field(default=0.0, ge=0)  # seconds of work saved in its last complete checkpoint
+    preemptions: tuple[float, ...] = ()  # when it was preempted, oldest first
+
+    @model_validator(mode="after")
+    def _queued_after_submit(self) -> "QueuedJob":
+        if self.queued_since < self.submit_time:
+            raise ValueError("queued_since is before submit_time")
+        return self
+
+
+class RunningJob(Frozen):
+    """A job holding GPUs: running, or draining (told to checkpoint and stop) after a preemption."""
+
+    spec: JobSpec
+    submit_time: float
+    gpus: tuple[GpuSlot, ...]
+    started_at: float
+    progress_at_start: float = Field(default=0.0, ge=0)  # work resumed from a checkpoint
+    last_checkpoint_at: float | None = None  # last complete checkpoint of this attempt
+    preemptions: tuple[float, ...] = ()
+    checkpoint_phase: float | None = None  # checkpoints fall at times ≡ phase (mod interval)
+    draining_until: float | None = None  # preempted: the end of its grace period
+    preempted_for: str | None = None  # the job it makes room for
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_until is not None
+
+    def expected_end(self, now: float) -> float:
+        """When it should release its GPUs, by the user's estimate; never in the past."""
+        if self.draining_until is not None:
+            return max(now, self.draining_until)
+        remaining = self.spec.expected_duration - self.progress_at_start
+        return max(now, self.started_at + max(0.0, remaining))
+
+    def work_at_risk(self, now: float) -> float:
+        """GPU-seconds lost if it stopped now without a new checkpoint."""
+        if not self.spec.checkpoints:
+            since = self.started_at - self.progress_at_start  # restarts from scratch
+        else:
+            since = self.last_checkpoint_at if self.last_checkpoint_at is not None else self.started_at
+        return max(0.0, now - since) * self.spec.num_gpus
+
+
+class Machine(Frozen):
+    id: str  # the topology path cluster/block/rack/machine
+    cluster: str
+    block: str
+    rack: str
+    gpus: int = Field(ge=1)
+    gpu_type: str
+    gpu_memory_gb: float = 80.0
+    partition: str = "training"
+    reachable: bool = True
+    unhealthy_gpus: frozenset[int] = frozenset()
+
+
+class Quota(Frozen):
+    guaranteed: int = Field(default=0, ge=0)
+    max: int | None = Field(default=None, ge=0)  # None: no maximum
+    queue_cap: int | None = Field(default=None, ge=0)  # None: no cap
+
+    @model_validator(mode="after")
+    def _max_covers_guarantee(self) -> "Quota":
+        if self.max is not None and self.max < self.guaranteed:
+            raise ValueError(f"max ({self.max}) is below guaranteed ({self.guaranteed})")
+        return self
+
+
+class PolicyConfig(Frozen):
+    """The knobs of gpusched's policy, with the defaults documented in docs/policy.md."""
+
+    grace_period: float = Field(default=120.0, ge=0)
+    min_runtime: float = Field(default=600.0, ge=0)  # no preemption before this much running
+    thrash_window: float = Field(default=3600.0, gt=0)
+    thrash_max_preemptions: int = Field(default=2, ge=1)  # this many in the window: protected
+    starvation_threshold: float = Field(default=1800.0, ge=0)  # then a blocked job gets a reservation
+    max_reservations: int = Field(default=4, ge=0)
+    reserved_pool_fraction: float = Field(default=0.01, ge=0, le=0.5)  # whole machines kept for big jobs
+    stagger_checkpoints: bool = True
+    checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
+    max_preemption_searches: int = Field(default=64, ge=0)  # per cycle; bounds the cycle's cost
+    eta_horizon: float = Field(default=30 * 86400.0, gt=0)
+
+
+class Snapshot(Frozen):
+    """One cluster as the scheduler sees it at ``now``: the only input of a cycle."""
+
+    cluster: str
+    now: float
+    machines: tuple[Machine, ...]
+    running: tuple[RunningJob, ...] = ()
+    queue: tuple[QueuedJob, ...] = ()
+    quotas: Mapping[str, Quota] = Field(default_factory=dict)
+    config: PolicyConfig = PolicyConfig()
+    # Recent arrivals, GPU-seconds of expected work per second, by class: later arrivals of a more
+    # important class overtake a queued job, so an honest ETA counts them.
+    demand_rate: Mapping[Priority, float] = Field(default_factory=dict)
+
+
+# --- Decisions -------------------------------------------------------------------------------
+
+
+class Placement(Frozen):
+    job_id: str
+    gpus: tuple[GpuSlot, ...]
+    reason: str
+    checkpoint_phase: float | None = None
+    backfilled: bool = False  # started ahead of a reservation without delaying it
+
+
+class Preemption(Frozen):
+    job_id: str  # the victim
+    for_job: str  # the job that needs its GPUs
+    reason: str
+    grace_period: float
+
+
+class Requeue(Frozen):
+    """A running job that must leave its GPUs because they are no longer usable."""
+
+    job_id: str
+    reason: str
+    graceful: bool  # True: it can still checkpoint (a sick GPU); False: its machine is gone
+
+
+class Reservation(Frozen):
+    job_id: str
+    machines: tuple[str, ...]
+    expected_start: float
+
+
+class Pending(Frozen):
+    job_id: str
+    position: int  # 1-based, in queue order
+    estimated_start: float | None  # None: cannot start on this cluster as it is
+    misses_deadline: bool | None  # None: no deadline hint
+    reason: str
+
+
+class CycleResult(Frozen):
+    placements: tuple[Placement, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    requeues: tuple[Requeue, ...] = ()
+    reservations: tuple[Reservation, ...] = ()
+    pending: tuple[Pending, ...] = ()
+    next_wake: float | None = None  # the next time a cycle could decide differently with no event

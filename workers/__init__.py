@@ -1,0 +1,1 @@
+"""The processes people run: the CLI today; the control worker, machine agent and API later."""

@@ -1,0 +1,1 @@
+"""Temporal workflows (JobWorkflow, ClusterSchedulerWorkflow). They orchestrate only; see design.md."""
