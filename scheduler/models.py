@@ -95,6 +95,10 @@ class QueuedJob(Frozen):
         return self
 
 
+OVERRUN_FLOOR = 300.0
+OVERRUN_SHARE = 0.2
+
+
 class RunningJob(Frozen):
     """A job holding GPUs: running, or draining (told to checkpoint and stop) after a preemption."""
 
@@ -114,11 +118,18 @@ class RunningJob(Frozen):
         return self.draining_until is not None
 
     def expected_end(self, now: float) -> float:
-        """When it should release its GPUs, by the user's estimate; never in the past."""
+        """When it should release its GPUs, by the user's estimate; never in the past.
+
+        A job that has outrun its estimate is assumed to need a fifth of the estimate again
+        (at least five minutes): estimates are wrong both ways, and "any moment now" is not
+        an honest answer for a job that is already late."""
         if self.draining_until is not None:
             return max(now, self.draining_until)
         remaining = self.spec.expected_duration - self.progress_at_start
-        return max(now, self.started_at + max(0.0, remaining))
+        end = self.started_at + max(0.0, remaining)
+        if end <= now:
+            return now + max(OVERRUN_FLOOR, OVERRUN_SHARE * self.spec.expected_duration)
+        return end
 
     def work_at_risk(self, now: float) -> float:
         """GPU-seconds lost if it stopped now without a new checkpoint."""
@@ -166,8 +177,17 @@ class PolicyConfig(Frozen):
     reserved_pool_fraction: float = Field(default=0.01, ge=0, le=0.5)  # whole machines kept for big jobs
     stagger_checkpoints: bool = True
     checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
+    max_unsaved_run: float = Field(default=1800.0, ge=0)  # a job that cannot checkpoint is protected after this
     max_preemption_searches: int = Field(default=64, ge=0)  # per cycle; bounds the cycle's cost
     eta_horizon: float = Field(default=30 * 86400.0, gt=0)
+
+
+class Earmark(Frozen):
+    """GPUs promised to a job whose preemption victims are leaving them; nobody else takes them."""
+
+    job_id: str
+    gpus: tuple[GpuSlot, ...]
+    expires: float  # a promise not taken up by then lapses (the job was cancelled, say)
 
 
 class Snapshot(Frozen):
@@ -179,6 +199,7 @@ class Snapshot(Frozen):
     running: tuple[RunningJob, ...] = ()
     queue: tuple[QueuedJob, ...] = ()
     quotas: Mapping[str, Quota] = Field(default_factory=dict)
+    earmarks: tuple[Earmark, ...] = ()  # as the previous cycle returned them
     config: PolicyConfig = PolicyConfig()
     # Recent arrivals, GPU-seconds of expected work per second, by class: later arrivals of a more
     # important class overtake a queued job, so an honest ETA counts them.
@@ -231,4 +252,5 @@ class CycleResult(Frozen):
     requeues: tuple[Requeue, ...] = ()
     reservations: tuple[Reservation, ...] = ()
     pending: tuple[Pending, ...] = ()
+    earmarks: tuple[Earmark, ...] = ()  # to hand to the next cycle
     next_wake: float | None = None  # the next time a cycle could decide differently with no event

@@ -1,0 +1,354 @@
+"""The fleet: which machines exist, how they are grouped, and what each team may use.
+
+A fleet file is the YAML described in design.md ("Fleet YAML"). It declares machines by shape, not
+one by one: a block is ``racks × machines_per_rack`` identical machines, and every machine gets the
+topology path ``cluster/block/rN/mM`` from its position. ``parse_fleet`` turns the text into frozen
+models; it never opens a file, so the caller decides where the text comes from and what ``source``
+name to show in errors.
+
+Errors are the point of this module as much as the happy path: a fleet file is written by hand, so
+every mistake is reported as an ``InputError`` with the line, a field path such as
+``clusters[0].blocks[1].racks`` and a sentence that says how to fix it. To keep line numbers we
+walk the YAML node tree (``yaml.compose``) instead of the plain dicts ``yaml.safe_load`` returns.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from scheduler.errors import InputError
+from scheduler.models import Machine, Quota
+
+DEFAULT_QUOTA_KEY = "*"
+"""A quotas entry with this name applies to every team without an entry of its own."""
+
+GPU_MEMORY_GB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 192.0, "L40S": 48.0, "V100": 32.0}
+"""Memory per GPU when a block does not say; the common SKU of each type."""
+
+FALLBACK_GPU_MEMORY_GB = 80.0
+DEFAULT_PARTITION = "training"
+
+_TOP_KEYS = ("clusters", "quotas")
+_CLUSTER_KEYS = ("name", "blocks")
+_BLOCK_REQUIRED = ("name", "racks", "machines_per_rack", "gpus_per_machine", "gpu_type")
+_BLOCK_KEYS = _BLOCK_REQUIRED + ("gpu_memory_gb", "partition")
+_QUOTA_KEYS = ("guaranteed", "max", "queue_cap")
+
+_HINTS = {
+    "clusters": "a list of clusters, each `- name: c1` with `blocks:`",
+    "blocks": "a list of blocks, each with name, racks, machines_per_rack, gpus_per_machine, gpu_type",
+    "name": "a short name without '/' or spaces, e.g. `name: b0`",
+    "racks": "the number of racks in the block, e.g. `racks: 8`",
+    "machines_per_rack": "the number of machines in each rack, e.g. `machines_per_rack: 16`",
+    "gpus_per_machine": "the number of GPUs in each machine, e.g. `gpus_per_machine: 8`",
+    "gpu_type": "the GPU model, e.g. `gpu_type: H100`",
+}
+
+
+class ClusterFleet(BaseModel):
+    """One cluster's machines, in file order: block, then rack, then machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    machines: tuple[Machine, ...]
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(m.gpus for m in self.machines)
+
+
+class Fleet(BaseModel):
+    """Every cluster and every team's quota.
+
+    ``quotas`` holds the named teams only; the ``"*"`` entry, if any, is ``default_quota``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    clusters: tuple[ClusterFleet, ...]
+    quotas: dict[str, Quota] = {}
+    default_quota: Quota | None = None
+
+    def quota_for(self, team: str) -> Quota | None:
+        """The team's own quota, else the default; None means the team has no quota at all."""
+        return self.quotas.get(team, self.default_quota)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(c.total_gpus for c in self.clusters)
+
+    def cluster(self, name: str) -> ClusterFleet:
+        for cluster in self.clusters:
+            if cluster.name == name:
+                return cluster
+        known = ", ".join(c.name for c in self.clusters)
+        raise KeyError(f"no cluster named {name!r}; the fleet has: {known}")
+
+
+def parse_fleet(text: str, source: str) -> Fleet:
+    """Read a fleet YAML document; raise ``InputError`` pointing at the first mistake."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            root = loader.get_single_node()
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+            line = mark.line + 1 if mark is not None else None
+            problem = getattr(exc, "problem", None) or str(exc)
+            if "another document" in problem:
+                message = "holds more than one YAML document; keep one fleet (remove the `---` line)"
+            else:
+                message = f"is not valid YAML ({problem}); check the indentation and quoting here"
+            raise InputError(source, line, None, message) from None
+        if root is None:
+            raise InputError(
+                source, 1, "clusters", "the file is empty; a fleet needs a `clusters:` list"
+            )
+        return _FleetReader(source, loader).fleet(root)
+    finally:
+        loader.dispose()
+
+
+# --- Reading the node tree ---------------------------------------------------------------------
+
+
+class _FleetReader:
+    """Walks the composed YAML, checking each value where its line number is still known."""
+
+    def __init__(self, source: str, loader: yaml.SafeLoader):
+        self.source = source
+        self.loader = loader
+
+    def fleet(self, root: yaml.Node) -> Fleet:
+        top = self.mapping(root, "", allowed=_TOP_KEYS, required=("clusters",), what="the fleet file")
+        cluster_nodes = self.sequence(top["clusters"], "clusters")
+        clusters: list[ClusterFleet] = []
+        first_seen: dict[str, int] = {}
+        for i, node in enumerate(cluster_nodes):
+            field = f"clusters[{i}]"
+            cluster = self.cluster(node, field)
+            self.unique(cluster.name, first_seen, _value_of(node, "name"), f"{field}.name", "cluster")
+            clusters.append(cluster)
+        quotas, default = self.quotas(top["quotas"]) if "quotas" in top else ({}, None)
+        return Fleet(clusters=tuple(clusters), quotas=quotas, default_quota=default)
+
+    def cluster(self, node: yaml.Node, field: str) -> ClusterFleet:
+        keys = self.mapping(node, field, allowed=_CLUSTER_KEYS, required=_CLUSTER_KEYS, what="a cluster")
+        name = self.name(keys["name"], f"{field}.name")
+        machines: list[Machine] = []
+        first_seen: dict[str, int] = {}
+        for j, block_node in enumerate(self.sequence(keys["blocks"], f"{field}.blocks")):
+            block_field = f"{field}.blocks[{j}]"
+            block_machines = self.block(block_node, block_field, name)
+            name_node = _value_of(block_node, "name")
+            self.unique(block_machines[0].block, first_seen, name_node, f"{block_field}.name", "block")
+            machines.extend(block_machines)
+        return ClusterFleet(name=name, machines=tuple(machines))
+
+    def block(self, node: yaml.Node, field: str, cluster: str) -> list[Machine]:
+        keys = self.mapping(node, field, allowed=_BLOCK_KEYS, required=_BLOCK_REQUIRED, what="a block")
+        name = self.name(keys["name"], f"{field}.name")
+        racks = self.positive_int(keys["racks"], f"{field}.racks")
+        per_rack = self.positive_int(keys["machines_per_rack"], f"{field}.machines_per_rack")
+        gpus = self.positive_int(keys["gpus_per_machine"], f"{field}.gpus_per_machine")
+        gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
+        if "gpu_memory_gb" in keys:
+            memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb")
+        else:
+            memory = GPU_MEMORY_GB.get(gpu_type, FALLBACK_GPU_MEMORY_GB)
+        partition = (
+            self.text(keys["partition"], f"{field}.partition")
+            if "partition" in keys
+            else DEFAULT_PARTITION
+        )
+        return [
+            Machine(
+                id=f"{cluster}/{name}/r{r}/m{m}",
+                cluster=cluster,
+                block=name,
+                rack=f"r{r}",
+                gpus=gpus,
+                gpu_type=gpu_type,
+                gpu_memory_gb=memory,
+                partition=partition,
+            )
+            for r in range(racks)
+            for m in range(per_rack)
+        ]
+
+    def quotas(self, node: yaml.Node) -> tuple[dict[str, Quota], Quota | None]:
+        if self.is_null(node):
+            return {}, None
+        entries = self.mapping(node, "quotas", allowed=None, required=(), what="quotas")
+        quotas: dict[str, Quota] = {}
+        for team, value in entries.items():
+            quotas[team] = self.quota(value, f"quotas.{team}")
+        default = quotas.pop(DEFAULT_QUOTA_KEY, None)
+        return quotas, default
+
+    def quota(self, node: yaml.Node, field: str) -> Quota:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(
+                node,
+                field,
+                f"must be a mapping like {{guaranteed: 64, max: 256, queue_cap: 500}}, got {self.shown(node)}",
+            )
+        keys = self.mapping(node, field, allowed=_QUOTA_KEYS, required=(), what="a quota")
+        guaranteed = (
+            self.count(keys["guaranteed"], f"{field}.guaranteed", "GPUs") if "guaranteed" in keys else 0
+        )
+        maximum = self.optional_count(keys.get("max"), f"{field}.max", "GPUs")
+        queue_cap = self.optional_count(keys.get("queue_cap"), f"{field}.queue_cap", "queued jobs")
+        if maximum is not None and maximum < guaranteed:
+            raise self.error(
+                keys["max"],
+                f"{field}.max",
+                f"is {maximum}, below guaranteed ({guaranteed}); raise max to at least {guaranteed} "
+                "or lower guaranteed",
+            )
+        return Quota(guaranteed=guaranteed, max=maximum, queue_cap=queue_cap)
+
+    # --- Shapes ----------------------------------------------------------------------------------
+
+    def mapping(
+        self,
+        node: yaml.Node,
+        field: str,
+        *,
+        allowed: tuple[str, ...] | None,
+        required: tuple[str, ...],
+        what: str,
+    ) -> dict[str, yaml.Node]:
+        """The mapping's values by key; refuses duplicate, unknown (if ``allowed``) and missing keys."""
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(
+                node,
+                field or None,
+                f"{what} must be a mapping of keys to values, got {self.shown(node)}",
+            )
+        values: dict[str, yaml.Node] = {}
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            path = f"{field}.{key}" if field else key
+            if key in values:
+                raise self.error(
+                    key_node, path, f"appears twice in {what} (first on line {lines[key]}); keep one"
+                )
+            if allowed is not None and key not in allowed:
+                guess = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+                raise self.error(
+                    key_node,
+                    path,
+                    f"is not a known key of {what}{hint}; allowed keys: {', '.join(allowed)}",
+                )
+            values[key] = value_node
+            lines[key] = _line(key_node)
+        for key in required:
+            if key not in values:
+                path = f"{field}.{key}" if field else key
+                hint = _HINTS.get(key, "a value")
+                raise self.error(node, path, f"is missing from {what}; add `{key}:` with {hint}")
+        return values
+
+    def sequence(self, node: yaml.Node, field: str) -> list[yaml.Node]:
+        hint = _HINTS.get(field.rsplit(".", 1)[-1], "a list")
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.error(node, field, f"must be {hint}, got {self.shown(node)}")
+        if not node.value:
+            raise self.error(node, field, f"is empty; it must hold at least one entry ({hint})")
+        return list(node.value)
+
+    def unique(
+        self, name: str, first_seen: dict[str, int], node: yaml.Node, field: str, what: str
+    ) -> None:
+        if name in first_seen:
+            raise self.error(
+                node,
+                field,
+                f"{what} name {name!r} is already used on line {first_seen[name]}; give each {what} its own name",
+            )
+        first_seen[name] = _line(node)
+
+    # --- Scalars ---------------------------------------------------------------------------------
+
+    def value(self, node: yaml.Node) -> Any:
+        return self.loader.construct_object(node, deep=True)
+
+    def is_null(self, node: yaml.Node) -> bool:
+        return isinstance(node, yaml.ScalarNode) and self.value(node) is None
+
+    def shown(self, node: yaml.Node) -> str:
+        """How to quote a bad value back to the user."""
+        if isinstance(node, yaml.MappingNode):
+            return "a mapping"
+        if isinstance(node, yaml.SequenceNode):
+            return "a list"
+        value = self.value(node)
+        if value is None:
+            return "nothing"
+        if isinstance(value, str):
+            return repr(value)
+        return yaml.safe_dump(value, default_flow_style=True).split("\n", 1)[0].strip()
+
+    def positive_int(self, node: yaml.Node, field: str) -> int:
+        value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise self.error(node, field, f"must be a positive integer, got {self.shown(node)}")
+
+    def count(self, node: yaml.Node, field: str, unit: str) -> int:
+        value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise self.error(
+            node, field, f"must be a whole number of {unit}, 0 or more, got {self.shown(node)}"
+        )
+
+    def optional_count(self, node: yaml.Node | None, field: str, unit: str) -> int | None:
+        if node is None or self.is_null(node):
+            return None  # absent or null: no limit
+        return self.count(node, field, unit)
+
+    def positive_number(self, node: yaml.Node, field: str) -> float:
+        value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            return float(value)
+        raise self.error(node, field, f"must be a positive number, got {self.shown(node)}")
+
+    def text(self, node: yaml.Node, field: str) -> str:
+        value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+        raise self.error(node, field, f"must be a non-empty string, got {self.shown(node)}")
+
+    def name(self, node: yaml.Node, field: str) -> str:
+        """A path segment of machine ids, so it must not contain '/' or whitespace."""
+        value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            name = str(value)
+            if name and "/" not in name and not any(c.isspace() for c in name):
+                return name
+        raise self.error(
+            node,
+            field,
+            f"must be a short name without '/' or spaces (it becomes part of machine ids), got {self.shown(node)}",
+        )
+
+    def error(self, node: yaml.Node, field: str | None, message: str) -> InputError:
+        return InputError(self.source, _line(node), field, message)
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _value_of(mapping: yaml.MappingNode, key: str) -> yaml.Node:
+    """The value node of a key already known to be in the mapping."""
+    return next(v for k, v in mapping.value if k.value == key)

@@ -1,0 +1,35 @@
+"""Health: GPUs that cannot be used leave the inventory, and the jobs on them leave too.
+
+A machine that stopped answering takes all its GPUs out; its jobs are gone with it and restart
+from their last complete checkpoint (not graceful). A single sick GPU takes only itself out; its
+job is still alive, so it is asked to checkpoint and move (graceful).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from scheduler.models import Machine, Requeue, RunningJob, gpu_path
+
+
+def jobs_to_requeue(machines: Sequence[Machine], running: Sequence[RunningJob]) -> list[Requeue]:
+    by_id = {m.id: m for m in machines}
+    requeues = []
+    for job in running:
+        dead = sick = None
+        for slot in job.gpus:
+            machine = by_id.get(slot[0])
+            if machine is None or not machine.reachable:
+                dead = slot[0]
+                break
+            if slot[1] in machine.unhealthy_gpus and sick is None:
+                sick = slot
+        if dead is not None:
+            requeues.append(
+                Requeue(job_id=job.spec.job_id, reason=f"machine {dead} is unreachable", graceful=False)
+            )
+        elif sick is not None and not job.draining:
+            requeues.append(
+                Requeue(job_id=job.spec.job_id, reason=f"GPU {gpu_path(sick)} is unhealthy", graceful=True)
+            )
+    return requeues

@@ -1,0 +1,165 @@
+"""Gang placement: all of a job's GPUs at once, or none, with as little spread as possible.
+
+Algorithm overview
+  1. Resolve the topology: `machine` if the job fits one machine, else `block` (unless given).
+  2. machine: best fit — the machine with the *fewest* free GPUs that still holds the job, so
+     partly used machines fill up first and whole machines stay whole for big jobs (the
+     bin-packing bias). Small jobs may not break the last whole machines of the reserved pool.
+  3. block: inside one block, prefer one rack; take the machines with the most free GPUs first
+     (fewest machines), and best-fit the last piece so no whole machine is broken needlessly.
+     Among blocks, fewest racks, then fewest machines, then the tightest fit.
+  4. any: a machine if one fits, else a block, else the whole cluster greedily.
+Machines in `avoid` (reserved for a starving job) are skipped; the caller decides who may
+backfill onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from scheduler.capacity import Capacity, Pool
+from scheduler.models import GpuSlot, JobSpec, Topology
+
+NO_AVOID: frozenset[int] = frozenset()
+
+
+def resolved_topology(cap: Capacity, spec: JobSpec, pools: Sequence[Pool]) -> Topology:
+    largest = max((p.key.gpus for p in pools), default=cap.gpus_per_machine)
+    return spec.topology_for(largest)
+
+
+def find_gpus(
+    cap: Capacity,
+    spec: JobSpec,
+    *,
+    avoid: frozenset[int] = NO_AVOID,
+    keep_whole: float = 0.0,
+) -> tuple[GpuSlot, ...] | None:
+    """The GPUs this job should get now, or None if it cannot start. Does not take them."""
+    pools = cap.eligible_pools(spec)
+    if not pools:
+        return None
+    n = spec.num_gpus
+    topology = resolved_topology(cap, spec, pools)
+    if topology in (Topology.machine, Topology.any):
+        i = best_machine(cap, pools, n, avoid, keep_whole)
+        if i is not None:
+            return tuple(cap.slots_on(i, n))
+        if topology == Topology.machine:
+            return None
+    picks = best_block(cap, pools, n, avoid)
+    if picks is None and topology == Topology.any:
+        picks = greedy_fill(cap, _usable(cap, pools, avoid), n)
+    if picks is None:
+        return None
+    return tuple(slot for i, count in picks for slot in cap.slots_on(i, count))
+
+
+def best_machine(
+    cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int], keep_whole: float
+) -> int | None:
+    """`keep_whole` is the fraction of each pool's machines that small jobs must leave whole."""
+    best: tuple[int, int] | None = None
+    for pool in pools:
+        size = pool.key.gpus
+        reserve = math.ceil(keep_whole * len(pool.members)) if keep_whole else 0
+        for count in range(n, size + 1):
+            bucket = pool.buckets[count]
+            if not bucket:
+                continue
+            if count == size and n < size and pool.whole_machines <= reserve:
+                continue  # the reserved pool of whole machines waits for a big job
+            candidates = bucket if not avoid else [i for i in bucket if i not in avoid]
+            if candidates:
+                found = (count, min(candidates))
+                if best is None or found < best:
+                    best = found
+                break
+    return None if best is None else best[1]
+
+
+def _usable(cap: Capacity, pools: Sequence[Pool], avoid: frozenset[int]) -> list[int]:
+    return [i for p in pools for i in p.members if cap.free[i] and i not in avoid]
+
+
+def best_block(
+    cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int]
+) -> list[tuple[int, int]] | None:
+    """(machine, GPU count) picks inside the one block that hosts n GPUs with least spread."""
+    by_block: dict[str, list[int]] = {}
+    for i in _usable(cap, pools, avoid):
+        by_block.setdefault(cap.machines[i].block, []).append(i)
+    best: tuple[tuple, list[tuple[int, int]]] | None = None
+    for machines in by_block.values():
+        block_free = sum(len(cap.free[i]) for i in machines)
+        if block_free < n:
+            continue
+        by_rack: dict[str, list[int]] = {}
+        for i in machines:
+            by_rack.setdefault(cap.machines[i].rack, []).append(i)
+        options = [greedy_fill(cap, rack, n) for rack in by_rack.values()]
+        options = [o for o in options if o is not None] or [greedy_fill(cap, machines, n)]
+        for picks in options:
+            if picks is None:
+                continue
+            racks = len({cap.machines[i].rack for i, _ in picks})
+            score = (racks, len(picks), block_free - n, picks[0][0])
+            if best is None or score < best[0]:
+                best = (score, picks)
+    return None if best is None else best[1]
+
+
+def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[int, int]] | None:
+    """Fewest machines: the freest first, then best-fit the remainder onto the tightest one."""
+    ordered = sorted(machines, key=lambda i: (-len(cap.free[i]), i))
+    if sum(len(cap.free[i]) for i in ordered) < n:
+        return None
+    picks: list[tuple[int, int]] = []
+    remaining = n
+    for pos, i in enumerate(ordered):
+        free = len(cap.free[i])
+        if free >= remaining:
+            tight = min(
+                (j for j in ordered[pos:] if len(cap.free[j]) >= remaining),
+                key=lambda j: (len(cap.free[j]), j),
+            )
+            picks.append((tight, remaining))
+            return picks
+        picks.append((i, free))
+        remaining -= free
+    return None
+
+
+def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
+    """Why the job cannot start on the free GPUs, in words a user can act on."""
+    pools = cap.eligible_pools(spec)
+    n = spec.num_gpus
+    if not pools:
+        return f"no machine in this cluster matches {_wants(spec)}"
+    topology = resolved_topology(cap, spec, pools)
+    if topology == Topology.machine:
+        largest = max(p.largest_free() for p in pools)
+        size = max(p.key.gpus for p in pools)
+        if n > size:
+            return f"needs {n} GPUs on one machine; machines here have {size}"
+        return f"needs {n} GPUs on one machine; the largest free is {largest}"
+    if topology == Topology.block:
+        best = 0
+        by_block: dict[str, int] = {}
+        for p in pools:
+            for i in p.members:
+                block = cap.machines[i].block
+                by_block[block] = by_block.get(block, 0) + len(cap.free[i])
+                best = max(best, by_block[block])
+        return f"needs {n} GPUs in one block; the most free in a block is {best}"
+    return f"needs {n} GPUs; {cap.total_free(pools)} are free"
+
+
+def _wants(spec: JobSpec) -> str:
+    parts = [f"{spec.kind.value} jobs"]
+    if spec.gpu_type:
+        parts.append(f"GPU type {spec.gpu_type}")
+    if spec.gpu_memory_gb:
+        parts.append(f"{spec.gpu_memory_gb:g} GB of GPU memory")
+    return ", ".join(parts)

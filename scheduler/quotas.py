@@ -1,0 +1,73 @@
+"""Fair share by quota: what each team holds, what it may still take, and what it has borrowed.
+
+A team's *guarantee* is capacity it can always get back; above it, a team *borrows* idle GPUs up
+to its *maximum*. Borrowed GPUs are the first to be reclaimed when a team under its guarantee
+has pending work. Which of a team's jobs are the borrowed ones is decided by start time: the
+most recently started jobs beyond the guarantee, since they lose the least when reclaimed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from scheduler.models import Quota, RunningJob
+
+NO_QUOTA = Quota()
+
+
+@dataclass
+class TeamUsage:
+    quotas: Mapping[str, Quota]
+    used: dict[str, int] = field(default_factory=dict)
+    borrowed: set[str] = field(default_factory=set)  # job ids of running jobs above a guarantee
+
+    def quota(self, team: str) -> Quota:
+        return self.quotas.get(team) or self.quotas.get("*") or NO_QUOTA
+
+    def held(self, team: str) -> int:
+        return self.used.get(team, 0)
+
+    def within_max(self, team: str, gpus: int) -> bool:
+        limit = self.quota(team).max
+        return limit is None or self.held(team) + gpus <= limit
+
+    def under_guarantee_with(self, team: str, gpus: int) -> bool:
+        """Whether the team would still be within its guarantee after taking `gpus` more."""
+        return self.held(team) + gpus <= self.quota(team).guaranteed
+
+    def share(self, team: str) -> float:
+        """Held over guaranteed: below 1 the team is owed capacity; the queue favours the lowest."""
+        guaranteed = self.quota(team).guaranteed
+        if guaranteed == 0:
+            return float("inf")
+        return self.held(team) / guaranteed
+
+    def add(self, team: str, gpus: int) -> None:
+        self.used[team] = self.used.get(team, 0) + gpus
+
+
+def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob]) -> TeamUsage:
+    usage = TeamUsage(quotas)
+    by_team: dict[str, list[RunningJob]] = {}
+    for job in running:
+        usage.add(job.spec.team, job.spec.num_gpus)
+        by_team.setdefault(job.spec.team, []).append(job)
+    for team, jobs in by_team.items():
+        over = usage.held(team) - usage.quota(team).guaranteed
+        for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
+            if over <= 0:
+                break
+            usage.borrowed.add(job.spec.job_id)
+            over -= job.spec.num_gpus
+    return usage
+
+
+def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota]) -> str | None:
+    """Why a new job of `team` must be refused at submit, or None to accept it."""
+    quota = quotas.get(team) or quotas.get("*")
+    if quota is None:
+        return f"team '{team}' has no quota; ask an operator to set one (gpusched quota set)"
+    if quota.queue_cap is not None and queued >= quota.queue_cap:
+        return f"team '{team}' already has {queued} jobs queued, its cap is {quota.queue_cap}"
+    return None

@@ -1,0 +1,486 @@
+"""The discrete-event simulator: trace jobs arrive, a policy's cycle decides, the engine obeys.
+
+It keeps the live system's semantics so that what it measures is what production would see:
+  - every decision comes from a cycle function called with a snapshot, exactly as the live
+    scheduler workflow calls it; the engine only carries decisions out;
+  - a preempted job gets its grace period: it writes a checkpoint (taking `checkpoint_write_s`),
+    releases its GPUs, and resumes later from that checkpoint; a job that never checkpoints, or
+    cannot finish its checkpoint within the grace, loses the work since its last checkpoint;
+  - a job on a failed machine loses the work since its last interval checkpoint and is
+    requeued; a job on a failed GPU checkpoints and moves (it is still alive);
+  - interval checkpoints fall at the times the cycle's checkpoint phase says.
+A cycle runs whenever something happened (coalesced per timestamp) and when the last cycle
+asked to be woken. Its wall time is measured here, at the edge, never inside the pure core.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler import quotas as quota_rules
+from scheduler.capacity import Capacity
+from scheduler.cycle import run_cycle
+from scheduler.fleet import Fleet
+from scheduler.models import (
+    CycleResult,
+    Machine,
+    PolicyConfig,
+    Priority,
+    QueuedJob,
+    RunningJob,
+    Snapshot,
+    gpu_path,
+)
+from scheduler.placement import find_gpus
+from scheduler.sim.baselines import easy_cycle, fifo_cycle
+from scheduler.sim.records import AllocationRecord, CheckpointWrite, JobRecord, Sample, SimResult
+from scheduler.sim.trace import TraceJob
+
+POLICIES: dict[str, Callable[[Snapshot], CycleResult]] = {
+    "gpusched": run_cycle,
+    "fifo": fifo_cycle,
+    "easy": easy_cycle,
+}
+
+
+class SimSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: PolicyConfig = PolicyConfig()
+    checkpoint_write_s: float = Field(default=30.0, ge=0)  # time to write one checkpoint
+    checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB, as in design.md
+    sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
+    machine_failures_per_day: float = Field(default=0.0, ge=0)  # per machine
+    gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
+    repair_s: float = Field(default=1800.0, gt=0)
+    demand_window_s: float = Field(default=6 * 3600.0, gt=0)
+    seed: int = 0
+    until: float | None = None  # stop here even if jobs remain
+
+
+# Event kinds, in the order they apply within one timestamp.
+RELEASE, FINISH, MACHINE_DOWN, MACHINE_UP, GPU_DOWN, GPU_UP, SUBMIT, WAKE = range(8)
+
+
+@dataclass
+class JobLife:
+    trace: TraceJob
+    cluster: str
+    progress: float = 0.0  # work saved by the last complete checkpoint
+    queued_since: float = 0.0
+    state: str = "pending"  # pending | queued | running | draining | completed | rejected
+    reason: str = ""
+    attempt: int = 0
+    running: RunningJob | None = None
+    next_checkpoint: float = math.inf
+    first_start: float | None = None
+    finish: float | None = None
+    preemptions: list[float] = field(default_factory=list)
+    lost_work: float = 0.0
+    predicted_start: float | None = None
+    predicted: bool = False
+    under_guarantee: bool = False
+    release_reason: str = ""
+    lost_pending: float = 0.0  # work a draining job loses when it releases
+
+    @property
+    def spec(self):
+        return self.trace.spec
+
+
+class ClusterState:
+    def __init__(self, name: str, machines: tuple[Machine, ...]):
+        self.name = name
+        self.machines = {m.id: m for m in machines}
+        self.machine_tuple = machines
+        self.queue: dict[str, QueuedJob] = {}
+        self.running: dict[str, RunningJob] = {}
+        self.recent: deque[tuple[float, Priority, float]] = deque()  # (submit, class, GPU-s)
+        self.wake: float | None = None
+        self.earmarks: tuple = ()
+        self.never_fits: dict[tuple, str | None] = {}
+        self.empty = Capacity(machines)
+
+    def replace_machine(self, machine: Machine) -> None:
+        self.machines[machine.id] = machine
+        self.machine_tuple = tuple(self.machines.values())
+
+    @property
+    def healthy_gpus(self) -> int:
+        return sum(m.gpus - len(m.unhealthy_gpus) for m in self.machine_tuple if m.reachable)
+
+
+class Simulation:
+    def __init__(self, trace: list[TraceJob], fleet: Fleet, policy: str, settings: SimSettings):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy '{policy}'; choose one of {', '.join(POLICIES)}")
+        self.policy_name = policy
+        self.cycle = POLICIES[policy]
+        self.settings = settings
+        self.fleet = fleet
+        self.quotas = dict(fleet.quotas)
+        if fleet.default_quota is not None:
+            self.quotas["*"] = fleet.default_quota
+        self.clusters = {c.name: ClusterState(c.name, c.machines) for c in fleet.clusters}
+        self.jobs: dict[str, JobLife] = {}
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.allocations: list[AllocationRecord] = []
+        self.checkpoints: list[CheckpointWrite] = []
+        self.samples: list[Sample] = []
+        self.cycle_ms: list[float] = []
+        self.reclaim_latencies: list[float] = []
+        for job in trace:
+            self.jobs[job.spec.job_id] = JobLife(trace=job, cluster="")
+            self.push(job.submit_time, SUBMIT, job.spec.job_id)
+        self.start = min((j.submit_time for j in trace), default=0.0)
+        self._inject_failures(trace)
+
+    # --- event plumbing ----------------------------------------------------------------------
+
+    def push(self, at: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (at, kind, self.seq, payload))
+        self.seq += 1
+
+    def run(self) -> SimResult:
+        until = self.settings.until
+        now = self.start
+        while self.events:
+            now = self.events[0][0]
+            if until is not None and now > until:
+                now = until
+                break
+            touched: set[str] = set()
+            while self.events and self.events[0][0] == now:
+                _, kind, _, payload = heapq.heappop(self.events)
+                touched |= self.apply_event(now, kind, payload)
+            for name in sorted(touched):
+                self.run_cycle(self.clusters[name], now)
+            if touched:
+                self.sample(now)
+        return self.result(now)
+
+    def apply_event(self, now: float, kind: int, payload) -> set[str]:
+        if kind == SUBMIT:
+            return self.submit(now, payload)
+        if kind == FINISH:
+            job_id, attempt = payload
+            life = self.jobs[job_id]
+            if life.attempt != attempt or life.state != "running":
+                return set()
+            self.close_allocation(life, now, "completed", lost=0.0)
+            life.state, life.finish = "completed", now
+            return {life.cluster}
+        if kind == RELEASE:
+            job_id, attempt = payload
+            life = self.jobs[job_id]
+            if life.attempt != attempt or life.state != "draining":
+                return set()
+            return self.requeue(life, now)
+        if kind == WAKE:
+            cluster = self.clusters[payload]
+            return {payload} if cluster.wake == now else set()
+        if kind in (MACHINE_DOWN, MACHINE_UP, GPU_DOWN, GPU_UP):
+            return self.fault(now, kind, payload)
+        raise ValueError(kind)
+
+    # --- jobs --------------------------------------------------------------------------------
+
+    def submit(self, now: float, job_id: str) -> set[str]:
+        life = self.jobs[job_id]
+        spec = life.spec
+        cluster = self.route(life)
+        life.cluster = cluster.name
+        queued = sum(1 for q in cluster.queue.values() if q.spec.team == spec.team)
+        refusal = quota_rules.admission_refusal(spec.team, queued, self.quotas)
+        if refusal is None:
+            refusal = self.never_fits(cluster, life)
+        if refusal is not None:
+            life.state, life.reason = "rejected", refusal
+            return set()
+        usage = quota_rules.team_usage(self.quotas, list(cluster.running.values()))
+        life.under_guarantee = usage.under_guarantee_with(spec.team, spec.num_gpus)
+        life.state, life.queued_since = "queued", now
+        cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
+        cluster.recent.append((now, spec.priority, spec.num_gpus * spec.expected_duration))
+        return {cluster.name}
+
+    def route(self, life: JobLife) -> ClusterState:
+        if life.spec.cluster is not None and life.spec.cluster in self.clusters:
+            return self.clusters[life.spec.cluster]
+        if len(self.clusters) == 1:
+            return next(iter(self.clusters.values()))
+
+        def load(c: ClusterState) -> float:
+            demand = sum(q.spec.num_gpus for q in c.queue.values())
+            demand += sum(r.spec.num_gpus for r in c.running.values())
+            return demand / max(1, c.healthy_gpus)
+
+        fitting = [c for c in self.clusters.values() if self.never_fits(c, life) is None]
+        return min(fitting or self.clusters.values(), key=lambda c: (load(c), c.name))
+
+    def never_fits(self, cluster: ClusterState, life: JobLife) -> str | None:
+        """A job that could not start even on the empty cluster is refused at submit."""
+        spec = life.spec
+        shape = (spec.num_gpus, spec.topology, spec.gpu_type, spec.gpu_memory_gb, spec.kind)
+        if shape not in cluster.never_fits:
+            ok = find_gpus(cluster.empty, spec) is not None
+            cluster.never_fits[shape] = None if ok else (
+                f"can never start on cluster {cluster.name}: {spec.num_gpus} GPUs with topology "
+                f"{spec.topology.value if spec.topology else 'default'} do not fit its machines"
+            )
+        return cluster.never_fits[shape]
+
+    def place(self, cluster: ClusterState, now: float, job_id: str, gpus, phase) -> None:
+        life = self.jobs[job_id]
+        queued = cluster.queue.pop(job_id)
+        life.attempt += 1
+        life.state = "running"
+        if life.first_start is None:
+            life.first_start = now
+            if life.under_guarantee and now > life.trace.submit_time:
+                self.reclaim_latencies.append(now - life.trace.submit_time)
+        interval = life.spec.checkpoint_interval
+        life.running = RunningJob(
+            spec=life.spec, submit_time=queued.submit_time, gpus=gpus, started_at=now,
+            progress_at_start=life.progress, preemptions=tuple(life.preemptions), checkpoint_phase=phase,
+        )
+        life.next_checkpoint = self.checkpoint_after(now, now, interval, phase) if interval else math.inf
+        cluster.running[job_id] = life.running
+        self.push(now + life.trace.duration - life.progress, FINISH, (job_id, life.attempt))
+
+    @staticmethod
+    def checkpoint_after(t: float, start: float, interval: float, phase: float | None) -> float:
+        """The first interval checkpoint strictly after t of an attempt started at `start`."""
+        anchor = start if phase is None else phase
+        k = math.floor((t - anchor) / interval) + 1
+        return anchor + k * interval
+
+    def saved_progress(self, life: JobLife, now: float) -> tuple[float, float | None]:
+        """Work saved by the attempt's last interval checkpoint at or before now, and its time."""
+        run = life.running
+        interval = life.spec.checkpoint_interval
+        if not interval:
+            return 0.0, None
+        last = self.checkpoint_after(now, run.started_at, interval, run.checkpoint_phase) - interval
+        if last <= run.started_at:
+            return run.progress_at_start, None
+        return run.progress_at_start + (last - run.started_at), last
+
+    def stop(self, cluster: ClusterState, life: JobLife, now: float, reason: str, graceful: bool,
+             for_job: str | None = None) -> None:
+        """Preempt (graceful) or kill (not graceful) a running job; account what it loses."""
+        run = life.running
+        done = run.progress_at_start + (now - run.started_at)
+        can_save = life.spec.checkpoints and self.settings.checkpoint_write_s <= self.settings.policy.grace_period
+        if graceful and can_save:
+            saved, release = done, now + self.settings.checkpoint_write_s
+            self.checkpoints.append(CheckpointWrite(time=now, job_id=life.spec.job_id,
+                                                    bytes=self.ckpt_bytes(life)))
+        elif graceful and not life.spec.checkpoints:
+            saved, release = 0.0, now + min(self.settings.sigterm_exit_s, self.settings.policy.grace_period)
+        elif graceful:
+            saved, _ = self.saved_progress(life, now)
+            release = now + self.settings.policy.grace_period
+        else:
+            saved, _ = self.saved_progress(life, now)
+            release = now
+        lost = max(0.0, done - saved) * life.spec.num_gpus
+        life.progress = saved
+        life.release_reason = reason
+        if reason == "preempted":
+            life.preemptions.append(now)
+        if release <= now:
+            self.close_allocation(life, now, reason, lost)
+            self.enqueue(cluster, life, now)
+            return
+        life.lost_pending = lost
+        life.state = "draining"
+        life.running = run.model_copy(update={"draining_until": release, "preempted_for": for_job})
+        cluster.running[life.spec.job_id] = life.running
+        self.push(release, RELEASE, (life.spec.job_id, life.attempt))
+
+    def requeue(self, life: JobLife, now: float) -> set[str]:
+        cluster = self.clusters[life.cluster]
+        self.close_allocation(life, now, life.release_reason, life.lost_pending)
+        self.enqueue(cluster, life, now)
+        return {cluster.name}
+
+    def enqueue(self, cluster: ClusterState, life: JobLife, now: float) -> None:
+        life.state, life.queued_since, life.running = "queued", now, None
+        life.next_checkpoint = math.inf
+        cluster.queue[life.spec.job_id] = QueuedJob(
+            spec=life.spec, submit_time=life.trace.submit_time, queued_since=now,
+            progress=life.progress, preemptions=tuple(life.preemptions),
+        )
+
+    def close_allocation(self, life: JobLife, now: float, reason: str, lost: float) -> None:
+        run = life.running
+        self.clusters[life.cluster].running.pop(life.spec.job_id, None)
+        life.lost_work += lost
+        interval = life.spec.checkpoint_interval
+        if interval:
+            t = self.checkpoint_after(run.started_at, run.started_at, interval, run.checkpoint_phase)
+            stop = min(now, run.draining_until or now)
+            if run.draining_until is not None:
+                stop = min(stop, max(run.started_at, run.draining_until - self.settings.checkpoint_write_s))
+            while t < stop:
+                self.checkpoints.append(CheckpointWrite(time=t, job_id=life.spec.job_id, bytes=self.ckpt_bytes(life)))
+                t += interval
+        self.allocations.append(AllocationRecord(
+            job_id=life.spec.job_id, start=run.started_at, end=now, reason=reason,
+            gpus=tuple(gpu_path(s) for s in run.gpus), lost_work=lost,
+            checkpoint_interval=interval or None, checkpoint_phase=run.checkpoint_phase,
+        ))
+
+    def ckpt_bytes(self, life: JobLife) -> float:
+        return life.spec.num_gpus * self.settings.checkpoint_bytes_per_gpu
+
+    # --- faults ------------------------------------------------------------------------------
+
+    def _inject_failures(self, trace: list[TraceJob]) -> None:
+        s = self.settings
+        if not trace or (s.machine_failures_per_day == 0 and s.gpu_failures_per_day == 0):
+            return
+        rng = random.Random(s.seed)
+        span = max(j.submit_time + j.duration for j in trace) - self.start
+        machines = [(c.name, m) for c in self.fleet.clusters for m in c.machines]
+        for per_day, kind in ((s.machine_failures_per_day, MACHINE_DOWN), (s.gpu_failures_per_day, GPU_DOWN)):
+            units = len(machines) if kind == MACHINE_DOWN else sum(m.gpus for _, m in machines)
+            rate = per_day * units / 86400.0
+            t = self.start
+            while rate > 0:
+                t += rng.expovariate(rate)
+                if t > self.start + span:
+                    break
+                cluster, machine = machines[rng.randrange(len(machines))]
+                gpu = rng.randrange(machine.gpus)
+                self.push(t, kind, (cluster, machine.id, gpu))
+                self.push(t + s.repair_s, MACHINE_UP if kind == MACHINE_DOWN else GPU_UP, (cluster, machine.id, gpu))
+
+    def fault(self, now: float, kind: int, payload) -> set[str]:
+        name, machine_id, gpu = payload
+        cluster = self.clusters[name]
+        m = cluster.machines[machine_id]
+        if kind == MACHINE_DOWN:
+            m = m.model_copy(update={"reachable": False})
+        elif kind == MACHINE_UP:
+            m = m.model_copy(update={"reachable": True})
+        elif kind == GPU_DOWN:
+            m = m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus | {gpu}})
+        else:
+            m = m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus - {gpu}})
+        cluster.replace_machine(m)
+        return {name}
+
+    # --- the cycle ---------------------------------------------------------------------------
+
+    def snapshot(self, cluster: ClusterState, now: float) -> Snapshot:
+        self.refresh_checkpoints(cluster, now)
+        window = self.settings.demand_window_s
+        while cluster.recent and cluster.recent[0][0] < now - window:
+            cluster.recent.popleft()
+        rate: dict[Priority, float] = {}
+        span = min(window, max(1.0, now - self.start))
+        for _, priority, work in cluster.recent:
+            rate[priority] = rate.get(priority, 0.0) + work / span
+        return Snapshot.model_construct(
+            cluster=cluster.name, now=now, machines=cluster.machine_tuple,
+            running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
+            quotas=self.quotas, config=self.settings.policy, demand_rate=rate, earmarks=cluster.earmarks,
+        )
+
+    def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
+        """Tell the snapshot about interval checkpoints completed since the last cycle."""
+        for job_id, run in cluster.running.items():
+            life = self.jobs[job_id]
+            if life.state == "running" and life.next_checkpoint <= now:
+                _, last = self.saved_progress(life, now)
+                life.running = run.model_copy(update={"last_checkpoint_at": last})
+                cluster.running[job_id] = life.running
+                life.next_checkpoint = self.checkpoint_after(now, run.started_at, life.spec.checkpoint_interval,
+                                                             run.checkpoint_phase)
+
+    def run_cycle(self, cluster: ClusterState, now: float) -> None:
+        snapshot = self.snapshot(cluster, now)
+        began = time.perf_counter()
+        result = self.cycle(snapshot)
+        self.cycle_ms.append((time.perf_counter() - began) * 1000.0)
+        for requeue in result.requeues:
+            life = self.jobs[requeue.job_id]
+            if life.state in ("running", "draining"):
+                if life.state == "draining" and requeue.graceful:
+                    continue
+                self.stop(cluster, life, now, "machine_failure", graceful=requeue.graceful)
+        for preemption in result.preemptions:
+            life = self.jobs[preemption.job_id]
+            if life.state == "running":
+                self.stop(cluster, life, now, "preempted", graceful=True, for_job=preemption.for_job)
+        for placement in result.placements:
+            self.place(cluster, now, placement.job_id, placement.gpus, placement.checkpoint_phase)
+        # The ETA a user is shown at submit: from the first cycle that saw the job.
+        for pending in result.pending:
+            life = self.jobs[pending.job_id]
+            if not life.predicted:
+                life.predicted, life.predicted_start = True, pending.estimated_start
+        for placement in result.placements:
+            life = self.jobs[placement.job_id]
+            if not life.predicted:
+                life.predicted, life.predicted_start = True, now
+        cluster.earmarks = result.earmarks
+        cluster.wake = result.next_wake
+        if result.next_wake is not None and result.next_wake > now:
+            self.push(result.next_wake, WAKE, cluster.name)
+
+    def sample(self, now: float) -> None:
+        busy = healthy = queued_jobs = queued_gpus = 0
+        for cluster in self.clusters.values():
+            busy += sum(r.spec.num_gpus for r in cluster.running.values())
+            healthy += cluster.healthy_gpus
+            queued_jobs += len(cluster.queue)
+            queued_gpus += sum(q.spec.num_gpus for q in cluster.queue.values())
+        self.samples.append(Sample(time=now, busy_gpus=busy, healthy_gpus=healthy,
+                                   queued_jobs=queued_jobs, queued_gpus=queued_gpus))
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def result(self, now: float) -> SimResult:
+        end = max([now] + [a.end for a in self.allocations])
+        for life in self.jobs.values():
+            if life.state in ("running", "draining"):
+                self.close_allocation(life, now, "cancelled", 0.0)
+        jobs = []
+        for life in self.jobs.values():
+            spec = life.spec
+            state = {"draining": "running", "pending": "queued"}.get(life.state, life.state)
+            reason = life.reason
+            if state == "queued" and not reason:
+                reason = "still queued when the simulation ended"
+            jobs.append(JobRecord(
+                job_id=spec.job_id, team=spec.team, priority=spec.priority, num_gpus=spec.num_gpus,
+                kind=spec.kind.value, submit=life.trace.submit_time, first_start=life.first_start,
+                finish=life.finish, state=state, reason=reason, preemptions=len(life.preemptions),
+                preemption_times=tuple(life.preemptions), lost_work=life.lost_work,
+                predicted_start=life.predicted_start, duration=life.trace.duration,
+                expected_duration=spec.expected_duration, under_guarantee_at_submit=life.under_guarantee,
+            ))
+        gpus = sum(m.gpus for c in self.fleet.clusters for m in c.machines)
+        return SimResult(
+            policy=self.policy_name, allocations=self.allocations, jobs=jobs, samples=self.samples,
+            checkpoint_writes=sorted(self.checkpoints, key=lambda c: c.time), cycle_ms=self.cycle_ms,
+            quotas={k: v for k, v in self.fleet.quotas.items()}, total_gpus=gpus,
+            reclaim_latencies=self.reclaim_latencies, start=self.start, end=end,
+        )
+
+
+def simulate(trace: list[TraceJob], fleet: Fleet, policy: str = "gpusched",
+             settings: SimSettings | None = None) -> SimResult:
+    return Simulation(trace, fleet, policy, settings or SimSettings()).run()

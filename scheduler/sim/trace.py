@@ -1,0 +1,258 @@
+"""The simulator's input: a trace of jobs, each with when it arrives and how much work it truly needs.
+
+The CSV format is a contract (design.md, "Trace CSV"); this module reads and writes it without any
+file I/O. One row is one job:
+
+    job_id,submit_time,duration,num_gpus,team,priority,gpu_type,topology,checkpoint_interval,
+    expected_duration,kind,deadline
+
+Only ``job_id, submit_time, duration, num_gpus, team`` must be present as columns; every other
+column may be missing or empty and then takes its default. Columns the contract does not name are
+ignored, except two optional ones this reader understands: ``cluster`` (fills ``JobSpec.cluster``)
+and ``gpu_memory_gb`` (fills ``JobSpec.gpu_memory_gb``). ``duration`` is the simulation's truth and
+stays outside the ``JobSpec``, which is all the policy ever sees.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.errors import InputError
+from scheduler.models import JobKind, JobSpec, Priority, Topology
+
+COLUMNS = (
+    "job_id",
+    "submit_time",
+    "duration",
+    "num_gpus",
+    "team",
+    "priority",
+    "gpu_type",
+    "topology",
+    "checkpoint_interval",
+    "expected_duration",
+    "kind",
+    "deadline",
+)
+"""The contract's columns, in the contract's order."""
+
+REQUIRED_COLUMNS = ("job_id", "submit_time", "duration", "num_gpus", "team")
+OPTIONAL_EXTRA_COLUMNS = ("cluster", "gpu_memory_gb")
+
+
+class TraceJob(BaseModel):
+    """One job of a trace: what the user asks for, when, and the work it really needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: JobSpec
+    submit_time: float = Field(ge=0)  # seconds from the trace start
+    duration: float = Field(gt=0)  # seconds of running the job truly needs; unknown to the policy
+
+
+def parse_trace(text: str, source: str) -> list[TraceJob]:
+    """Read a trace CSV into jobs sorted by (submit_time, job_id).
+
+    Defaults for empty cells: ``priority`` normal, ``kind`` training, ``gpu_type`` any (None),
+    ``topology`` None (the core picks machine or block by size), ``checkpoint_interval`` empty or 0
+    never checkpoints (None), ``deadline`` none, and ``expected_duration`` equal to ``duration`` —
+    a trace without estimates is treated as one whose users estimate perfectly.
+
+    Line numbers in errors are 1-based with the header as line 1.
+    """
+    reader = csv.reader(io.StringIO(text.lstrip("\ufeff")))
+    header = _header(next(reader, None), source)
+    jobs: list[TraceJob] = []
+    first_line_of: dict[str, int] = {}
+    for row in reader:
+        if not row or all(not cell.strip() for cell in row):
+            continue  # blank lines carry no job
+        line = reader.line_num
+        if len(row) != len(header):
+            raise InputError(
+                source,
+                line,
+                None,
+                f"has {len(row)} fields but the header has {len(header)}; "
+                "every row needs one value per column (leave optional ones empty, e.g. `,,`)",
+            )
+        job = _RowReader(
+            source, line, dict(zip(header, (cell.strip() for cell in row), strict=True))
+        ).job()
+        job_id = job.spec.job_id
+        if job_id in first_line_of:
+            raise InputError(
+                source,
+                line,
+                "job_id",
+                f"{job_id!r} is already used on line {first_line_of[job_id]}; every job needs its own id",
+            )
+        first_line_of[job_id] = line
+        jobs.append(job)
+    if not jobs:
+        raise InputError(source, None, None, "the trace has a header but no jobs; add at least one row")
+    jobs.sort(key=lambda j: (j.submit_time, j.spec.job_id))
+    return jobs
+
+
+def format_trace(jobs: list[TraceJob]) -> str:
+    """The CSV text of ``jobs``, which ``parse_trace`` reads back to the same jobs.
+
+    Writes the contract's columns, plus ``cluster`` and ``gpu_memory_gb`` only when some job sets
+    them, so a plain trace stays exactly in the contract's shape.
+    """
+    columns = list(COLUMNS)
+    extras = [c for c in OPTIONAL_EXTRA_COLUMNS if any(getattr(j.spec, c) is not None for j in jobs)]
+    columns += extras
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for job in jobs:
+        spec = job.spec
+        cells = {
+            "job_id": spec.job_id,
+            "submit_time": _number(job.submit_time),
+            "duration": _number(job.duration),
+            "num_gpus": str(spec.num_gpus),
+            "team": spec.team,
+            "priority": spec.priority.value,
+            "gpu_type": spec.gpu_type or "",
+            "topology": spec.topology.value if spec.topology else "",
+            "checkpoint_interval": _number(spec.checkpoint_interval) if spec.checkpoint_interval else "",
+            "expected_duration": _number(spec.expected_duration),
+            "kind": spec.kind.value,
+            "deadline": _number(spec.deadline) if spec.deadline is not None else "",
+            "cluster": spec.cluster or "",
+            "gpu_memory_gb": _number(spec.gpu_memory_gb) if spec.gpu_memory_gb is not None else "",
+        }
+        writer.writerow([cells[c] for c in columns])
+    return out.getvalue()
+
+
+def _number(value: float) -> str:
+    """Whole numbers without a trailing '.0'; anything else exactly (repr round-trips a float)."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _header(row: list[str] | None, source: str) -> list[str]:
+    if not row or all(not cell.strip() for cell in row):
+        raise InputError(
+            source,
+            1,
+            None,
+            f"the trace is empty; the first line must be the header: {','.join(COLUMNS)}",
+        )
+    header = [cell.strip().lower() for cell in row]
+    seen: set[str] = set()
+    for name in header:
+        if name and name in seen:
+            raise InputError(
+                source, 1, name, "appears twice in the header; keep one column of each name"
+            )
+        seen.add(name)
+    missing = [c for c in REQUIRED_COLUMNS if c not in seen]
+    if missing:
+        raise InputError(
+            source,
+            1,
+            ",".join(missing),
+            f"the header lacks required column(s) {', '.join(missing)}; "
+            f"the header must name at least {','.join(REQUIRED_COLUMNS)} (full order: {','.join(COLUMNS)})",
+        )
+    return header
+
+
+class _RowReader:
+    """Turns one row's cells into a TraceJob, blaming the exact column when a cell is wrong."""
+
+    def __init__(self, source: str, line: int, cells: dict[str, str]):
+        self.source = source
+        self.line = line
+        self.cells = cells
+
+    def job(self) -> TraceJob:
+        job_id = self.text("job_id")
+        submit_time = self.number(
+            "submit_time", minimum=0.0, hint="seconds from the trace start, 0 or more"
+        )
+        duration = self.number("duration", minimum=0.0, strict=True, hint="seconds of work, above 0")
+        expected = self.optional_number(
+            "expected_duration", minimum=0.0, strict=True, hint="seconds, above 0"
+        )
+        interval = self.optional_number(
+            "checkpoint_interval", minimum=0.0, hint="seconds, 0 or empty for never"
+        )
+        deadline = self.optional_number(
+            "deadline", minimum=0.0, hint="seconds from the trace start, 0 or more"
+        )
+        memory = self.optional_number(
+            "gpu_memory_gb", minimum=0.0, strict=True, hint="GB per GPU, above 0"
+        )
+        spec = JobSpec(
+            job_id=job_id,
+            team=self.text("team"),
+            num_gpus=self.gpu_count(),
+            gpu_type=self.cells.get("gpu_type") or None,
+            gpu_memory_gb=memory,
+            topology=self.choice("topology", Topology, None),
+            priority=self.choice("priority", Priority, Priority.normal),
+            deadline=deadline,
+            checkpoint_interval=interval or None,
+            expected_duration=duration if expected is None else expected,
+            kind=self.choice("kind", JobKind, JobKind.training),
+            cluster=self.cells.get("cluster") or None,
+        )
+        return TraceJob(spec=spec, submit_time=submit_time, duration=duration)
+
+    def text(self, column: str) -> str:
+        value = self.cells[column]
+        if not value:
+            raise self.error(column, f"is empty; every job needs a {column}")
+        return value
+
+    def gpu_count(self) -> int:
+        value = self.cells["num_gpus"]
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise self.error("num_gpus", f"must be a whole number of GPUs, 1 or more, got {value!r}")
+        return count
+
+    def number(self, column: str, *, minimum: float, strict: bool = False, hint: str) -> float:
+        value = self.cells[column]
+        try:
+            number = float(value)
+        except ValueError:
+            raise self.error(column, f"must be a number ({hint}), got {value!r}") from None
+        too_small = number <= minimum if strict else number < minimum
+        if not math.isfinite(number) or too_small:
+            raise self.error(column, f"must be {hint}, got {value!r}")
+        return number
+
+    def optional_number(
+        self, column: str, *, minimum: float, strict: bool = False, hint: str
+    ) -> float | None:
+        if not self.cells.get(column):
+            return None
+        return self.number(column, minimum=minimum, strict=strict, hint=hint)
+
+    def choice(self, column: str, enum: type, default):
+        value = self.cells.get(column, "")
+        if not value:
+            return default
+        try:
+            return enum(value.lower())
+        except ValueError:
+            allowed = " | ".join(member.value for member in enum)
+            raise self.error(column, f"must be one of {allowed} (or empty), got {value!r}") from None
+
+    def error(self, column: str, message: str) -> InputError:
+        return InputError(self.source, self.line, column, message)

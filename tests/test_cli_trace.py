@@ -1,0 +1,116 @@
+"""`gpusched trace …`: files in, files out, one summary line, and exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from scheduler.fleet import parse_fleet
+from scheduler.sim.trace import parse_trace
+from workers.cli_trace import add_trace_commands
+
+PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster\n"
+
+
+def run(*argv: str) -> int:
+    """Parse like the real CLI does, then call the chosen handler."""
+    parser = argparse.ArgumentParser(prog="gpusched")
+    add_trace_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.func(args)
+
+
+def test_generate_writes_a_trace_that_parses_and_a_fleet_that_fits_it(tmp_path, capsys):
+    out, fleet_out = tmp_path / "t.csv", tmp_path / "f.yaml"
+    code = run("trace", "generate", "--out", str(out), "--jobs", "120", "--days", "1", "--gpus", "128",
+               "--load", "1.1", "--seed", "4", "--inference-fraction", "0.05", "--fleet-out", str(fleet_out))  # fmt: skip
+    assert code == 0
+    jobs = parse_trace(out.read_text(), str(out))
+    assert len(jobs) == 120 and sum(j.spec.kind.value == "inference" for j in jobs) == 6
+    assert parse_fleet(fleet_out.read_text(), str(fleet_out)).total_gpus >= 128
+    summary = capsys.readouterr().out.strip()
+    assert (
+        summary.startswith(f"wrote {out}: 120 jobs over 1 days")
+        and "GPU-seconds offered, load" in summary
+    )
+
+
+def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
+    source = tmp_path / "philly.csv"
+    source.write_text(
+        PHILLY_HEADER + "2017-10-16 01:00:00,3600.0,8,28800.0,abc\n2017-09-01 00:00:00,60.0,1,60.0,abc\n"
+    )
+    out, fleet_out = tmp_path / "t.csv", tmp_path / "f.yaml"
+    code = run(
+        "trace",
+        "from-philly",
+        "--input",
+        str(source),
+        "--out",
+        str(out),
+        "--fleet-out",
+        str(fleet_out),
+        "--load",
+        "0.5",
+    )
+    assert code == 0
+    [job] = parse_trace(out.read_text(), str(out))
+    assert (job.spec.job_id, job.spec.team, job.submit_time) == ("philly-2", "vc-abc", 3600.0)
+    assert "vc-abc" in parse_fleet(fleet_out.read_text(), str(fleet_out)).quotas
+    assert "1 jobs over 7 days" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "make_input, argv, expected",
+    [
+        (
+            lambda d: (d / "p.csv").write_text(
+                PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\nyesterday,60.0,1,60.0,a\n"
+            ),
+            ["from-philly", "--input", "{d}/p.csv"],
+            "p.csv:3: field 'timestamp'",
+        ),
+        (lambda d: None, ["from-philly", "--input", "{d}/missing.csv"], "missing.csv"),
+        (
+            lambda d: (d / "p.csv").write_text(PHILLY_HEADER + "2017-01-01 00:00:00,60.0,1,60.0,a\n"),
+            ["from-philly", "--input", "{d}/p.csv"],
+            "no jobs in the 7.0-day window",
+        ),
+        (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be at least 1"),
+    ],
+    ids=[
+        "a malformed Philly row names its line",
+        "a missing input file",
+        "a window without jobs",
+        "an impossible generator argument",
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, capsys, make_input, argv, expected):
+    make_input(tmp_path)
+    argv = [a.format(d=tmp_path) for a in argv]
+    assert run("trace", *argv, "--out", str(tmp_path / "t.csv")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and expected in captured.err
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert not (tmp_path / "t.csv").exists()
+
+
+def test_an_unwritable_output_exits_2(tmp_path, capsys):
+    assert (
+        run(
+            "trace",
+            "generate",
+            "--jobs",
+            "10",
+            "--gpus",
+            "8",
+            "--days",
+            "1",
+            "--out",
+            str(tmp_path / "no" / "t.csv"),
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("error: ")

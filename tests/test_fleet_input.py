@@ -1,0 +1,243 @@
+"""Reading fleet YAML: machines and quotas from a valid file, a precise error for every bad one."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from scheduler.errors import InputError
+from scheduler.fleet import parse_fleet
+from scheduler.models import Quota
+
+
+def fleet_yaml(body: str) -> str:
+    return textwrap.dedent(body).lstrip("\n")
+
+
+def block(name: str = "b0", **overrides) -> str:
+    """One block as a flow mapping; keys set to None are left out."""
+    keys = {"name": name, "racks": 1, "machines_per_rack": 1, "gpus_per_machine": 8, "gpu_type": "H100"}
+    keys.update(overrides)
+    return "{" + ", ".join(f"{k}: {v}" for k, v in keys.items() if v is not None) + "}"
+
+
+VALID = fleet_yaml(
+    """
+    clusters:
+      - name: c1
+        blocks:
+          - name: b0
+            racks: 2
+            machines_per_rack: 3
+            gpus_per_machine: 8
+            gpu_type: H100
+          - name: inf
+            racks: 1
+            machines_per_rack: 2
+            gpus_per_machine: 4
+            gpu_type: L40S
+            partition: inference
+      - name: c2
+        blocks:
+          - {name: b0, racks: 1, machines_per_rack: 1, gpus_per_machine: 8, gpu_type: H200, gpu_memory_gb: 144}
+          - {name: b1, racks: 1, machines_per_rack: 1, gpus_per_machine: 8, gpu_type: MI300X}
+    quotas:
+      vision: {guaranteed: 16, max: 64, queue_cap: 500}
+      speech: {max: 32}
+      "*": {max: 8}
+    """
+)
+
+
+def test_a_valid_fleet_names_every_machine_by_its_position():
+    fleet = parse_fleet(VALID, "fleet.yaml")
+    c1 = fleet.cluster("c1")
+    assert [m.id for m in c1.machines] == [
+        "c1/b0/r0/m0", "c1/b0/r0/m1", "c1/b0/r0/m2",
+        "c1/b0/r1/m0", "c1/b0/r1/m1", "c1/b0/r1/m2",
+        "c1/inf/r0/m0", "c1/inf/r0/m1",
+    ]  # fmt: skip
+    last = c1.machines[-1]
+    assert (last.cluster, last.block, last.rack, last.gpus, last.gpu_type) == (
+        "c1",
+        "inf",
+        "r0",
+        4,
+        "L40S",
+    )
+    assert c1.total_gpus == 6 * 8 + 2 * 4
+    assert fleet.total_gpus == c1.total_gpus + 16
+
+
+def test_partitions_default_to_training():
+    fleet = parse_fleet(VALID, "fleet.yaml")
+    partitions = {m.block: m.partition for m in fleet.cluster("c1").machines}
+    assert partitions == {"b0": "training", "inf": "inference"}
+
+
+@pytest.mark.parametrize(
+    "cluster, block, memory",
+    [("c1", "b0", 80.0), ("c1", "inf", 48.0), ("c2", "b0", 144.0), ("c2", "b1", 80.0)],
+    ids=[
+        "an H100 has 80 GB",
+        "an L40S has 48 GB",
+        "an explicit gpu_memory_gb wins over the type's default",
+        "an unknown type gets 80 GB",
+    ],
+)
+def test_gpu_memory_defaults_by_type(cluster, block, memory):
+    machines = [
+        m for m in parse_fleet(VALID, "fleet.yaml").cluster(cluster).machines if m.block == block
+    ]
+    assert {m.gpu_memory_gb for m in machines} == {memory}
+
+
+def test_quotas_and_the_default_quota():
+    fleet = parse_fleet(VALID, "fleet.yaml")
+    assert fleet.quotas == {
+        "vision": Quota(guaranteed=16, max=64, queue_cap=500),
+        "speech": Quota(guaranteed=0, max=32, queue_cap=None),
+    }
+    assert fleet.default_quota == Quota(max=8)
+    assert fleet.quota_for("vision").guaranteed == 16
+    assert fleet.quota_for("nobody") == Quota(max=8)
+
+
+def test_a_fleet_without_quotas_has_no_default():
+    fleet = parse_fleet(f"clusters: [{{name: c1, blocks: [{block()}]}}]\n", "f.yaml")
+    assert fleet.quotas == {} and fleet.default_quota is None and fleet.quota_for("x") is None
+
+
+def test_asking_for_an_unknown_cluster_names_the_known_ones():
+    with pytest.raises(KeyError, match="c1, c2"):
+        parse_fleet(VALID, "fleet.yaml").cluster("c9")
+
+
+def one_block(block_text: str, quotas: str = "") -> str:
+    return f"clusters:\n  - name: c1\n    blocks:\n      - {block_text}\n{quotas}"
+
+
+BAD_FLEETS = [
+    ("", 1, "clusters", "needs a `clusters:`"),
+    ("clusters: [\n", 2, None, "not valid YAML"),
+    ("- c1\n- c2\n", 1, None, "must be a mapping"),
+    ("quotas: {}\n", 1, "clusters", "add `clusters:`"),
+    ("clusters: []\n", 1, "clusters", "at least one entry"),
+    ("clusters:\n  - name: c1\n", 2, "clusters[0].blocks", "add `blocks:`"),
+    ("clusters:\n  - name: c1\n    blocks: []\n", 3, "clusters[0].blocks", "at least one entry"),
+    (one_block(block(racks=None)), 4, "clusters[0].blocks[0].racks", "add `racks:`"),
+    (
+        one_block(block(racks="eight")),
+        4,
+        "clusters[0].blocks[0].racks",
+        "must be a positive integer, got 'eight'",
+    ),
+    (
+        one_block(block(gpus_per_machine=0)),
+        4,
+        "clusters[0].blocks[0].gpus_per_machine",
+        "positive integer, got 0",
+    ),
+    (
+        one_block(block(machines_per_rack=2.5)),
+        4,
+        "clusters[0].blocks[0].machines_per_rack",
+        "positive integer, got 2.5",
+    ),
+    (one_block(block(name="'b/0'")), 4, "clusters[0].blocks[0].name", "without '/'"),
+    (
+        one_block(block(gpu_memory_gb=-1)),
+        4,
+        "clusters[0].blocks[0].gpu_memory_gb",
+        "positive number, got -1",
+    ),
+    (one_block(block(rakcs=8)), 4, "clusters[0].blocks[0].rakcs", "did you mean 'racks'?"),
+    (
+        "clusters:\n  - name: c1\n    blocks:\n      - "
+        + block("b0")
+        + "\n      - "
+        + block("b0")
+        + "\n",
+        5,
+        "clusters[0].blocks[1].name",
+        "already used on line 4",
+    ),
+    (
+        "clusters:\n  - name: c1\n    blocks: ["
+        + block()
+        + "]\n  - name: c1\n    blocks: ["
+        + block()
+        + "]\n",
+        4,
+        "clusters[1].name",
+        "give each cluster its own name",
+    ),
+    ("zones: 3\nclusters: []\n", 1, "zones", "allowed keys: clusters, quotas"),
+    ("clusters: 1\nclusters: 2\n", 2, "clusters", "appears twice"),
+    (
+        one_block(block(), "quotas:\n  vision: 64\n"),
+        6,
+        "quotas.vision",
+        "must be a mapping like {guaranteed: 64",
+    ),
+    (
+        one_block(block(), "quotas:\n  vision: {guaranteed: -4}\n"),
+        6,
+        "quotas.vision.guaranteed",
+        "0 or more, got -4",
+    ),
+    (one_block(block(), "quotas:\n  vision: {max: lots}\n"), 6, "quotas.vision.max", "got 'lots'"),
+    (
+        one_block(block(), "quotas:\n  vision: {guarantee: 4}\n"),
+        6,
+        "quotas.vision.guarantee",
+        "did you mean 'guaranteed'?",
+    ),
+    (
+        one_block(block(), "quotas:\n  vision:\n    guaranteed: 64\n    max: 32\n"),
+        8,
+        "quotas.vision.max",
+        "raise max to at least 64 or lower guaranteed",
+    ),
+    ("clusters: []\n---\nclusters: []\n", 2, None, "more than one YAML document"),
+]
+
+
+@pytest.mark.parametrize(
+    "text, line, field, fix",
+    BAD_FLEETS,
+    ids=[
+        "an empty file asks for clusters",
+        "broken YAML points at where parsing stopped",
+        "a list at the top is not a fleet",
+        "a fleet without clusters says to add them",
+        "an empty cluster list is refused",
+        "a cluster without blocks says to add them",
+        "an empty block list is refused",
+        "a block without racks says to add them",
+        "racks spelled out in words is not a number",
+        "a machine with zero GPUs is refused",
+        "a fractional machine count is refused",
+        "a block name with a slash would break machine ids",
+        "negative GPU memory is refused",
+        "a misspelt key gets a suggestion",
+        "two blocks with one name in a cluster",
+        "two clusters with one name",
+        "an unknown top-level key lists the allowed ones",
+        "a key given twice",
+        "a bare number as a quota",
+        "a negative guarantee",
+        "a max that is not a number",
+        "a misspelt quota key gets a suggestion",
+        "a max below the guarantee says how to fix it",
+        "two YAML documents in one file",
+    ],
+)
+def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
+    with pytest.raises(InputError) as caught:
+        parse_fleet(text, "fleet.yaml")
+    error = caught.value
+    assert (error.source, error.line, error.field) == ("fleet.yaml", line, field)
+    assert fix in error.message
+    assert str(error).startswith(f"fleet.yaml:{line}:")

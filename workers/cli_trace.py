@@ -1,0 +1,156 @@
+"""`gpusched trace …`: make simulator traces (and fleets to run them on) from the command line.
+
+The pure work lives in ``scheduler.sim.workloads``; this module only reads and writes files and
+turns bad input into one line on stderr with exit code 2.
+
+    gpusched trace generate --out T.csv [--jobs N] [--days D] [--gpus G] [--load L] [--seed S]
+                            [--inference-fraction F] [--fleet-out F.yaml]
+    gpusched trace from-philly --input philly.csv --out T.csv [--start "YYYY-mm-dd HH:MM:SS"]
+                               [--days D] [--seed S] [--fleet-out F.yaml] [--load L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scheduler.errors import InputError
+from scheduler.fleet import parse_fleet
+from scheduler.sim.trace import TraceJob, format_trace
+from scheduler.sim.workloads import (
+    DAY,
+    PHILLY_BUSIEST_WEEK,
+    fleet_for,
+    from_philly,
+    generate_trace,
+    offered_gpu_seconds,
+)
+
+
+def add_trace_commands(subparsers) -> None:
+    """Add ``trace generate`` and ``trace from-philly`` to a top-level argparse subparsers object."""
+    trace = subparsers.add_parser(
+        "trace", help="make simulator traces: synthetic or from the Philly trace"
+    )
+    commands = trace.add_subparsers(
+        dest="trace_command", required=True, metavar="{generate,from-philly}"
+    )
+
+    generate = commands.add_parser(
+        "generate", help="write a synthetic seed-scale trace (mix in docs/traces.md)"
+    )
+    generate.add_argument("--out", required=True, type=Path, help="trace CSV to write")
+    generate.add_argument("--jobs", type=int, default=3000, help="number of jobs (default 3000)")
+    generate.add_argument("--days", type=float, default=3.0, help="arrival window in days (default 3)")
+    generate.add_argument(
+        "--gpus", type=int, default=5120, help="GPUs the load is measured against (default 5120)"
+    )
+    generate.add_argument(
+        "--load", type=float, default=1.2, help="offered GPU-seconds / capacity (default 1.2)"
+    )
+    generate.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    generate.add_argument(
+        "--inference-fraction", type=float, default=0.0, help="share of inference jobs (default 0)"
+    )
+    generate.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
+    generate.set_defaults(func=run_generate)
+
+    philly = commands.add_parser(
+        "from-philly", help="convert the Microsoft Philly trace CSV to a gpusched trace"
+    )
+    philly.add_argument(
+        "--input", required=True, type=Path, help="your copy of philly.csv (see docs/traces.md)"
+    )
+    philly.add_argument("--out", required=True, type=Path, help="trace CSV to write")
+    philly.add_argument(
+        "--start", default=PHILLY_BUSIEST_WEEK, help=f"window start (default {PHILLY_BUSIEST_WEEK!r})"
+    )
+    philly.add_argument("--days", type=_positive, default=7.0, help="window length in days (default 7)")
+    philly.add_argument(
+        "--seed", type=int, default=1, help="seed for priorities and estimate errors (default 1)"
+    )
+    philly.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
+    philly.add_argument(
+        "--load", type=_positive, default=1.1, help="offered load the fleet is sized for (default 1.1)"
+    )
+    philly.set_defaults(func=run_from_philly)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    def make() -> tuple[list[TraceJob], int | None]:
+        jobs = generate_trace(
+            jobs=args.jobs,
+            days=args.days,
+            gpus=args.gpus,
+            load=args.load,
+            seed=args.seed,
+            inference_fraction=args.inference_fraction,
+        )
+        return jobs, args.gpus
+
+    command = (
+        f"gpusched trace generate --jobs {args.jobs} --days {args.days} --gpus {args.gpus} "
+        f"--load {args.load} --seed {args.seed} --inference-fraction {args.inference_fraction} "
+        f"--out {args.out} --fleet-out {args.fleet_out}"
+    )
+    return _write(args, make, command)
+
+
+def run_from_philly(args: argparse.Namespace) -> int:
+    def make() -> tuple[list[TraceJob], int | None]:
+        text = args.input.read_text(encoding="utf-8")
+        jobs = from_philly(text, str(args.input), start=args.start, days=args.days, seed=args.seed)
+        if not jobs:
+            raise InputError(
+                str(args.input),
+                None,
+                None,
+                f"has no jobs in the {args.days}-day window from {args.start}; pick another --start",
+            )
+        return jobs, None
+
+    command = (
+        f'gpusched trace from-philly --input philly.csv --start "{args.start}" --days {args.days} '
+        f"--seed {args.seed} --out {args.out} --fleet-out {args.fleet_out} --load {args.load}"
+    )
+    return _write(args, make, command)
+
+
+def _write(args: argparse.Namespace, make, command: str) -> int:
+    """Build the trace, write it (and the fleet), print the summary; bad input exits 2."""
+    span = args.days * DAY
+    try:
+        jobs, gpus = make()
+        args.out.write_text(format_trace(jobs), encoding="utf-8")
+        if args.fleet_out is not None:
+            fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
+            args.fleet_out.write_text(fleet, encoding="utf-8")
+            gpus = _fleet_gpus(fleet)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    work = offered_gpu_seconds(jobs)
+    on_fleet = f", load {work / (gpus * span):.2f} on {gpus} GPUs" if gpus else ""
+    print(
+        f"wrote {args.out}: {len(jobs)} jobs over {args.days:g} days, {work:,.0f} GPU-seconds offered{on_fleet}"
+    )
+    return 0
+
+
+def _fleet_gpus(fleet_yaml: str) -> int:
+    return parse_fleet(fleet_yaml, "generated fleet").total_gpus
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number above 0 (argparse turns the error into usage and exit code 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+    return value
