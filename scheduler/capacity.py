@@ -40,31 +40,82 @@ class Pool:
         return 0
 
 
+@dataclass
+class Layout:
+    """What does not change between cycles while the machines do not: built once per fleet state."""
+
+    machines: list[Machine]
+    index: dict[str, int]
+    healthy: list[frozenset[int]]
+    pools: dict[PoolKey, list[int]]
+    pool_key: list[PoolKey]
+    block_of: list[str]
+    has_inference_partition: bool
+    gpus_per_machine: int
+
+
+_last_layout: tuple[Sequence[Machine], Layout] | None = None
+
+
+def _layout_of(machines: Sequence[Machine]) -> Layout:
+    # The machines are immutable and usually the very same tuple cycle after cycle, so the
+    # last layout is reused when the caller passes the same object (an identity check, never a
+    # guess: any change of a machine means a new tuple).
+    global _last_layout
+    if _last_layout is not None and _last_layout[0] is machines:
+        return _last_layout[1]
+    usable = [m for m in machines if m.reachable]
+    pools: dict[PoolKey, list[int]] = {}
+    pool_key = []
+    for i, m in enumerate(usable):
+        key = PoolKey(m.partition, m.gpu_type, m.gpu_memory_gb, m.gpus)
+        pools.setdefault(key, []).append(i)
+        pool_key.append(key)
+    layout = Layout(
+        machines=usable,
+        index={m.id: i for i, m in enumerate(usable)},
+        healthy=[frozenset(range(m.gpus)) - m.unhealthy_gpus for m in usable],
+        pools=pools,
+        pool_key=pool_key,
+        block_of=[m.block for m in usable],
+        # Down or not, an inference partition stays one: its jobs wait for it to come back.
+        has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
+        gpus_per_machine=max((m.gpus for m in usable), default=0),
+    )
+    _last_layout = (machines, layout)
+    return layout
+
+
 class Capacity:
     """Free GPUs per usable machine; `take` and `give` keep the buckets in step."""
 
     def __init__(self, machines: Sequence[Machine], held: Iterable[GpuSlot] = ()):
-        self.machines: list[Machine] = [m for m in machines if m.reachable]
-        self.index: dict[str, int] = {m.id: i for i, m in enumerate(self.machines)}
-        healthy = [set(range(m.gpus)) - m.unhealthy_gpus for m in self.machines]
+        layout = _layout_of(machines)
+        self.machines = layout.machines
+        self.index = layout.index
+        free = [set(h) for h in layout.healthy]
+        index = self.index
         for machine_id, gpu in held:
-            i = self.index.get(machine_id)
+            i = index.get(machine_id)
             if i is not None:
-                healthy[i].discard(gpu)
-        self.free: list[list[int]] = [sorted(s) for s in healthy]
-        self.pools: dict[PoolKey, Pool] = {}
+                free[i].discard(gpu)
+        self.free: list[list[int]] = [sorted(f) for f in free]
+        self.pools: dict[tuple, Pool] = {}
         self.pool_of: list[Pool] = []
-        for i, m in enumerate(self.machines):
-            key = PoolKey(m.partition, m.gpu_type, m.gpu_memory_gb, m.gpus)
-            pool = self.pools.get(key)
-            if pool is None:
-                pool = self.pools[key] = Pool(key, buckets=[set() for _ in range(m.gpus + 1)])
-            pool.members.append(i)
-            pool.buckets[len(self.free[i])].add(i)
-            self.pool_of.append(pool)
-        self.has_inference_partition = any(k.partition == INFERENCE_PARTITION for k in self.pools)
-        self.gpus_per_machine = max((m.gpus for m in self.machines), default=0)
+        for key, members in layout.pools.items():
+            pool = self.pools[key] = Pool(key, members, [set() for _ in range(key.gpus + 1)])
+            for i in members:
+                pool.buckets[len(self.free[i])].add(i)
+        self.pool_of = [self.pools[key] for key in layout.pool_key]
+        self.block_of = layout.block_of
+        self.block_free: dict[str, int] = {}
+        for i, f in enumerate(self.free):
+            block = self.block_of[i]
+            self.block_free[block] = self.block_free.get(block, 0) + len(f)
+        self.has_inference_partition = layout.has_inference_partition
+        self.gpus_per_machine = layout.gpus_per_machine
         self._eligible: dict[tuple, list[Pool]] = {}
+        self._machines_of: dict[str, list[tuple[int, int]]] = {}
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -73,6 +124,17 @@ class Capacity:
 
     def total_free(self, pools: Sequence[Pool]) -> int:
         return sum(c * len(p.buckets[c]) for p in pools for c in range(1, p.key.gpus + 1))
+
+    def could_fit(self, spec: JobSpec) -> bool:
+        """A quick necessary condition for a fit: enough free GPUs in the right places at all."""
+        pools = self.eligible_pools(spec)
+        n = spec.num_gpus
+        largest = max((p.key.gpus for p in pools), default=0)
+        if spec.topology_for(largest).value == "machine":
+            return any(p.largest_free() >= n for p in pools)
+        if spec.topology_for(largest).value == "block" and max(self.block_free.values(), default=0) < n:
+            return False
+        return self.total_free(pools) >= n
 
     def eligible_pools(self, spec: JobSpec) -> list[Pool]:
         """The pools a job may run on: partition by kind, then GPU type and memory."""
@@ -96,6 +158,18 @@ class Capacity:
         if spec.gpu_memory_gb is not None and key.gpu_memory_gb < spec.gpu_memory_gb:
             return False
         return True
+
+    def machines_of(self, job) -> list[tuple[int, int]]:
+        """(machine, GPU count) of a running job's usable GPUs; remembered for the cycle."""
+        found = self._machines_of.get(job.spec.job_id)
+        if found is None:
+            counts: dict[int, int] = {}
+            for machine_id, _ in job.gpus:
+                i = self.index.get(machine_id)
+                if i is not None:
+                    counts[i] = counts.get(i, 0) + 1
+            found = self._machines_of[job.spec.job_id] = list(counts.items())
+        return found
 
     def slots_on(self, i: int, count: int) -> list[GpuSlot]:
         """The `count` lowest-numbered free GPUs of machine i (neighbours share links)."""
@@ -122,9 +196,11 @@ class Capacity:
             self._moved(i, before)
 
     def _moved(self, i: int, before: int) -> None:
+        after = len(self.free[i])
         buckets = self.pool_of[i].buckets
         buckets[before].discard(i)
-        buckets[len(self.free[i])].add(i)
+        buckets[after].add(i)
+        self.block_free[self.block_of[i]] += after - before
 
     def clone(self) -> "Capacity":
         twin = object.__new__(Capacity)
@@ -136,7 +212,10 @@ class Capacity:
         for key, pool in self.pools.items():
             twin.pools[key] = Pool(key, pool.members, [set(b) for b in pool.buckets])
         twin.pool_of = [twin.pools[p.key] for p in self.pool_of]
+        twin.block_of = self.block_of
+        twin.block_free = dict(self.block_free)
         twin.has_inference_partition = self.has_inference_partition
         twin.gpus_per_machine = self.gpus_per_machine
         twin._eligible = {}
+        twin._machines_of = self._machines_of
         return twin

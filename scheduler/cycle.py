@@ -53,6 +53,9 @@ class Admission:
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)
     no_fit: set[tuple] = field(default_factory=set)  # shapes that found no GPUs this cycle
     no_victims: set[tuple] = field(default_factory=set)
+    victim_keys: dict[str, tuple] = field(default_factory=dict)
+    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
+    explained: dict[tuple, str] = field(default_factory=dict)
     searches: int = 0
 
 
@@ -66,7 +69,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     running = [j for j in snapshot.running if j.spec.job_id not in lost]
 
     # 2. Capacity
-    cap = Capacity(snapshot.machines, held=(slot for job in running for slot in job.gpus))
+    cap = Capacity(snapshot.machines, held=[slot for job in running for slot in job.gpus])
 
     # 3. Quotas
     usage = quotas.team_usage(snapshot.quotas, running)
@@ -108,7 +111,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
         if draining_for.get(spec.job_id):
             state.waiting.append((job, _waiting_for_victims(draining_for[spec.job_id], now)))
             continue
-        if _preempt_for(cap, job, running, usage, now, config, state):
+        if _preempt_for(cap, job, running, usage, now, config, state, avoid):
             continue
         if now - job.queued_since >= config.starvation_threshold and len(state.holds) < config.max_reservations:
             if book is None:
@@ -118,7 +121,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
             if hold is not None:
                 state.holds.append(hold)
                 state.waiting.append(
-                    (job, f"{placement.explain_no_fit(cap, spec)}; holds a reservation, expected to start "
+                    (job, f"{_why_waiting(cap, job, placement.NO_AVOID, keep_whole, state)}; holds a reservation, expected to start "
                           f"at {hold.expected_start:.0f}")
                 )
                 continue
@@ -206,19 +209,19 @@ def _place(cap, job, avoid, keep_whole, state: Admission):
     return slots
 
 
-def _preempt_for(cap, job, running, usage, now, config, state: Admission) -> bool:
+def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid) -> bool:
     spec = job.spec
-    key = (_shape(job), spec.priority, spec.team)
+    key = (_shape(job), spec.priority, spec.team, avoid)
     if key in state.no_victims or state.searches >= config.max_preemption_searches:
         return False
-    candidates = [
-        j for j in preemption.displaceable(spec, running, now, config, usage) if j.spec.job_id not in state.going
-    ]
+    if state.exposed is None:
+        state.exposed = preemption.unprotected(running, now, config)
+    candidates = [j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going]
     if not candidates:
         state.no_victims.add(key)
         return False
     state.searches += 1
-    choice = preemption.choose_victims(cap, spec, candidates, now, usage)
+    choice = preemption.choose_victims(cap, spec, candidates, now, usage, state.victim_keys, avoid)
     if choice is None:
         state.no_victims.add(key)
         return False
@@ -251,14 +254,17 @@ def _why_waiting(cap, job, avoid, keep_whole, state: Admission) -> str:
         return f"behind the reservation of job {holders[0]}"
     if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
         return "the last whole machines are kept for jobs that need a whole machine"
-    return placement.explain_no_fit(cap, spec)
+    key = (_shape(job), len(state.placed), len(state.earmarks))
+    if key not in state.explained:
+        state.explained[key] = placement.explain_no_fit(cap, spec)
+    return state.explained[key]
 
 
 def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:
     intervals = [j.spec.checkpoint_interval for j in running if j.spec.checkpoints]
     intervals += [q.spec.checkpoint_interval for q, _, _ in placed if q.spec.checkpoints]
     plan = staggering.WritePlan(config.checkpoint_slot, staggering.plan_period(intervals))
-    if config.stagger_checkpoints:
+    if config.stagger_checkpoints and any(q.spec.checkpoints for q, _, _ in placed):
         for j in running:
             if j.spec.checkpoints:
                 phase = j.checkpoint_phase if j.checkpoint_phase is not None else j.started_at
@@ -288,7 +294,7 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
     releases = []
     for job in running:
         at = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
-        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus))
+        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, cap.machines_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))

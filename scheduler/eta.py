@@ -38,6 +38,7 @@ class Release:
     slots: Sequence[GpuSlot]
     team: str
     gpus: int
+    machines: list[tuple[int, int]] | None = None  # (machine, GPU count), filled on first use
 
 
 def remaining_work(job: QueuedJob) -> float:
@@ -60,6 +61,8 @@ def estimate_starts(
     calendar = [(r.at, seq, r) for seq, r in enumerate(releases)]
     heapq.heapify(calendar)
     seq = len(calendar)
+    book: ReleaseBook | None = None  # the calendar per machine, made when a hold is first planned
+    holds_left = max_holds  # holds come and go as holders start; bound the planning work
     held = dict(usage.used)
 
     lanes: dict[tuple, deque[tuple[int, QueuedJob]]] = {}
@@ -88,25 +91,35 @@ def estimate_starts(
                 i for h_order, h in holds if h_order < order and t + duration > h.expected_start
                 for i in h.machines
             )
-            slots = find_gpus(cap, spec, avoid=avoid) if fits_quota else None
+            # Cheap test first: most blocked lanes are blocked because too little is free at all.
+            enough = fits_quota and cap.could_fit(spec)
+            slots = find_gpus(cap, spec, avoid=avoid) if enough else None
             if slots is None:
                 blocked.append(key)
                 if (
                     fits_quota
+                    and holds_left > 0
                     and len(holds) < max_holds
                     and t - job.queued_since >= starvation_threshold
                     and all(h_order != order for h_order, _ in holds)
                 ):
-                    book = _book(cap, calendar, t)
+                    if book is None:
+                        book = ReleaseBook(cap, (), t)
+                        for at, _, waiting in calendar:
+                            _enter(cap, book, at, waiting)
                     taken = frozenset(i for _, h in holds for i in h.machines)
                     hold = plan_hold(cap, spec, book, t, taken)
+                    holds_left -= 1
                     if hold is not None:
                         holds.append((order, hold))
                 continue
             cap.take(slots)
             raw[spec.job_id] = t
             held[spec.team] = held.get(spec.team, 0) + spec.num_gpus
-            heapq.heappush(calendar, (t + duration, seq, Release(t + duration, slots, spec.team, spec.num_gpus)))
+            release = Release(t + duration, slots, spec.team, spec.num_gpus)
+            heapq.heappush(calendar, (release.at, seq, release))
+            if book is not None:
+                _enter(cap, book, release.at, release)
             seq += 1
             holds = [(o, h) for o, h in holds if o != order]
             lane.popleft()
@@ -117,6 +130,8 @@ def estimate_starts(
         t = calendar[0][0]
         while calendar and calendar[0][0] <= t:
             _, _, release = heapq.heappop(calendar)
+            if book is not None:
+                _leave(cap, book, release.at, release)
             cap.give(release.slots)
             held[release.team] = held.get(release.team, 0) - release.gpus
         for key in blocked:
@@ -142,17 +157,22 @@ def _overtaking_share(job: QueuedJob, demand_rate: Mapping[Priority, float], tot
     return min(MAX_OVERTAKE_SHARE, ahead / total_gpus)
 
 
-def _book(cap: Capacity, calendar, now: float) -> ReleaseBook:
-    """The release calendar as a per-machine book, for planning a hold mid-simulation."""
-    book = ReleaseBook(cap, (), now)
-    for at, _, release in calendar:
+def _counts(cap: Capacity, release: Release) -> list[tuple[int, int]]:
+    if release.machines is None:
         counts: dict[int, int] = {}
         for machine_id, _ in release.slots:
             i = cap.index.get(machine_id)
             if i is not None:
                 counts[i] = counts.get(i, 0) + 1
-        for i, count in counts.items():
-            book.by_machine.setdefault(i, []).append((at, count))
-    for releases in book.by_machine.values():
-        releases.sort()
-    return book
+        release.machines = list(counts.items())
+    return release.machines
+
+
+def _enter(cap: Capacity, book: ReleaseBook, at: float, release: Release) -> None:
+    for i, count in _counts(cap, release):
+        book.by_machine.setdefault(i, []).append((at, count))
+
+
+def _leave(cap: Capacity, book: ReleaseBook, at: float, release: Release) -> None:
+    for i, count in _counts(cap, release):
+        book.by_machine[i].remove((at, count))

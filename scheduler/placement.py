@@ -42,12 +42,15 @@ def find_gpus(
         return None
     n = spec.num_gpus
     topology = resolved_topology(cap, spec, pools)
-    if topology in (Topology.machine, Topology.any):
+    largest = max(p.key.gpus for p in pools)
+    if n <= largest:  # one machine satisfies every topology
         i = best_machine(cap, pools, n, avoid, keep_whole)
         if i is not None:
             return tuple(cap.slots_on(i, n))
         if topology == Topology.machine:
             return None
+        if keep_whole:
+            avoid = avoid | _reserved_whole(pools, n, keep_whole)
     picks = best_block(cap, pools, n, avoid)
     if picks is None and topology == Topology.any:
         picks = greedy_fill(cap, _usable(cap, pools, avoid), n)
@@ -77,6 +80,15 @@ def best_machine(
                     best = found
                 break
     return None if best is None else best[1]
+
+
+def _reserved_whole(pools: Sequence[Pool], n: int, keep_whole: float) -> frozenset[int]:
+    """Whole machines a small job may not break into, pool by pool."""
+    kept: set[int] = set()
+    for pool in pools:
+        if n < pool.key.gpus and pool.whole_machines <= math.ceil(keep_whole * len(pool.members)):
+            kept |= pool.buckets[pool.key.gpus]
+    return frozenset(kept)
 
 
 def _usable(cap: Capacity, pools: Sequence[Pool], avoid: frozenset[int]) -> list[int]:

@@ -53,19 +53,21 @@ def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:
     return (-spec.priority.rank, borrowed, -job.started_at, job.work_at_risk(now), spec.job_id)
 
 
-def displaceable(
-    claimant: JobSpec, running: Sequence[RunningJob], now: float, config: PolicyConfig, usage: TeamUsage
-) -> list[RunningJob]:
-    reclaim = usage.under_guarantee_with(claimant.team, claimant.num_gpus)
-    out = []
-    for job in running:
-        if job.draining:
-            continue
-        lower = job.spec.priority.rank > claimant.priority.rank
-        borrowed = reclaim and job.spec.team != claimant.team and job.spec.job_id in usage.borrowed
-        if (lower or borrowed) and protection(job, now, config) is None:
-            out.append(job)
-    return out
+def unprotected(running: Sequence[RunningJob], now: float, config: PolicyConfig) -> list[RunningJob]:
+    """Running jobs that some claimant could displace: not draining, not protected."""
+    return [j for j in running if not j.draining and protection(j, now, config) is None]
+
+
+def displaceable(claimant: JobSpec, exposed: Sequence[RunningJob], usage: TeamUsage) -> list[RunningJob]:
+    """Of the unprotected jobs, those this claimant may displace (a lower class, or reclaim)."""
+    rank = claimant.priority.rank
+    if usage.under_guarantee_with(claimant.team, claimant.num_gpus):
+        borrowed, team = usage.borrowed, claimant.team
+        return [
+            j for j in exposed
+            if j.spec.priority.rank > rank or (j.spec.team != team and j.spec.job_id in borrowed)
+        ]
+    return [j for j in exposed if j.spec.priority.rank > rank]
 
 
 def choose_victims(
@@ -74,31 +76,38 @@ def choose_victims(
     candidates: Sequence[RunningJob],
     now: float,
     usage: TeamUsage,
+    key_cache: dict[str, tuple],
+    avoid: frozenset[int] = frozenset(),
 ) -> VictimChoice | None:
+    """The victims to displace for `claimant`, or None; `key_cache` lives for one cycle."""
     pools = cap.eligible_pools(claimant)
     if not pools or not candidates:
         return None
-    eligible = {i for p in pools for i in p.members}
+    eligible = {i for p in pools for i in p.members if i not in avoid}
     topology = resolved_topology(cap, claimant, pools)
     domain_of = _domain_function(cap, topology, claimant.num_gpus, pools)
 
     # What each candidate would free in each domain (only the eligible machines count).
-    freed: dict[str, dict[str, int]] = {}
+    freed: dict[object, dict[str, int]] = {}
     for job in candidates:
-        for machine_id, _ in job.gpus:
-            i = cap.index.get(machine_id)
-            if i is None or i not in eligible:
-                continue
-            per = freed.setdefault(domain_of(i), {})
-            per[job.spec.job_id] = per.get(job.spec.job_id, 0) + 1
+        for i, count in cap.machines_of(job):
+            if i in eligible:
+                per = freed.setdefault(domain_of(i), {})
+                per[job.spec.job_id] = per.get(job.spec.job_id, 0) + count
     if not freed:
         return None
-    free_in: dict[str, int] = {}
+    free_in: dict[object, int] = {}
     for i in eligible:
-        free_in[domain_of(i)] = free_in.get(domain_of(i), 0) + len(cap.free[i])
+        domain = domain_of(i)
+        free_in[domain] = free_in.get(domain, 0) + len(cap.free[i])
 
     by_id = {job.spec.job_id: job for job in candidates}
-    keys = {job_id: victim_key(job, now, usage) for job_id, job in by_id.items()}
+    keys = {}
+    for job_id, job in by_id.items():
+        key = key_cache.get(job_id)
+        if key is None:
+            key = key_cache[job_id] = victim_key(job, now, usage)
+        keys[job_id] = key
     n = claimant.num_gpus
     options = []
     for domain, gains in freed.items():
@@ -114,30 +123,32 @@ def choose_victims(
             options.append(((max(keys[j] for j in taken), at_risk, len(taken)), taken))
     for _, taken in sorted(options, key=lambda o: o[0]):
         victims = tuple(by_id[j] for j in taken)
-        gpus = _placement_without(cap, claimant, victims)
+        gpus = _placement_without(cap, claimant, victims, avoid)
         if gpus is not None:
-            return VictimChoice(victims, gpus)
+            # The real placement may not need every victim counted for the place: spare the rest.
+            used = set(gpus)
+            needed = tuple(v for v in victims if any(slot in used for slot in v.gpus))
+            return VictimChoice(needed, gpus)
     return None
 
 
 def _domain_function(cap: Capacity, topology: Topology, n: int, pools):
-    if topology == Topology.machine:
-        return lambda i: cap.machines[i].id
+    """Where the job's GPUs must all be: one machine, one block, or anywhere."""
+    largest = max(p.key.gpus for p in pools)
+    if topology == Topology.machine or (topology == Topology.any and n <= largest):
+        return lambda i: i
     if topology == Topology.block:
         return lambda i: cap.machines[i].block
-    largest = max(p.key.gpus for p in pools)
-    if n <= largest:
-        return lambda i: cap.machines[i].id
     return lambda i: "cluster"
 
 
-def _placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob]):
+def _placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):
     """Simulate the victims gone, try the real placement, and undo."""
     slots = [slot for v in victims for slot in v.gpus if slot[0] in cap.index]
     slots = [s for s in slots if s[1] not in cap.free[cap.index[s[0]]]]
     cap.give(slots)
     try:
-        return find_gpus(cap, claimant)
+        return find_gpus(cap, claimant, avoid=avoid)
     finally:
         cap.take([s for s in slots if s[1] in cap.free[cap.index[s[0]]]])
 

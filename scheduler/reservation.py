@@ -30,12 +30,7 @@ class ReleaseBook:
         self.by_machine: dict[int, list[tuple[float, int]]] = {}
         for job in running:
             end = job.expected_end(now)
-            counts: dict[int, int] = {}
-            for machine_id, _ in job.gpus:
-                i = cap.index.get(machine_id)
-                if i is not None:
-                    counts[i] = counts.get(i, 0) + 1
-            for i, count in counts.items():
+            for i, count in cap.machines_of(job):
                 self.by_machine.setdefault(i, []).append((end, count))
         for releases in self.by_machine.values():
             releases.sort()

@@ -109,12 +109,14 @@ class ClusterState:
         self.never_fits: dict[tuple, str | None] = {}
         self.empty = Capacity(machines)
 
+        self.healthy_gpus = self.count_healthy()
+
     def replace_machine(self, machine: Machine) -> None:
         self.machines[machine.id] = machine
         self.machine_tuple = tuple(self.machines.values())
+        self.healthy_gpus = self.count_healthy()
 
-    @property
-    def healthy_gpus(self) -> int:
+    def count_healthy(self) -> int:
         return sum(m.gpus - len(m.unhealthy_gpus) for m in self.machine_tuple if m.reachable)
 
 
@@ -206,8 +208,9 @@ class Simulation:
         if refusal is not None:
             life.state, life.reason = "rejected", refusal
             return set()
-        usage = quota_rules.team_usage(self.quotas, list(cluster.running.values()))
-        life.under_guarantee = usage.under_guarantee_with(spec.team, spec.num_gpus)
+        held = sum(r.spec.num_gpus for r in cluster.running.values() if r.spec.team == spec.team)
+        quota = self.quotas.get(spec.team) or self.quotas.get("*")
+        life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
         cluster.recent.append((now, spec.priority, spec.num_gpus * spec.expected_duration))

@@ -1,0 +1,175 @@
+"""What a waiting job is told: its position, when it should start, whether it misses its deadline, why."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from builders import (
+    NOW,
+    cycle,
+    filler,
+    fleet,
+    job,
+    mid,
+    pending,
+    pending_order,
+    placements,
+    running,
+    snapshot,
+)
+
+from scheduler.models import Priority
+
+M = [mid(0, 0, i) for i in range(4)]
+
+
+def _ends_at(job_id, machine, gpus, end, priority="critical"):
+    """A running job (critical: nobody preempts it) expected to release its GPUs at `end`."""
+    gpus = list(gpus)
+    spec = job(job_id).gpus(len(gpus)).priority(priority).expected(end - (NOW - 100))
+    return running(spec).on(machine, gpus).started(NOW - 100)
+
+
+# Four full machines, released at NOW+1000, +2000, +3000, +4000.
+FULL = [_ends_at(f"r{i}", M[i], range(8), NOW + 1000 * (i + 1)) for i in range(4)]
+
+
+def _identical(k):
+    """k 8-GPU jobs alike in all but their id and submit order."""
+    return [job(f"q{i}").gpus(8).expected(3600).submitted(NOW + i) for i in range(k)]
+
+
+def test_positions_are_one_to_k_in_queue_order():
+    queue = _identical(5)
+    result = cycle(snapshot(fleet(machines=4), running=FULL, queue=queue))
+    assert not result.placements
+    assert [p.position for p in result.pending] == [1, 2, 3, 4, 5]
+    assert pending_order(result) == ["q0", "q1", "q2", "q3", "q4"]
+
+
+def test_etas_increase_along_the_queue_for_identical_jobs_behind_a_full_cluster():
+    result = cycle(snapshot(fleet(machines=4), running=FULL, queue=_identical(6)))
+    etas = [pending(result)[f"q{i}"].estimated_start for i in range(6)]
+    assert etas[:4] == [NOW + 1000, NOW + 2000, NOW + 3000, NOW + 4000]
+    assert etas[4:] == [NOW + 1000 + 3600, NOW + 2000 + 3600]
+    assert all(a < b for a, b in itertools.pairwise(etas)), etas
+
+
+def test_etas_are_never_before_now():
+    overdue = [running(job(f"o{i}").gpus(8).priority("critical").expected(100)).on(M[i], range(8)).started(0)
+               for i in range(4)]
+    result = cycle(snapshot(fleet(machines=4), running=overdue, queue=_identical(6)))
+    for p in result.pending:
+        assert p.estimated_start is not None and p.estimated_start >= NOW
+
+
+def test_a_job_that_can_never_fit_has_no_eta():
+    result = cycle(snapshot(fleet(machines=2), queue=[job("huge").gpus(24).topology("block").submitted(NOW)]))
+    p = pending(result)["huge"]
+    assert p.estimated_start is None
+    assert p.reason == "needs 24 GPUs in one block; the most free in a block is 16"
+
+
+# First 8-GPU job starts at NOW+1000 and runs 3600 s: it ends at NOW+4600.
+DEADLINE_CASES = [
+    (None, None),
+    (NOW + 4600, False),
+    (NOW + 4599, True),
+    (NOW + 100_000, False),
+    (NOW - 1, True),
+]
+DEADLINE_IDS = [
+    "a job without a deadline hint has misses_deadline None",
+    "a job expected to end exactly at its deadline does not miss it",
+    "a job expected to end one second after its deadline misses it",
+    "a job with a distant deadline does not miss it",
+    "a job whose deadline has already passed misses it",
+]
+
+
+@pytest.mark.parametrize("deadline,misses", DEADLINE_CASES, ids=DEADLINE_IDS)
+def test_deadline_misses(deadline, misses):
+    q = job("q").gpus(8).expected(3600).deadline(deadline).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=4), running=FULL, queue=[q]))
+    p = pending(result)["q"]
+    assert p.estimated_start == NOW + 1000
+    assert p.misses_deadline is misses
+
+
+def test_a_job_that_can_never_start_misses_its_deadline():
+    q = job("huge").gpus(24).topology("block").deadline(NOW + 10**9).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=2), queue=[q]))
+    assert pending(result)["huge"].misses_deadline is True
+
+
+def test_remaining_work_counts_for_the_deadline():
+    """A resumed job with 600 s of 3600 left ends at NOW+1600, in time for a NOW+2000 deadline."""
+    q = job("q").gpus(8).expected(3600).deadline(NOW + 2000).submitted(NOW).queued(progress=3000)
+    result = cycle(snapshot(fleet(machines=4), running=FULL, queue=[q]))
+    assert pending(result)["q"].misses_deadline is False
+
+
+def test_later_arrivals_of_a_more_important_class_push_an_eta_back():
+    """Critical work arriving at half the cluster per second doubles a normal job's wait."""
+    q = [job("norm").gpus(8).submitted(NOW)]
+    plain = cycle(snapshot(fleet(machines=4), running=FULL, queue=q))
+    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, demand_rate={Priority.critical: 16.0}))
+    assert pending(plain)["norm"].estimated_start == NOW + 1000
+    assert pending(busy)["norm"].estimated_start == NOW + 2000
+
+
+def test_arrivals_of_a_less_important_class_do_not_push_an_eta_back():
+    q = [job("crit").gpus(8).priority("critical").submitted(NOW)]
+    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, demand_rate={Priority.low: 30.0}))
+    assert pending(busy)["crit"].estimated_start == NOW + 1000
+
+
+# --- reasons, in words ------------------------------------------------------------------------------------
+
+REASON_CASES = [
+    (fleet(machines=2), [filler("f0", M[0], range(2)), filler("f1", M[1], range(2))],
+     [job("j").gpus(8)], {}, "needs 8 GPUs on one machine; the largest free is 6"),
+    (fleet(blocks=2, machines=1), [], [job("j").gpus(12)], {},
+     "needs 12 GPUs in one block; the most free in a block is 8"),
+    (fleet(machines=2), [filler("f0", M[0], range(8))], [job("j").gpus(9).topology("any")], {},
+     "needs 9 GPUs; 8 are free"),
+    (fleet(machines=2), [filler("f0", M[0], range(4), team="vision")], [job("j").gpus(4).team("vision")],
+     {"vision": {"guaranteed": 4, "max": 6}}, "team vision is at its maximum (4 of 6 GPUs held)"),
+    (fleet(machines=2), [], [job("j").gpus(1).gpu_type("A100")], {},
+     "no machine in this cluster matches training jobs, GPU type A100"),
+    (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(64), job("j").gpus(2)], {},
+     "the last whole machines are kept for jobs that need a whole machine"),
+    (fleet(machines=2), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)), filler("f1", M[1], range(8))],
+     [job("j").gpus(8).priority("critical")], {},
+     "preempting low; starts when they have checkpointed (grace 120 s)"),
+]
+REASON_IDS = [
+    "a machine job: how many GPUs are free on the best machine",
+    "a block job: how many GPUs are free in the best block",
+    "an 'any' job: how many GPUs are free at all",
+    "over its maximum: the team, what it holds and its maximum",
+    "no matching hardware: what it asked for",
+    "kept off the reserved pool: why",
+    "a claimant: whom it preempts and the grace period",
+]
+
+
+@pytest.mark.parametrize("machines,run,queue,quotas,reason", REASON_CASES, ids=REASON_IDS)
+def test_reason_texts(machines, run, queue, quotas, reason):
+    result = cycle(snapshot(machines, running=run, queue=[q.submitted(NOW) for q in queue], quotas=quotas))
+    assert "j" not in placements(result)
+    assert pending(result)["j"].reason == reason
+
+
+def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
+    """m0 is the last whole machine, kept for a queued 64-GPU job. A 2-GPU job that has waited past
+    the starvation threshold still cannot have it; its reason must not say 'the largest free is 8'
+    (which would let it fit) but that whole machines are kept."""
+    run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]
+    queue = [job("big").gpus(64).submitted(NOW), job("small").gpus(2).submitted(0)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue))
+    assert "small" not in placements(result)
+    reason = pending(result)["small"].reason
+    assert "the largest free is 8" not in reason, reason
+    assert "whole machine" in reason, reason

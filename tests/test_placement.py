@@ -1,0 +1,269 @@
+"""Gang placement: all or nothing, topology-aware, best fit, a reserved pool of whole machines."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    blocks_of,
+    cycle,
+    filler,
+    fleet,
+    job,
+    machines_of,
+    mid,
+    pending,
+    placements,
+    snapshot,
+    unhealthy,
+    unreachable,
+)
+
+
+def _busy(machine, used, name=None):
+    """A critical job holding the first `used` GPUs of a machine (nobody may preempt it)."""
+    return filler(name or f"busy-{machine}", machine, range(used))
+
+
+def _rack_id(machine_id: str) -> str:
+    return machine_id.rsplit("/", 1)[0]
+
+
+# --- where a job goes ---------------------------------------------------------------------------------
+# Each case: machines, running fillers, the one queued job, and a check on its GPUs.
+
+WHERE_CASES = [
+    (
+        fleet(machines=3), [_busy(mid(0, 0, 0), 4), _busy(mid(0, 0, 1), 6)],
+        job("j").gpus(2),
+        lambda g: machines_of(g) == {mid(0, 0, 1)},
+    ),
+    (
+        fleet(machines=3), [_busy(mid(0, 0, 0), 5), _busy(mid(0, 0, 1), 3)],
+        job("j").gpus(3),
+        lambda g: machines_of(g) == {mid(0, 0, 0)},
+    ),
+    (
+        fleet(machines=3), [_busy(mid(0, 0, 0), 4)],
+        job("j").gpus(4),
+        lambda g: machines_of(g) == {mid(0, 0, 0)},
+    ),
+    (
+        fleet(machines=2), [_busy(mid(0, 0, 0), 2)],
+        job("j").gpus(6),
+        lambda g: machines_of(g) == {mid(0, 0, 0)},
+    ),
+    (
+        fleet(machines=4), [],
+        job("j").gpus(8),
+        lambda g: len(machines_of(g)) == 1,
+    ),
+    (
+        fleet(blocks=2, racks=2, machines=2), [],
+        job("j").gpus(16),
+        lambda g: len(machines_of(g)) == 2 and len({_rack_id(m) for m in machines_of(g)}) == 1,
+    ),
+    (
+        fleet(blocks=2, racks=2, machines=2), [_busy(mid(0, 0, 0), 8), _busy(mid(0, 1, 0), 8)],
+        job("j").gpus(16),
+        lambda g: len(blocks_of(g)) == 1 and len(machines_of(g)) == 2,
+    ),
+    (
+        fleet(blocks=2, racks=1, machines=2),
+        [_busy(mid(0, 0, 0), 8), _busy(mid(1, 0, 0), 8), _busy(mid(1, 0, 1), 4)],
+        job("j").gpus(12).topology("any"),
+        lambda g: len(blocks_of(g)) == 2,
+    ),
+    (
+        fleet(machines=2), [_busy(mid(0, 0, 0), 5), _busy(mid(0, 0, 1), 5)],
+        job("j").gpus(6).topology("any"),
+        lambda g: machines_of(g) == {mid(0, 0, 0), mid(0, 0, 1)},
+    ),
+    (
+        fleet(machines=3), [_busy(mid(0, 0, 0), 6)],
+        job("j").gpus(2).topology("any"),
+        lambda g: machines_of(g) == {mid(0, 0, 0)},
+    ),
+    (
+        fleet(blocks=2, machines=2), [_busy(mid(0, 0, 0), 4), _busy(mid(1, 0, 0), 8)],
+        job("j").gpus(12).topology("block"),
+        lambda g: blocks_of(g) == {"b0"},
+    ),
+]
+WHERE_IDS = [
+    "a 2-GPU job goes to the fullest machine that fits: 2 free rather than 4 or a whole one",
+    "best fit picks the machine with 3 free over the one with 5 free",
+    "best fit prefers a half-used machine to a whole one for a 4-GPU job",
+    "a 6-GPU job fits exactly on the machine with 6 free and leaves the whole machine whole",
+    "an 8-GPU job with no topology goes on one machine",
+    "a 16-GPU job with no topology stays in one block and, when a rack can hold it, in one rack",
+    "a 16-GPU block job spans racks of one block when no rack alone has room",
+    "an 'any' job that no block can hold spans blocks",
+    "an 'any' job that fits no single machine spreads over machines",
+    "an 'any' job that fits a machine takes the fullest one, like a machine job",
+    "a block job goes to the block that can hold it all",
+]
+
+
+@pytest.mark.parametrize("machines,run,queued,check", WHERE_CASES, ids=WHERE_IDS)
+def test_where_a_job_goes(machines, run, queued, check):
+    result = cycle(snapshot(machines, running=run, queue=[queued.submitted(NOW)]))
+    placed = placements(result)
+    assert set(placed) == {queued.job_id}, result.pending
+    gpus = placed[queued.job_id].gpus
+    assert len(gpus) == len(set(gpus)) == queued.spec().num_gpus
+    assert check(gpus), gpus
+
+
+# --- when a job waits ----------------------------------------------------------------------------------
+
+WAIT_CASES = [
+    (
+        fleet(machines=3), [_busy(mid(0, 0, i), 2) for i in range(3)],
+        job("j").gpus(8),
+        "needs 8 GPUs on one machine; the largest free is 6",
+    ),
+    (
+        fleet(machines=4), [_busy(mid(0, 0, i), 6) for i in range(4)],
+        job("j").gpus(8).topology("machine"),
+        "needs 8 GPUs on one machine; the largest free is 2",
+    ),
+    (
+        fleet(machines=2), [_busy(mid(0, 0, 0), 1)],
+        job("j").gpus(7).topology("machine"),
+        None,
+    ),
+    (
+        fleet(machines=1), [],
+        job("j").gpus(12).topology("machine"),
+        "needs 12 GPUs on one machine; machines here have 8",
+    ),
+    (
+        fleet(blocks=2, machines=2), [_busy(mid(0, 0, 0), 8), _busy(mid(1, 0, 0), 8)],
+        job("j").gpus(16),
+        "needs 16 GPUs in one block; the most free in a block is 8",
+    ),
+    (
+        fleet(machines=2), [_busy(mid(0, 0, 0), 5), _busy(mid(0, 0, 1), 5)],
+        job("j").gpus(7).topology("any"),
+        "needs 7 GPUs; 6 are free",
+    ),
+    (
+        fleet(machines=2), [],
+        job("j").gpus(2).gpu_type("B200"),
+        "no machine in this cluster matches training jobs, GPU type B200",
+    ),
+]
+WAIT_IDS = [
+    "a job that needs 8 GPUs waits when only 6 are free on any machine",
+    "a machine job waits when 8 GPUs are free in total but at most 2 on any machine",
+    "a 7-GPU machine job takes the machine with 7 free (control: not a wait)",
+    "a machine job bigger than any machine waits and says machines here have 8",
+    "a 16-GPU job waits when two blocks have 8 free each but no block has 16",
+    "an 'any' job waits when the whole cluster has fewer free GPUs than it needs",
+    "a job asking for a GPU type the cluster lacks waits and says so",
+]
+
+
+@pytest.mark.parametrize("machines,run,queued,reason", WAIT_CASES, ids=WAIT_IDS)
+def test_when_a_job_waits(machines, run, queued, reason):
+    result = cycle(snapshot(machines, running=run, queue=[queued.submitted(NOW)]))
+    if reason is None:
+        assert set(placements(result)) == {"j"}
+        return
+    assert not result.placements, "a gang is placed whole or not at all"
+    assert not result.preemptions
+    assert pending(result)["j"].reason == reason
+
+
+def test_gpu_type_is_honoured():
+    machines = fleet(machines=1, gpu_type="A100") + fleet(machines=1, first_block=1, gpu_type="H100")
+    result = cycle(snapshot(machines, queue=[job("h").gpus(8).gpu_type("H100").submitted(NOW)]))
+    assert machines_of(placements(result)["h"].gpus) == {mid(1, 0, 0)}
+
+
+# --- unusable machines and GPUs -----------------------------------------------------------------------
+
+UNUSABLE_CASES = [
+    (unreachable(fleet(machines=2), mid(0, 0, 1)), [_busy(mid(0, 0, 0), 6)], job("j").gpus(4), False),
+    (unreachable(fleet(machines=2), mid(0, 0, 1)), [_busy(mid(0, 0, 0), 6)], job("j").gpus(2), True),
+    (unhealthy(fleet(machines=1), mid(0, 0, 0), [3]), [], job("j").gpus(8), False),
+    (unhealthy(fleet(machines=1), mid(0, 0, 0), [3]), [], job("j").gpus(7), True),
+    (unhealthy(fleet(machines=2), mid(0, 0, 0), [0, 1]), [_busy(mid(0, 0, 1), 8)], job("j").gpus(6), True),
+    (unreachable(fleet(machines=3), mid(0, 0, 0), mid(0, 0, 1)), [_busy(mid(0, 0, 2), 8)], job("j").gpus(1).topology("any"), False),
+]
+UNUSABLE_IDS = [
+    "an unreachable machine is never used, even when it is the only one with room",
+    "a job that fits the reachable machine goes there",
+    "an 8-GPU job does not start on a machine with one unhealthy GPU",
+    "a 7-GPU job starts on the 7 healthy GPUs of a machine with one unhealthy GPU",
+    "a job never gets an unhealthy GPU even when it needs all the healthy ones",
+    "with only unreachable machines free, even a 1-GPU 'any' job waits",
+]
+
+
+@pytest.mark.parametrize("machines,run,queued,starts", UNUSABLE_CASES, ids=UNUSABLE_IDS)
+def test_unusable_machines_and_gpus_are_never_used(machines, run, queued, starts):
+    result = cycle(snapshot(machines, running=run, queue=[queued.submitted(NOW)]))
+    by_id = {m.id: m for m in machines}
+    placed = placements(result)
+    assert ("j" in placed) == starts, result.pending
+    for p in result.placements:
+        for machine_id, gpu in p.gpus:
+            assert by_id[machine_id].reachable
+            assert gpu not in by_id[machine_id].unhealthy_gpus
+
+
+# --- the reserved pool of whole machines ----------------------------------------------------------------
+# One whole machine left (m0), the rest full; a big job that cannot start is queued or not.
+
+BIG = job("big").gpus(128).submitted(NOW)  # never fits: keeps the pool reserved
+
+
+def _pool_snapshot(small, *, big=True, machines=3, fraction=0.01, whole=1):
+    run = [_busy(mid(0, 0, i), 8) for i in range(whole, machines)]
+    queue = ([BIG] if big else []) + [small.submitted(NOW)]
+    return snapshot(fleet(machines=machines), running=run, queue=queue, reserved_pool_fraction=fraction)
+
+
+POOL_CASES = [
+    (job("small").gpus(2), {}, False),
+    (job("small").gpus(2), {"big": False}, True),
+    (job("small").gpus(2).topology("machine"), {}, False),
+    (job("small").gpus(2).topology("any"), {}, False),
+    (job("small").gpus(2).topology("block"), {}, False),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 2}, False),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 3}, True),
+    (job("small").gpus(2), {"fraction": 0.0}, True),
+]
+POOL_IDS = [
+    "a 2-GPU job does not break the last whole machine while a job needing whole machines is queued",
+    "with no big job queued, the 2-GPU job takes the whole machine",
+    "a small machine-topology job leaves the reserved whole machine alone",
+    "a small 'any' job leaves the reserved whole machine alone",
+    "a small block-topology job leaves the reserved whole machine alone",
+    "the reserved pool is the fraction rounded up: 15% of 10 machines keeps 2 whole",
+    "beyond the reserved pool, a third whole machine may be broken",
+    "a reserved pool fraction of 0 keeps nothing whole",
+]
+
+
+@pytest.mark.parametrize("small,opts,starts", POOL_CASES, ids=POOL_IDS)
+def test_reserved_pool_of_whole_machines(small, opts, starts):
+    result = cycle(_pool_snapshot(small, **opts))
+    assert "big" not in placements(result)
+    assert ("small" in placements(result)) == starts, (result.placements, result.pending)
+    if not starts:
+        assert pending(result)["small"].reason == "the last whole machines are kept for jobs that need a whole machine"
+
+
+def test_the_reserved_pool_does_not_keep_a_big_job_from_a_whole_machine():
+    """An 8-GPU job is itself a big job: it may take the last whole machine."""
+    result = cycle(_pool_snapshot(job("eight").gpus(8)))
+    assert machines_of(placements(result)["eight"].gpus) == {mid(0, 0, 0)}
+
+
+def test_partly_used_machines_still_take_small_jobs_while_the_pool_is_kept():
+    run = [_busy(mid(0, 0, 1), 6), _busy(mid(0, 0, 2), 8)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=[BIG, job("small").gpus(2).submitted(NOW)]))
+    assert machines_of(placements(result)["small"].gpus) == {mid(0, 0, 1)}

@@ -1,0 +1,273 @@
+"""Preemption: who may be displaced, who is protected, in which order, and only if it really helps."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    after_preemption,
+    cycle,
+    filler,
+    fleet,
+    job,
+    machines_of,
+    mid,
+    pending,
+    placements,
+    preempted,
+    running,
+    snapshot,
+)
+
+M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
+CRIT = job("claim").gpus(8).priority("critical").submitted(NOW)
+
+
+def _run(job_id, machine, gpus=range(8), *, priority="low", team="t", started=0.0, **spec):
+    b = job(job_id).gpus(len(list(gpus))).priority(priority).team(team)
+    for k, v in spec.items():
+        b = getattr(b, k)(v) if not isinstance(v, tuple) else getattr(b, k)(*v)
+    return running(b).on(machine, gpus).started(started)
+
+
+def _guard(machine, gpus=range(8), name=None):
+    return filler(name or f"guard-{machine}", machine, gpus)
+
+
+# Each case: running jobs on a 2-machine cluster, the claimant, and the victims expected.
+WHO_CASES = [
+    ([_run("low", M0), _guard(M1)], CRIT, ["low"]),
+    ([_run("norm", M0, priority="normal"), _guard(M1)], job("claim").gpus(8).priority("normal").submitted(NOW), []),
+    ([_run("high", M0, priority="high"), _guard(M1)], job("claim").gpus(8).priority("normal").submitted(NOW), []),
+    ([_run("norm", M0, priority="normal"), _guard(M1)], job("claim").gpus(8).priority("high").submitted(NOW), ["norm"]),
+    ([_run("low", M0, started=NOW - 599), _guard(M1)], CRIT, []),
+    ([_run("low", M0, started=NOW - 600), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0).preempted_at(NOW - 2000, NOW - 1000), _guard(M1)], CRIT, []),
+    ([_run("low", M0).preempted_at(NOW - 1000), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0).preempted_at(NOW - 3600, NOW - 1000), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0, started=NOW - 1801, checkpoint=None), _guard(M1)], CRIT, []),
+    ([_run("low", M0, started=NOW - 1800, checkpoint=None), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0, started=NOW - 1000, checkpoint=None), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0).draining(NOW + 60, "someone"), _guard(M1)], CRIT, []),
+]
+WHO_IDS = [
+    "a critical job preempts a low job when the cluster is full",
+    "a job never preempts a job of its own class",
+    "a job never preempts a job of a higher class",
+    "a high job preempts a normal job",
+    "a job that has run less than the minimum runtime is protected",
+    "a job that has run exactly the minimum runtime may be preempted",
+    "a job preempted twice within the thrash window is protected",
+    "a job preempted once within the thrash window may be preempted",
+    "a preemption exactly a window ago no longer counts towards thrash protection",
+    "a job that cannot checkpoint is protected once it has run longer than max_unsaved_run",
+    "a job that cannot checkpoint is still preemptable at exactly max_unsaved_run",
+    "a job that cannot checkpoint is preemptable early in its run",
+    "a job already draining for another claimant is not preempted again",
+]
+
+
+@pytest.mark.parametrize("run,claimant,victims", WHO_CASES, ids=WHO_IDS)
+def test_who_may_be_preempted(run, claimant, victims):
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=[claimant], grace_period=300))
+    assert preempted(result) == victims
+    assert not result.placements
+    assert "claim" in pending(result)
+    for p in result.preemptions:
+        assert p.for_job == "claim"
+        assert p.grace_period == 300
+    if not victims:
+        assert not result.earmarks
+
+
+# --- victim order --------------------------------------------------------------------------------------
+# Two candidates, one on each machine; the claimant needs one machine's worth, so exactly one goes.
+
+ORDER_CASES = [
+    ([_run("low", M0, started=0), _run("normal", M1, priority="normal", started=NOW - 1000)], {}, "low"),
+    ([_run("borrowed", M0, team="x", started=0), _run("owned", M1, team="y", started=NOW - 1000)],
+     {"x": {"guaranteed": 0}, "y": {"guaranteed": 16}}, "borrowed"),
+    ([_run("older", M0, started=0), _run("newer", M1, started=5000)], {}, "newer"),
+    ([_run("saved-long-ago", M0).checkpointed(5000), _run("saved-recently", M1).checkpointed(9000)], {}, "saved-recently"),
+    ([_run("b", M0), _run("a", M1)], {}, "a"),
+]
+ORDER_IDS = [
+    "the lowest class goes first, even if a higher-class candidate started more recently",
+    "a borrowed job goes before one within its team's guarantee, even if it started earlier",
+    "among equals, the most recently started goes first",
+    "among equals started together, the one with least work since its checkpoint goes first",
+    "when all else is equal, the job id decides",
+]
+
+
+@pytest.mark.parametrize("run,quotas,victim", ORDER_CASES, ids=ORDER_IDS)
+def test_victim_order(run, quotas, victim):
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=[CRIT], quotas=quotas))
+    assert preempted(result) == [victim]
+    [victim_job] = [r.build() for r in run if r.spec.job_id == victim]
+    [earmark] = result.earmarks
+    assert set(earmark.gpus) == set(victim_job.gpus)
+
+
+# --- only if it really lets the claimant start -----------------------------------------------------------
+
+WORKS_CASES = [
+    (fleet(machines=2),
+     [_run("l0", M0, range(4)), _guard(M0, range(4, 8)), _run("l1", M1, range(4)), _guard(M1, range(4, 8))],
+     CRIT, set()),
+    (fleet(machines=2), [_run("a", M0, range(4)), _run("b", M0, range(4, 8)), _guard(M1)], CRIT, {"a", "b"}),
+    (fleet(machines=2), [_run("a", M0, range(4)), _guard(M0, range(4, 8)), _guard(M1, range(6))], job("claim").gpus(4).priority("critical").submitted(NOW), {"a"}),
+    (fleet(blocks=2, machines=2),
+     [_run("l0", mid(0, 0, 0)), _guard(mid(0, 0, 1)), _run("l1", mid(1, 0, 0)), _guard(mid(1, 0, 1))],
+     job("claim").gpus(16).priority("critical").submitted(NOW), set()),
+    (fleet(blocks=2, machines=2),
+     [_run("l0", mid(0, 0, 0)), _run("l1", mid(0, 0, 1)), _run("l2", mid(1, 0, 0)), _guard(mid(1, 0, 1))],
+     job("claim").gpus(16).priority("critical").submitted(NOW), {"l0", "l1"}),
+    (fleet(machines=2), [running(job("gang").gpus(16).priority("low")).on(M0, range(8)).on(M1, range(8))], CRIT, {"gang"}),
+    (fleet(machines=2), [_run("l0", M0, range(6)), _guard(M0, range(6, 8)), _guard(M1)], CRIT, set()),
+]
+WORKS_IDS = [
+    "two low jobs freeing 4 GPUs on each of two machines are not preempted for an 8-GPU machine job",
+    "two low jobs sharing one machine are both preempted to free it whole",
+    "a 4-GPU claimant needs just the one low job next to the free GPUs",
+    "low jobs in two different blocks are not preempted for a 16-GPU block job",
+    "two low jobs in one block are preempted for a 16-GPU block job, the third stays",
+    "a gang spanning two machines is preempted whole, and one Preemption names it",
+    "a low job whose GPUs cannot complete a machine for the claimant is left alone",
+]
+
+
+def _usable(machines):
+    return {m.id for m in machines if m.reachable}
+
+
+@pytest.mark.parametrize("machines,run,claimant,victims", WORKS_CASES, ids=WORKS_IDS)
+def test_preemption_only_when_the_freed_gpus_really_let_the_job_start(machines, run, claimant, victims):
+    snap = snapshot(machines, running=run, queue=[claimant])
+    result = cycle(snap)
+    assert set(preempted(result)) == victims
+    assert len(preempted(result)) == len(set(preempted(result))), "one Preemption per victim gang"
+    if not victims:
+        assert not result.earmarks
+        return
+    [earmark] = result.earmarks
+    spec = claimant.spec()
+    assert earmark.job_id == spec.job_id
+    assert len(set(earmark.gpus)) == spec.num_gpus
+    held = {g: r.spec.job_id for r in snap.running for g in r.gpus}
+    for g in earmark.gpus:
+        assert held.get(g) in victims | {None}, f"{g} is held by {held.get(g)}, who is not leaving"
+        assert g[0] in _usable(machines)
+    if spec.topology is None and spec.num_gpus <= 8:
+        assert len(machines_of(earmark.gpus)) == 1
+    if spec.num_gpus > 8 and spec.topology is None:
+        assert len({m.split("/")[1] for m in machines_of(earmark.gpus)}) == 1
+
+
+def test_a_claimant_over_its_team_maximum_preempts_nobody():
+    result = cycle(snapshot(fleet(machines=2), running=[_run("low", M0), _guard(M1)],
+                            queue=[job("claim").gpus(8).priority("critical").team("a").submitted(NOW)],
+                            quotas={"a": {"max": 4}}))
+    assert not result.preemptions
+    assert "maximum" in pending(result)["claim"].reason
+
+
+def test_the_preempted_jobs_are_named_in_the_claimants_reason():
+    result = cycle(snapshot(fleet(machines=2), running=[_run("low", M0), _guard(M1)], queue=[CRIT], grace_period=90))
+    reason = pending(result)["claim"].reason
+    assert reason == "preempting low; starts when they have checkpointed (grace 90 s)"
+    assert result.preemptions[0].reason == "critical job claim needs its GPUs; low yields"
+
+
+# --- the earmark, across cycles --------------------------------------------------------------------------
+# m0: a low job on GPUs 0-5, GPUs 6-7 free; m1 full. A critical 8-GPU job preempts the low job and
+# is earmarked all of m0; a normal 2-GPU job queued behind it must not take m0's free GPUs meanwhile.
+
+EARMARK_RUNNING = [_run("low", M0, range(6)), _guard(M1)]
+OTHER = job("other").gpus(2).submitted(NOW + 1)
+
+
+def test_earmark_cycle_one_preempts_and_keeps_the_free_gpus_for_the_claimant():
+    snap = snapshot(fleet(machines=2), running=EARMARK_RUNNING, queue=[CRIT, OTHER], grace_period=120)
+    result = cycle(snap)
+    assert preempted(result) == ["low"]
+    assert [p.grace_period for p in result.preemptions] == [120]
+    [earmark] = result.earmarks
+    assert earmark.job_id == "claim"
+    assert sorted(earmark.gpus) == [(M0, g) for g in range(8)]
+    assert earmark.expires > snap.now
+    assert "other" not in placements(result), "the earmarked free GPUs went to another job"
+
+
+def test_earmark_cycle_two_while_the_victim_drains_nobody_else_gets_the_gpus():
+    snap1 = snapshot(fleet(machines=2), running=EARMARK_RUNNING, queue=[CRIT, OTHER])
+    result1 = cycle(snap1)
+    snap2 = after_preemption(snap1, result1, now=NOW + 30, victims_gone=False)
+    result2 = cycle(snap2)
+    assert not result2.preemptions, "a claimant with draining victims preempts nobody else"
+    assert not result2.placements
+    assert [e.job_id for e in result2.earmarks] == ["claim"]
+    assert result2.earmarks[0].gpus == result1.earmarks[0].gpus
+    assert "waiting for 1 preempted job(s)" in pending(result2)["claim"].reason
+
+
+def test_earmark_cycle_three_once_the_victim_left_the_claimant_starts_on_exactly_its_earmark():
+    snap1 = snapshot(fleet(machines=2), running=EARMARK_RUNNING, queue=[CRIT, OTHER])
+    result1 = cycle(snap1)
+    snap2 = after_preemption(snap1, result1, now=NOW + 130, victims_gone=True)
+    result2 = cycle(snap2)
+    placed = placements(result2)
+    assert set(placed) == {"claim"}
+    assert placed["claim"].gpus == result1.earmarks[0].gpus
+    assert not result2.earmarks
+    assert "other" in pending(result2)
+
+
+def test_an_earmark_holds_even_against_a_higher_class_job_queued_later():
+    """Between cycles a critical job arrives; it must not take the GPUs promised to the claimant."""
+    snap1 = snapshot(fleet(machines=2), running=EARMARK_RUNNING, queue=[job("claim").gpus(8).priority("high").submitted(NOW)])
+    result1 = cycle(snap1)
+    assert preempted(result1) == ["low"]
+    snap2 = after_preemption(snap1, result1, now=NOW + 130, victims_gone=True)
+    snap2 = snap2.model_copy(update={"queue": snap2.queue + (job("vip").gpus(8).priority("critical").submitted(NOW + 100).queued(),)})
+    result2 = cycle(snap2)
+    placed = placements(result2)
+    assert "vip" not in placed or not set(placed["vip"].gpus) & set(result1.earmarks[0].gpus)
+    assert placed["claim"].gpus == result1.earmarks[0].gpus
+
+
+def test_every_victim_gives_the_claimant_some_of_the_gpus_it_gets():
+    """A 16-GPU block job; candidates in victim order: A (4 GPUs on m0, newest), B (8 on m1), C (8 on
+    m2, oldest). B and C free two whole machines, which is all the job needs; A's 4 GPUs next to a
+    critical job are no use to it. Preempting A anyway loses its work for nothing."""
+    m2 = mid(0, 0, 2)
+    run = [running(job("A").gpus(4).priority("low")).on(M0, range(4)).started(9000),
+           _guard(M0, range(4, 8)),
+           running(job("B").gpus(8).priority("low")).on(M1, range(8)).started(5000),
+           running(job("C").gpus(8).priority("low")).on(m2, range(8)).started(1000)]
+    snap = snapshot(fleet(machines=3), running=run, queue=[job("claim").gpus(16).priority("critical").submitted(NOW)])
+    result = cycle(snap)
+    [earmark] = result.earmarks
+    assert len(earmark.gpus) == 16
+    gpus_of = {r.spec.job_id: set(r.gpus) for r in snap.running}
+    useless = [v for v in preempted(result) if not gpus_of[v] & set(earmark.gpus)]
+    assert not useless, f"{useless} preempted, but the claimant's earmark {sorted(earmark.gpus)} uses none of their GPUs"
+
+
+def test_an_earmark_on_a_machine_that_died_is_dropped_and_the_claimant_starts_elsewhere():
+    """Cycle 1 earmarks m0 for the claimant. Before cycle 2, m0 stops answering (the victim is lost
+    with it) and m2 frees up: the claimant starts on m2, and nothing is placed or earmarked on m0."""
+    m2 = mid(0, 0, 2)
+    run = EARMARK_RUNNING + [_guard(m2, name="guard-m2")]
+    snap1 = snapshot(fleet(machines=3), running=run, queue=[CRIT])
+    result1 = cycle(snap1)
+    assert preempted(result1) == ["low"]
+    snap2 = after_preemption(snap1, result1, now=NOW + 60, victims_gone=False)
+    snap2 = snap2.model_copy(update={
+        "machines": tuple(m.model_copy(update={"reachable": False}) if m.id == M0 else m for m in snap2.machines),
+        "running": tuple(r for r in snap2.running if r.spec.job_id != "guard-m2"),
+    })
+    result2 = cycle(snap2)
+    assert [(r.job_id, r.graceful) for r in result2.requeues] == [("low", False)]
+    assert machines_of(placements(result2)["claim"].gpus) == {m2}
+    assert not result2.earmarks

@@ -1,0 +1,226 @@
+"""Fair share: borrowing up to the maximum, waiting at the maximum, reclaiming borrowed capacity."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    cycle,
+    filler,
+    fleet,
+    job,
+    mid,
+    pending,
+    placements,
+    preempted,
+    running,
+    snapshot,
+)
+
+from scheduler.models import Quota
+from scheduler.quotas import team_usage
+
+M0, M1, M2, M3 = (mid(0, 0, i) for i in range(4))
+
+
+def _ran(job_id, team, machine, gpus, started=0.0, priority="normal"):
+    return running(job(job_id).team(team).gpus(len(list(gpus))).priority(priority)).on(machine, gpus).started(started)
+
+
+# --- borrowing and the maximum ---------------------------------------------------------------------
+
+MAX_CASES = [
+    # (quotas, running, queue, expected placed, expected waiting)
+    (
+        {"a": {"guaranteed": 0, "max": 16}}, [],
+        [job("a1").team("a").gpus(8).submitted(NOW)],
+        {"a1"}, set(),
+    ),
+    (
+        {"a": {"guaranteed": 0, "max": 8}}, [_ran("r", "a", M0, range(8))],
+        [job("a1").team("a").gpus(2).submitted(NOW)],
+        set(), {"a1"},
+    ),
+    (
+        {"a": {"guaranteed": 0, "max": 8}}, [_ran("r", "a", M0, range(6))],
+        [job("a1").team("a").gpus(2).submitted(NOW)],
+        {"a1"}, set(),
+    ),
+    (
+        {"a": {"guaranteed": 0, "max": 8}}, [_ran("r", "a", M0, range(6))],
+        [job("a1").team("a").gpus(2).submitted(NOW), job("a2").team("a").gpus(1).submitted(NOW + 1)],
+        {"a1"}, {"a2"},
+    ),
+    (
+        {"*": {"guaranteed": 0, "max": 4}}, [],
+        [job("z1").team("zeta").gpus(4).submitted(NOW), job("z2").team("zeta").gpus(4).submitted(NOW + 1)],
+        {"z1"}, {"z2"},
+    ),
+    (
+        {"a": {"guaranteed": 0, "max": 4}, "*": {"max": 100}}, [],
+        [job("a1").team("a").gpus(8).submitted(NOW), job("b1").team("b").gpus(8).submitted(NOW + 1)],
+        {"b1"}, {"a1"},
+    ),
+    (
+        {"a": {"guaranteed": 8, "max": 8}}, [_ran("r", "a", M0, range(8), priority="low")],
+        [job("a1").team("a").gpus(8).priority("critical").submitted(NOW)],
+        set(), {"a1"},
+    ),
+]
+MAX_IDS = [
+    "a team with no guarantee borrows an idle machine up to its maximum",
+    "a team holding its maximum waits for even 2 more GPUs",
+    "a job that brings its team exactly to its maximum starts",
+    "GPUs placed earlier in the same cycle count towards the maximum",
+    "the default quota '*' caps a team without its own entry",
+    "a team's own maximum applies to it, other teams are not held back by it",
+    "a critical job at its team's maximum waits rather than preempting its own team's low job",
+]
+
+
+@pytest.mark.parametrize("quotas,run,queue,placed,waiting", MAX_CASES, ids=MAX_IDS)
+def test_borrowing_and_the_maximum(quotas, run, queue, placed, waiting):
+    result = cycle(snapshot(fleet(machines=4), running=run, queue=queue, quotas=quotas))
+    assert set(placements(result)) == placed
+    assert set(pending(result)) == waiting
+    assert not result.preemptions
+    for job_id in waiting:
+        reason = pending(result)[job_id].reason
+        assert "maximum" in reason, reason
+
+
+def test_the_maximum_reason_names_the_team_and_the_numbers():
+    result = cycle(snapshot(fleet(machines=2), running=[_ran("r", "vision", M0, range(6))],
+                            queue=[job("v").team("vision").gpus(4).submitted(NOW)],
+                            quotas={"vision": {"guaranteed": 4, "max": 8}}))
+    reason = pending(result)["v"].reason
+    assert reason.startswith("team vision is at its maximum"), reason
+    assert "6" in reason and "8" in reason, reason
+
+
+# --- which running jobs are borrowed ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "guaranteed,jobs,borrowed",
+    [
+        (8, [("old", 8, 0), ("new", 8, 100)], {"new"}),
+        (16, [("old", 8, 0), ("new", 8, 100)], set()),
+        (0, [("old", 8, 0), ("new", 8, 100)], {"old", "new"}),
+        (4, [("old", 8, 0), ("new", 2, 100)], {"old", "new"}),
+        (5, [("old", 4, 0), ("mid", 2, 50), ("new", 2, 100)], {"new", "mid"}),
+    ],
+    ids=[
+        "with one job beyond the guarantee, the most recently started is the borrowed one",
+        "a team within its guarantee has borrowed nothing",
+        "a team without a guarantee has borrowed all it holds",
+        "a job only partly beyond the guarantee counts as borrowed",
+        "borrowed jobs are taken newest first until the excess is covered",
+    ],
+)
+def test_borrowed_jobs_are_the_newest_beyond_the_guarantee(guaranteed, jobs, borrowed):
+    run = [_ran(job_id, "b", mid(0, 0, i), range(n), started=started).build()
+           for i, (job_id, n, started) in enumerate(jobs)]
+    usage = team_usage({"b": Quota(guaranteed=guaranteed)}, run)
+    assert usage.borrowed == borrowed
+
+
+# --- reclaim ----------------------------------------------------------------------------------------
+
+
+def _full_of_b(priority="normal", started=(0, 100)):
+    """Two machines, both held by team b: 'b-old' started first, 'b-new' last."""
+    return [
+        _ran("b-old", "b", M0, range(8), started=started[0], priority=priority),
+        _ran("b-new", "b", M1, range(8), started=started[1], priority=priority),
+    ]
+
+
+RECLAIM_CASES = [
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, _full_of_b(),
+        job("a1").team("a").gpus(8).priority("low").submitted(NOW),
+        ["b-new"],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}, _full_of_b(priority="critical"),
+        job("a1").team("a").gpus(8).priority("low").submitted(NOW),
+        ["b-new"],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 16}}, _full_of_b(),
+        job("a1").team("a").gpus(8).submitted(NOW),
+        [],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
+        _full_of_b() + [_ran("a-run", "a", M2, range(8))],
+        job("a1").team("a").gpus(8).submitted(NOW),
+        [],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
+        _full_of_b() + [_ran("a-run", "a", M2, range(4)), filler("f", M2, range(4, 8))],
+        job("a1").team("a").gpus(4).submitted(NOW),
+        ["b-new"],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
+        _full_of_b() + [_ran("a-run", "a", M2, range(4)), filler("f", M2, range(4, 8))],
+        job("a1").team("a").gpus(6).submitted(NOW),
+        [],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, _full_of_b(started=(0, NOW - 60)),
+        job("a1").team("a").gpus(8).submitted(NOW),
+        [],
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}, _full_of_b(started=(0, NOW - 60)),
+        job("a1").team("a").gpus(8).submitted(NOW),
+        ["b-old"],
+    ),
+]
+RECLAIM_IDS = [
+    "a team under its guarantee reclaims the other team's most recently started borrowed job",
+    "reclaim takes borrowed capacity whatever its class: a low job displaces a critical borrowed one",
+    "a job of another team within its guarantee is not reclaimed",
+    "a team already at its guarantee does not reclaim",
+    "a team exactly reaching its guarantee with the job (4 held + 4 asked = 8) still reclaims",
+    "a team that would go beyond its guarantee with the job (4 held + 6 asked > 8) does not reclaim",
+    "when the only borrowed job is protected, a job within the other team's guarantee is not taken instead",
+    "a borrowed job still within its minimum runtime is protected, the other borrowed one goes",
+]
+
+
+@pytest.mark.parametrize("quotas,run,claimant,victims", RECLAIM_CASES, ids=RECLAIM_IDS)
+def test_reclaim(quotas, run, claimant, victims):
+    machines = fleet(machines=2) if len(run) <= 2 else fleet(machines=3)
+    quotas = {**quotas, "ops": {"guaranteed": 1000}}  # the fillers' team is never borrowing
+    result = cycle(snapshot(machines, running=run, queue=[claimant], quotas=quotas))
+    assert not result.placements
+    assert preempted(result) == victims
+    if victims:
+        assert all(p.for_job == claimant.job_id for p in result.preemptions)
+        assert all("reclaims" in p.reason for p in result.preemptions)
+        assert [e.job_id for e in result.earmarks] == [claimant.job_id]
+    else:
+        assert not result.earmarks
+
+
+def test_no_reclaim_while_free_gpus_let_the_job_start():
+    result = cycle(snapshot(
+        fleet(machines=3), running=_full_of_b(), queue=[job("a1").team("a").gpus(8).submitted(NOW)],
+        quotas={"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
+    ))
+    assert set(placements(result)) == {"a1"}
+    assert not result.preemptions
+    assert placements(result)["a1"].gpus == tuple((mid(0, 0, 2), g) for g in range(8))
+
+
+def test_a_team_borrows_idle_capacity_beyond_its_guarantee_up_to_its_maximum():
+    """Guarantee 8, maximum 24, an idle 4-machine cluster: three 8-GPU jobs start, the fourth waits."""
+    queue = [job(f"a{i}").team("a").gpus(8).submitted(NOW + i) for i in range(4)]
+    result = cycle(snapshot(fleet(machines=4), queue=queue, quotas={"a": {"guaranteed": 8, "max": 24}}))
+    assert set(placements(result)) == {"a0", "a1", "a2"}
+    assert "maximum" in pending(result)["a3"].reason

@@ -1,0 +1,150 @@
+"""Starvation: a job blocked past the threshold reserves where it fits soonest; others only backfill."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    cycle,
+    filler,
+    fleet,
+    job,
+    machines_of,
+    mid,
+    pending,
+    placements,
+    running,
+    snapshot,
+)
+
+M0, M1, M2 = mid(0, 0, 0), mid(0, 0, 1), mid(0, 0, 2)
+
+
+def _ends_at(job_id, machine, gpus, end, priority="normal"):
+    """A running job that started 100 s ago and is expected to release its GPUs at `end`."""
+    gpus = list(gpus)
+    spec = job(job_id).gpus(len(gpus)).priority(priority).expected(end - (NOW - 100))
+    return running(spec).on(machine, gpus).started(NOW - 100)
+
+
+# m0: half free, its job ends at NOW+1000; m1: full until NOW+3000. A same-class 8-GPU job that
+# has waited since 0 (past the 1800 s threshold) can neither start nor preempt.
+BASE_RUNNING = [_ends_at("a", M0, range(4), NOW + 1000), _ends_at("b", M1, range(8), NOW + 3000)]
+STARVING = job("starving").gpus(8).submitted(0)
+
+
+def _snap(*others, run=BASE_RUNNING, machines=None, **kw):
+    return snapshot(machines or fleet(machines=2), running=run, queue=[STARVING, *others], **kw)
+
+
+def test_a_starving_job_reserves_the_machine_where_it_fits_soonest():
+    result = cycle(_snap())
+    [res] = result.reservations
+    assert res.job_id == "starving"
+    assert res.machines == (M0,)
+    assert res.expected_start == NOW + 1000
+    reason = pending(result)["starving"].reason
+    assert "needs 8 GPUs on one machine; the largest free is 4" in reason
+    assert "holds a reservation, expected to start at 11000" in reason
+
+
+def test_a_job_below_the_starvation_threshold_reserves_nothing():
+    young = job("young").gpus(8).submitted(NOW - 1000)
+    result = cycle(snapshot(fleet(machines=2), running=BASE_RUNNING, queue=[young, job("long").gpus(2).expected(99_999).submitted(NOW)]))
+    assert not result.reservations
+    assert machines_of(placements(result)["long"].gpus) == {M0}
+
+
+def test_the_threshold_is_inclusive():
+    exactly = job("exactly").gpus(8).submitted(NOW - 1800)
+    result = cycle(snapshot(fleet(machines=2), running=BASE_RUNNING, queue=[exactly]))
+    assert [r.job_id for r in result.reservations] == ["exactly"]
+
+
+# Another job, queued behind the starving one, and whether it may use the reserved machine's free GPUs.
+BACKFILL_CASES = [
+    (job("short").gpus(2).expected(500), True, True),
+    (job("exact").gpus(2).expected(1000), True, True),
+    (job("long").gpus(2).expected(1001), False, None),
+    (job("resumed").gpus(2).expected(5000).submitted(NOW), True, True),
+]
+BACKFILL_IDS = [
+    "a job that ends before the reservation starts backfills onto the reserved machine",
+    "a job that ends exactly when the reservation starts may backfill",
+    "a job that would still run when the reservation starts waits behind it",
+    "remaining work counts: a resumed job with 500 s left of 5000 backfills",
+]
+
+
+@pytest.mark.parametrize("other,starts,backfilled", BACKFILL_CASES, ids=BACKFILL_IDS)
+def test_backfill_onto_reserved_machines(other, starts, backfilled):
+    queued = other.submitted(NOW).queued(progress=4500) if other.job_id == "resumed" else other.submitted(NOW)
+    result = cycle(_snap(queued))
+    assert [r.job_id for r in result.reservations] == ["starving"]
+    placed = placements(result)
+    assert (other.job_id in placed) == starts
+    if starts:
+        assert machines_of(placed[other.job_id].gpus) == {M0}
+        assert placed[other.job_id].backfilled is backfilled
+        assert "backfilled" in placed[other.job_id].reason
+    else:
+        assert pending(result)[other.job_id].reason == "behind the reservation of job starving"
+
+
+def test_a_long_job_still_uses_machines_outside_the_reservation_and_is_not_backfilled():
+    run = BASE_RUNNING + [_ends_at("c", M2, range(4), NOW + 9000)]
+    result = cycle(_snap(job("long").gpus(2).expected(50_000).submitted(NOW), run=run, machines=fleet(machines=3)))
+    assert [r.machines for r in result.reservations] == [(M0,)]
+    placed = placements(result)["long"]
+    assert machines_of(placed.gpus) == {M2}
+    assert placed.backfilled is False
+
+
+def test_a_block_job_reserves_the_machines_of_the_block_where_it_fits_soonest():
+    run = [
+        _ends_at("a", mid(0, 0, 0), range(4), NOW + 1000),
+        _ends_at("b", mid(0, 0, 1), range(4), NOW + 2000),
+        _ends_at("c", mid(1, 0, 0), range(8), NOW + 500),
+        _ends_at("d", mid(1, 0, 1), range(8), NOW + 5000),
+    ]
+    big = job("big").gpus(16).submitted(0)
+    result = cycle(snapshot(fleet(blocks=2, machines=2), running=run, queue=[big]))
+    [res] = result.reservations
+    assert res.machines == (mid(0, 0, 0), mid(0, 0, 1))
+    assert res.expected_start == NOW + 2000
+
+
+def test_no_more_reservations_than_the_configured_maximum():
+    run = [_ends_at(f"r{i}", mid(0, 0, i), range(4), NOW + 1000 * (i + 1)) for i in range(3)]
+    queue = [job(f"s{i}").gpus(8).submitted(i) for i in range(3)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, max_reservations=2))
+    assert [r.job_id for r in result.reservations] == ["s0", "s1"]
+    assert len({m for r in result.reservations for m in r.machines}) == 2, "two reservations never share a machine"
+    assert "holds a reservation" not in pending(result)["s2"].reason
+
+
+def test_a_job_behind_a_reservation_does_not_preempt_its_way_onto_the_reserved_machine():
+    """The reserved machine m0 has 2 free GPUs now and 6 more at 11000. A high job that would run
+    until 20000 is behind the reservation; a low job on m1 is preemptable. Preempting the low job
+    is fine only if the high job then starts on the low job's GPUs (m1): it must neither take m0's
+    free GPUs (running past the reservation) nor preempt a job whose GPUs it does not use."""
+    run = [
+        _ends_at("r", M0, range(6), NOW + 1000),
+        running(job("low").gpus(4).priority("low")).on(M1, range(4)).started(NOW - 1000),
+        filler("n", M1, range(4, 8), priority="normal", started=NOW - 100, expected=5100),  # protected: young
+    ]
+    queue = [job("s").gpus(8).priority("high").submitted(0),
+             job("c").gpus(2).priority("high").expected(10_000).submitted(NOW - 10)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue))
+    assert [(r.job_id, r.machines, r.expected_start) for r in result.reservations] == [("s", (M0,), NOW + 1000)]
+    assert "c" not in placements(result)
+    earmarked = {e.job_id: e.gpus for e in result.earmarks}
+    if "c" in earmarked:
+        assert M0 not in machines_of(earmarked["c"]), (
+            f"c is earmarked {earmarked['c']} on the reserved machine, though it ends after the reservation starts"
+        )
+    victims = {p.job_id for p in result.preemptions}
+    victim_gpus = {g for r in run for g in r.build().gpus if r.spec.job_id in victims}
+    assert not victims or victim_gpus & set(earmarked.get("c", ())), (
+        f"{sorted(victims)} preempted, but c's earmark {earmarked.get('c')} uses none of their GPUs"
+    )

@@ -1,0 +1,83 @@
+"""Checkpoint staggering: each checkpointing job gets a phase, and jobs started together get different ones."""
+
+from __future__ import annotations
+
+import pytest
+from builders import NOW, cycle, fleet, job, mid, placements, running, snapshot
+
+
+def _start_all(queue, **kw):
+    result = cycle(snapshot(fleet(machines=8), queue=[q.submitted(NOW) for q in queue], **kw))
+    placed = placements(result)
+    assert set(placed) == {q.job_id for q in queue}, result.pending
+    return placed
+
+
+PHASE_CASES = [
+    ([job("a").checkpoint(1800)], True),
+    ([job("a").checkpoint(1800)], False),
+    ([job("a").checkpoint(45)], True),
+    ([job("a").checkpoint(7200)], True),
+    ([job("a").checkpoint(1000)], False),
+    ([job(f"j{i}").checkpoint(600 * (i + 1)) for i in range(6)], True),
+]
+PHASE_IDS = [
+    "a checkpointing job gets a phase within its interval",
+    "without staggering the phase is still within the interval",
+    "an interval shorter than a stagger slot still gets a phase within it",
+    "an interval longer than the planning hour gets a phase within it",
+    "without staggering an interval that does not divide now gets now modulo the interval",
+    "jobs with different intervals each get a phase within their own interval",
+]
+
+
+@pytest.mark.parametrize("queue,stagger", PHASE_CASES, ids=PHASE_IDS)
+def test_phase_is_within_the_interval(queue, stagger):
+    placed = _start_all(queue, stagger_checkpoints=stagger)
+    for q in queue:
+        interval = q.spec().checkpoint_interval
+        phase = placed[q.job_id].checkpoint_phase
+        assert phase is not None and 0 <= phase < interval, (q.job_id, phase, interval)
+
+
+@pytest.mark.parametrize("interval", [None, 0], ids=["a job with no checkpoint interval gets no phase",
+                                                     "a job with a zero checkpoint interval gets no phase"])
+def test_a_job_that_never_checkpoints_gets_no_phase(interval):
+    placed = _start_all([job("a").checkpoint(interval)])
+    assert placed["a"].checkpoint_phase is None
+
+
+@pytest.mark.parametrize(
+    "count,interval",
+    [(2, 1800), (5, 1800), (8, 3600), (4, 600)],
+    ids=[
+        "two jobs started together with a 30-minute interval get different phases",
+        "five jobs started together with a 30-minute interval get five different phases",
+        "eight jobs started together with an hourly interval get eight different phases",
+        "four jobs started together with a 10-minute interval get four different phases",
+    ],
+)
+def test_jobs_started_together_get_different_phases(count, interval):
+    queue = [job(f"j{i}").checkpoint(interval) for i in range(count)]
+    placed = _start_all(queue)
+    phases = [placed[q.job_id].checkpoint_phase for q in queue]
+    assert len(set(phases)) == count, phases
+
+
+def test_without_staggering_jobs_started_together_share_a_phase():
+    queue = [job(f"j{i}").checkpoint(1800) for i in range(3)]
+    placed = _start_all(queue, stagger_checkpoints=False)
+    assert {placed[q.job_id].checkpoint_phase for q in queue} == {NOW % 1800}
+
+
+def test_a_new_job_avoids_the_phase_of_a_running_job():
+    run = [running(job("r").gpus(8).checkpoint(1800)).on(mid(0, 0, 7), range(8)).started(0).phase(0.0)]
+    result = cycle(snapshot(fleet(machines=8), running=run, queue=[job("new").checkpoint(1800).submitted(NOW)]))
+    phase = placements(result)["new"].checkpoint_phase
+    assert phase % 1800 != 0.0
+
+
+def test_a_running_job_without_a_recorded_phase_counts_at_its_start_time():
+    run = [running(job("r").gpus(8).checkpoint(1800)).on(mid(0, 0, 7), range(8)).started(120)]
+    result = cycle(snapshot(fleet(machines=8), running=run, queue=[job("new").checkpoint(1800).submitted(NOW)]))
+    assert placements(result)["new"].checkpoint_phase not in (120.0, 120.0 + 1800)
