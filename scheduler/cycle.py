@@ -131,7 +131,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     placements = _with_checkpoint_phases(state.placed, running, now, config)
 
     # 7. Estimate
-    pending = _estimate(cap, snapshot, running, usage, state, placements)
+    pending = _estimate(cap, snapshot, running, usage, state, placements, keep_whole)
 
     # 8. Wake
     return CycleResult(
@@ -287,10 +287,15 @@ def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, confi
     return out
 
 
-def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placements) -> list[Pending]:
+def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placements,
+              keep_whole: float) -> list[Pending]:
     now, config = snapshot.now, snapshot.config
     if not state.waiting:
         return []
+    if not snapshot.estimate:
+        return [Pending(job_id=job.spec.job_id, position=position, estimated_start=None,
+                        misses_deadline=None, reason=reason)
+                for position, (job, reason) in enumerate(state.waiting, start=1)]
     releases = []
     for job in running:
         at = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
@@ -308,7 +313,9 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
         starvation_threshold=config.starvation_threshold,
         max_holds=config.max_reservations,
         horizon=config.eta_horizon,
-        demand_rate=snapshot.demand_rate,
+        arrivals=snapshot.arrivals,
+        held_by_class=_held_by_class(running),
+        keep_whole=keep_whole,
     )
     out = []
     for position, (job, reason) in enumerate(in_order, start=1):
@@ -320,6 +327,14 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
         out.append(Pending(job_id=job.spec.job_id, position=position, estimated_start=start,
                            misses_deadline=misses, reason=reason))
     return out
+
+
+def _held_by_class(running: list[RunningJob]) -> dict[int, int]:
+    held: dict[int, int] = {}
+    for job in running:
+        rank = job.spec.priority.rank
+        held[rank] = held.get(rank, 0) + job.spec.num_gpus
+    return held
 
 
 def _next_wake(snapshot: Snapshot, running: list[RunningJob], state: Admission) -> float | None:

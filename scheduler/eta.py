@@ -11,8 +11,11 @@ Algorithm overview
      the real cycle does; later jobs may use it only if they end before it starts.
   4. Advance to the next release, give its GPUs back, and repeat from 2.
   5. Honesty about the future: jobs of a more important class that arrive later overtake a
-     waiting job. With a recent arrival rate of such work (GPU-seconds per second) of ρ × the
-     cluster, a wait of w becomes w / (1 − ρ).
+     waiting job. Each such class enters the simulation as a *phantom* lane placed after that
+     class's real jobs: arriving at the recent rate of g GPUs per second with a mean duration d,
+     the newcomers hold g × min(t − now, d) GPUs at time t — but no more than that class holds
+     now: newcomers replace the class's departing jobs rather than grow its share without end.
+     The phantom takes released GPUs up to that amount before any less important job sees them.
 """
 
 from __future__ import annotations
@@ -23,13 +26,12 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from scheduler.capacity import Capacity
-from scheduler.models import GpuSlot, Priority, QueuedJob
+from scheduler.models import INFERENCE_PARTITION, Arrivals, GpuSlot, Priority, QueuedJob
 from scheduler.placement import find_gpus
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
-MAX_OVERTAKE_SHARE = 0.8
 
 
 @dataclass
@@ -55,7 +57,9 @@ def estimate_starts(
     starvation_threshold: float,
     max_holds: int,
     horizon: float,
-    demand_rate: Mapping[Priority, float],
+    arrivals: Mapping[Priority, Arrivals],
+    held_by_class: Mapping[int, int],
+    keep_whole: float = 0.0,
 ) -> dict[str, float | None]:
     """Estimated start per pending job id (None: not within the horizon). Mutates `cap`."""
     calendar = [(r.at, seq, r) for seq, r in enumerate(releases)]
@@ -70,7 +74,11 @@ def estimate_starts(
         s = job.spec
         key = (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind, s.team)
         lanes.setdefault(key, deque()).append((order, job))
-    ready = [(lane[0][0], key) for key, lane in lanes.items()]
+    ready: list[tuple[float, tuple]] = [(lane[0][0], key) for key, lane in lanes.items()]
+    phantoms = _phantom_lanes(pending, arrivals, held_by_class)
+    ready += [(lane[0], ("phantom", rank)) for rank, lane in phantoms.items()]
+    granted = {rank: 0 for rank in phantoms}
+    phantom_pools = [p for p in cap.pools.values() if p.key.partition != INFERENCE_PARTITION]
     heapq.heapify(ready)
     blocked: list[tuple] = []
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
@@ -81,6 +89,13 @@ def estimate_starts(
     while True:
         while ready:
             order, key = heapq.heappop(ready)
+            if key[0] == "phantom":
+                _, rate, ceiling = phantoms[key[1]]
+                owed = min(ceiling, int(rate.gpus_per_second * min(t - now, rate.mean_duration))) - granted[key[1]]
+                if owed > 0:
+                    granted[key[1]] += _take_any(cap, phantom_pools, owed)
+                blocked.append(key)  # it wants more as time goes on
+                continue
             lane = lanes[key]
             job = lane[0][1]
             spec = job.spec
@@ -93,7 +108,7 @@ def estimate_starts(
             )
             # Cheap test first: most blocked lanes are blocked because too little is free at all.
             enough = fits_quota and cap.could_fit(spec)
-            slots = find_gpus(cap, spec, avoid=avoid) if enough else None
+            slots = find_gpus(cap, spec, avoid=avoid, keep_whole=keep_whole) if enough else None
             if slots is None:
                 blocked.append(key)
                 if (
@@ -125,8 +140,8 @@ def estimate_starts(
             lane.popleft()
             if lane:
                 heapq.heappush(ready, (lane[0][0], key))
-        if not blocked or not calendar or calendar[0][0] > end:
-            break
+        if len(blocked) <= len(phantoms) or not calendar or calendar[0][0] > end:
+            break  # only phantoms are left waiting, or nothing will ever free up
         t = calendar[0][0]
         while calendar and calendar[0][0] <= t:
             _, _, release = heapq.heappop(calendar)
@@ -135,26 +150,41 @@ def estimate_starts(
             cap.give(release.slots)
             held[release.team] = held.get(release.team, 0) - release.gpus
         for key in blocked:
-            heapq.heappush(ready, (lanes[key][0][0], key))
+            heapq.heappush(ready, (phantoms[key[1]][0] if key[0] == "phantom" else lanes[key][0][0], key))
         blocked = []
 
-    total = sum(m.gpus for m in cap.machines)
-    estimates: dict[str, float | None] = {}
-    for job in pending:
-        start = raw.get(job.spec.job_id)
-        if start is None:
-            estimates[job.spec.job_id] = None
+    return {job.spec.job_id: raw.get(job.spec.job_id) for job in pending}
+
+
+def _phantom_lanes(pending: Sequence[QueuedJob], arrivals: Mapping[Priority, Arrivals], held: Mapping[int, int]):
+    """For each class more important than some waiting job: (place in order, rate, GPU ceiling)."""
+    if not pending or not arrivals:
+        return {}
+    lowest = max(job.spec.priority.rank for job in pending)
+    lanes = {}
+    for priority, rate in arrivals.items():
+        rank = Priority(priority).rank
+        if rank >= lowest or rate.gpus_per_second <= 0 or held.get(rank, 0) <= 0:
             continue
-        estimates[job.spec.job_id] = now + (start - now) / (1 - _overtaking_share(job, demand_rate, total))
-    return estimates
+        # Newcomers queue behind the jobs of their class already waiting.
+        behind = sum(1 for job in pending if job.spec.priority.rank <= rank)
+        lanes[rank] = (behind - 0.5, rate, held[rank])
+    return lanes
 
 
-def _overtaking_share(job: QueuedJob, demand_rate: Mapping[Priority, float], total_gpus: int) -> float:
-    if not demand_rate or total_gpus <= 0:
-        return 0.0
-    rank = job.spec.priority.rank
-    ahead = sum(rate for p, rate in demand_rate.items() if Priority(p).rank < rank)
-    return min(MAX_OVERTAKE_SHARE, ahead / total_gpus)
+def _take_any(cap: Capacity, pools, wanted: int) -> int:
+    """Take up to `wanted` free GPUs anywhere, filling the fullest machines first."""
+    taken = 0
+    for pool in pools:
+        for count in range(1, pool.key.gpus + 1):
+            while pool.buckets[count] and taken < wanted:
+                i = next(iter(pool.buckets[count]))
+                grab = min(count, wanted - taken)
+                cap.take(cap.slots_on(i, grab))
+                taken += grab
+            if taken >= wanted:
+                return taken
+    return taken
 
 
 def _counts(cap: Capacity, release: Release) -> list[tuple[int, int]]:

@@ -51,6 +51,8 @@ def find_gpus(
             return None
         if keep_whole:
             avoid = avoid | _reserved_whole(pools, n, keep_whole)
+    elif topology == Topology.machine:
+        return None
     picks = best_block(cap, pools, n, avoid)
     if picks is None and topology == Topology.any:
         picks = greedy_fill(cap, _usable(cap, pools, avoid), n)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from scheduler.models import (
     INFERENCE_PARTITION,
+    Arrivals,
     CycleResult,
     JobKind,
     JobSpec,
@@ -165,7 +166,9 @@ def snapshots(draw) -> Snapshot:
     return Snapshot(
         cluster="c1", now=NOW, machines=tuple(machines), running=tuple(draw(running_jobs(machines))),
         queue=tuple(draw(queues())), quotas=draw(quota_maps()), config=draw(configs),
-        demand_rate=draw(st.dictionaries(st.sampled_from(PRIORITIES), st.integers(0, 50).map(float), max_size=2)),
+        arrivals=draw(st.dictionaries(st.sampled_from(PRIORITIES), st.builds(
+            Arrivals, gpus_per_second=st.sampled_from([0.0, 0.001, 0.01, 0.1]),
+            mean_duration=st.sampled_from([600.0, 3600.0])), max_size=2)),
     )
 
 
@@ -245,7 +248,8 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
 
     order = {q.spec.job_id: i for i, q in enumerate(sorted(snap.queue, key=key))}
 
-    has_inference = any(m.partition == INFERENCE_PARTITION for m in reachable.values())
+    # The cluster has an inference partition if any of its machines is in one, down or not.
+    has_inference = any(m.partition == INFERENCE_PARTITION for m in snap.machines)
 
     def eligible(spec: JobSpec) -> list[Machine]:
         out = []

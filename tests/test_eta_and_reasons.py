@@ -19,7 +19,7 @@ from builders import (
     snapshot,
 )
 
-from scheduler.models import Priority
+from scheduler.models import Arrivals, Priority
 
 M = [mid(0, 0, i) for i in range(4)]
 
@@ -111,17 +111,21 @@ def test_remaining_work_counts_for_the_deadline():
 
 
 def test_later_arrivals_of_a_more_important_class_push_an_eta_back():
-    """Critical work arriving at half the cluster per second doubles a normal job's wait."""
+    """Critical work keeps arriving (about a machine's worth at a time): it will overtake a normal
+    job, so the normal job's honest ETA is later than the first release."""
     q = [job("norm").gpus(8).submitted(NOW)]
     plain = cycle(snapshot(fleet(machines=4), running=FULL, queue=q))
-    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, demand_rate={Priority.critical: 16.0}))
+    critical = {Priority.critical: Arrivals(gpus_per_second=0.008, mean_duration=1000.0)}
+    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, arrivals=critical))
     assert pending(plain)["norm"].estimated_start == NOW + 1000
-    assert pending(busy)["norm"].estimated_start == NOW + 2000
+    assert pending(busy)["norm"].estimated_start is not None
+    assert pending(busy)["norm"].estimated_start > NOW + 1000
 
 
 def test_arrivals_of_a_less_important_class_do_not_push_an_eta_back():
     q = [job("crit").gpus(8).priority("critical").submitted(NOW)]
-    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, demand_rate={Priority.low: 30.0}))
+    low = {Priority.low: Arrivals(gpus_per_second=0.03, mean_duration=3600.0)}
+    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, arrivals=low))
     assert pending(busy)["crit"].estimated_start == NOW + 1000
 
 
@@ -173,3 +177,16 @@ def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
     reason = pending(result)["small"].reason
     assert "the largest free is 8" not in reason, reason
     assert "whole machine" in reason, reason
+
+
+def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
+    """m0 is the last whole machine, kept for a queued 64-GPU job; m1 and m2 are full until
+    NOW+720. The 2-GPU job cannot start now, so an ETA of 'now' would be wrong: it can start when
+    another machine frees up (then m0 is no longer the last whole one)."""
+    run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]  # overdue: expected to end at NOW+720
+    queue = [job("big").gpus(64).submitted(NOW), job("small").gpus(2).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue))
+    assert "small" not in placements(result)
+    p = pending(result)["small"]
+    assert p.reason == "the last whole machines are kept for jobs that need a whole machine"
+    assert p.estimated_start is not None and p.estimated_start > NOW, p.estimated_start

@@ -139,6 +139,11 @@ WAIT_CASES = [
         "needs 12 GPUs on one machine; machines here have 8",
     ),
     (
+        fleet(machines=2), [],
+        job("j").gpus(12).topology("machine"),
+        "needs 12 GPUs on one machine; machines here have 8",
+    ),
+    (
         fleet(blocks=2, machines=2), [_busy(mid(0, 0, 0), 8), _busy(mid(1, 0, 0), 8)],
         job("j").gpus(16),
         "needs 16 GPUs in one block; the most free in a block is 8",
@@ -159,6 +164,7 @@ WAIT_IDS = [
     "a machine job waits when 8 GPUs are free in total but at most 2 on any machine",
     "a 7-GPU machine job takes the machine with 7 free (control: not a wait)",
     "a machine job bigger than any machine waits and says machines here have 8",
+    "a machine job bigger than any machine is not split, even when two machines together have room",
     "a 16-GPU job waits when two blocks have 8 free each but no block has 16",
     "an 'any' job waits when the whole cluster has fewer free GPUs than it needs",
     "a job asking for a GPU type the cluster lacks waits and says so",

@@ -30,6 +30,7 @@ from scheduler.capacity import Capacity
 from scheduler.cycle import run_cycle
 from scheduler.fleet import Fleet
 from scheduler.models import (
+    Arrivals,
     CycleResult,
     Machine,
     PolicyConfig,
@@ -103,7 +104,8 @@ class ClusterState:
         self.machine_tuple = machines
         self.queue: dict[str, QueuedJob] = {}
         self.running: dict[str, RunningJob] = {}
-        self.recent: deque[tuple[float, Priority, float]] = deque()  # (submit, class, GPU-s)
+        self.recent: deque[tuple[float, Priority, int, float]] = deque()  # submit, class, GPUs, expected
+        self.arrived = True  # a job arrived since the last cycle: estimate start times
         self.wake: float | None = None
         self.earmarks: tuple = ()
         self.never_fits: dict[tuple, str | None] = {}
@@ -213,7 +215,8 @@ class Simulation:
         life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
-        cluster.recent.append((now, spec.priority, spec.num_gpus * spec.expected_duration))
+        cluster.recent.append((now, spec.priority, spec.num_gpus, spec.expected_duration))
+        cluster.arrived = True
         return {cluster.name}
 
     def route(self, life: JobLife) -> ClusterState:
@@ -391,14 +394,18 @@ class Simulation:
         window = self.settings.demand_window_s
         while cluster.recent and cluster.recent[0][0] < now - window:
             cluster.recent.popleft()
-        rate: dict[Priority, float] = {}
         span = min(window, max(1.0, now - self.start))
-        for _, priority, work in cluster.recent:
-            rate[priority] = rate.get(priority, 0.0) + work / span
+        gpus: dict[Priority, float] = {}
+        work: dict[Priority, float] = {}
+        for _, priority, n, expected in cluster.recent:
+            gpus[priority] = gpus.get(priority, 0.0) + n
+            work[priority] = work.get(priority, 0.0) + n * expected
+        arrivals = {p: Arrivals(gpus_per_second=g / span, mean_duration=work[p] / g) for p, g in gpus.items()}
+        estimate, cluster.arrived = cluster.arrived, False
         return Snapshot.model_construct(
             cluster=cluster.name, now=now, machines=cluster.machine_tuple,
             running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
-            quotas=self.quotas, config=self.settings.policy, demand_rate=rate, earmarks=cluster.earmarks,
+            quotas=self.quotas, config=self.settings.policy, arrivals=arrivals, earmarks=cluster.earmarks, estimate=estimate,
         )
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
