@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler import models  # noqa: E402
-from scheduler.cycle import run_cycle  # noqa: E402
-from scheduler.fleet import parse_fleet  # noqa: E402
-from scheduler.models import (  # noqa: E402
+from scheduler import models
+from scheduler.cycle import run_cycle
+from scheduler.fleet import parse_fleet
+from scheduler.models import (
     Earmark,
     JobSpec,
     Machine,
@@ -289,12 +289,12 @@ def describe(snapshot: Snapshot) -> str:
         f"{t} {held[t]}/{snapshot.quotas[t].guaranteed if t in snapshot.quotas else 0}" for t in TEAMS
     )
     return "\n".join([
-        f"cluster: {len(snapshot.machines)} machines, {sum(m.gpus for m in snapshot.machines)} GPUs, "
-        f"{len(snapshot.running)} running jobs holding every GPU, {len(snapshot.queue)} queued",
+        (f"cluster: {len(snapshot.machines)} machines, {sum(m.gpus for m in snapshot.machines)} GPUs, "
+         f"{len(snapshot.running)} running jobs holding every GPU, {len(snapshot.queue)} queued"),
         f"  running sizes: {dict(sorted(sizes.items()))}",
         f"  held/guaranteed: {teams}",
-        f"  queued sizes: {dict(sorted(qsizes.items()))}; classes: {dict(sorted(qprio.items()))}; "
-        f"past the starvation threshold: {starving}",
+        (f"  queued sizes: {dict(sorted(qsizes.items()))}; classes: {dict(sorted(qprio.items()))}; "
+         f"past the starvation threshold: {starving}"),
     ])
 
 

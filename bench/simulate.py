@@ -31,12 +31,33 @@ SIMULATED = re.compile(r"^(?P<policy>[\w.-]+): (?P<jobs>\d+) jobs simulated in (
 CLASSES = ("critical", "high", "normal", "low", "all")
 
 
-def gpusched(*args: str) -> subprocess.CompletedProcess:
-    """Run the CLI from this checkout (``python -m workers.cli``), capturing its output."""
+def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    return env
+
+
+def gpusched(*args: str, echo: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI from this checkout (``python -m workers.cli``), capturing its output.
+
+    With ``echo``, each stderr line is also shown as it comes (a seed-scale run takes minutes, and
+    the CLI reports each policy as it finishes). The child never outlives this script."""
+    with tempfile.TemporaryFile("w+") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=ROOT, env=_env(),
+                                stdout=stdout, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if echo:
+                    print(line, end="", file=sys.stderr, flush=True)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stdout.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), "".join(lines))
 
 
 def dig(data, *path):
@@ -64,9 +85,10 @@ def headline(summary: dict) -> dict:
     }
 
 
-def fail(step: str, done: subprocess.CompletedProcess) -> int:
+def fail(step: str, done: subprocess.CompletedProcess, echoed: bool = False) -> int:
     sys.stderr.write(done.stdout)
-    sys.stderr.write(done.stderr)
+    if not echoed:
+        sys.stderr.write(done.stderr)
     print(f"bench/simulate.py: `gpusched {step}` exited {done.returncode}", file=sys.stderr)
     return done.returncode or 1
 
@@ -95,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             return fail("trace generate", done)
         began = time.perf_counter()
+        print(f"simulating {args.jobs} jobs with gpusched and {args.compare} (a seed-scale run takes minutes)",
+              file=sys.stderr, flush=True)
         done = gpusched("simulate", "--trace", str(trace), "--fleet", args.fleet,
-                        "--compare", args.compare, "--out", str(out))
+                        "--compare", args.compare, "--out", str(out), echo=True)
         total_wall = time.perf_counter() - began
     if done.returncode != 0:
-        return fail("simulate", done)
+        return fail("simulate", done, echoed=True)
 
     print(done.stdout.rstrip())
     wall: dict[str, float] = {}
@@ -109,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         if found:
             wall[found["policy"]] = float(found["wall"])
             jobs = int(found["jobs"])
-        else:
-            print(line, file=sys.stderr)  # anything unexpected stays visible
     if not wall:
         print("bench/simulate.py: no '<policy>: N jobs simulated in X s' line on the CLI's stderr",
               file=sys.stderr)

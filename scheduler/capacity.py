@@ -179,21 +179,29 @@ class Capacity:
     # --- changing ----------------------------------------------------------------------------
 
     def take(self, slots: Iterable[GpuSlot]) -> None:
+        before: dict[int, int] = {}
         for machine_id, gpu in slots:
             i = self.index[machine_id]
-            before = len(self.free[i])
-            self.free[i].remove(gpu)
-            self._moved(i, before)
+            free = self.free[i]
+            before.setdefault(i, len(free))
+            free.remove(gpu)
+        for i, count in before.items():
+            self._moved(i, count)
 
     def give(self, slots: Iterable[GpuSlot]) -> None:
         """Return GPUs (a finished or simulated-away job's); unusable ones are ignored."""
+        before: dict[int, int] = {}
         for machine_id, gpu in slots:
             i = self.index.get(machine_id)
-            if i is None or gpu in self.machines[i].unhealthy_gpus or gpu in self.free[i]:
+            if i is None:
                 continue
-            before = len(self.free[i])
-            insort(self.free[i], gpu)
-            self._moved(i, before)
+            free = self.free[i]
+            if gpu in free or gpu in self.machines[i].unhealthy_gpus:
+                continue
+            before.setdefault(i, len(free))
+            insort(free, gpu)
+        for i, count in before.items():
+            self._moved(i, count)
 
     def _moved(self, i: int, before: int) -> None:
         after = len(self.free[i])

@@ -248,16 +248,20 @@ def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid)
 
 
 def _why_waiting(cap, job, avoid, keep_whole, state: Admission) -> str:
-    spec = job.spec
+    # Capacity only shrinks as the cycle places and earmarks, so one answer per shape holds until then.
+    key = (_shape(job), avoid, keep_whole, len(state.placed), len(state.earmarks))
+    if key not in state.explained:
+        state.explained[key] = _explain(cap, job.spec, avoid, keep_whole, state)
+    return state.explained[key]
+
+
+def _explain(cap, spec, avoid, keep_whole, state: Admission) -> str:
     if avoid and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None:
         holders = [h.job_id for h in state.holds if h.machines & avoid]
         return f"behind the reservation of job {holders[0]}"
     if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
         return "the last whole machines are kept for jobs that need a whole machine"
-    key = (_shape(job), len(state.placed), len(state.earmarks))
-    if key not in state.explained:
-        state.explained[key] = placement.explain_no_fit(cap, spec)
-    return state.explained[key]
+    return placement.explain_no_fit(cap, spec)
 
 
 def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:

@@ -27,11 +27,13 @@ from typing import Iterable, Mapping, Sequence
 
 from scheduler.capacity import Capacity
 from scheduler.models import INFERENCE_PARTITION, Arrivals, GpuSlot, Priority, QueuedJob
-from scheduler.placement import find_gpus
+from scheduler.placement import NO_AVOID, find_gpus
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
+STEP_FLOOR = 60.0
+STEP_SHARE = 0.02
 
 
 @dataclass
@@ -70,9 +72,15 @@ def estimate_starts(
     held = dict(usage.used)
 
     lanes: dict[tuple, deque[tuple[int, QueuedJob]]] = {}
+    total = sum(m.gpus for m in cap.machines)
     for order, job in enumerate(pending):
         s = job.spec
-        key = (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind, s.team)
+        pools = cap.eligible_pools(s)
+        largest = max((p.key.gpus for p in pools), default=0)
+        # A team's maximum only splits a lane when it could ever bind.
+        limit = usage.quota(s.team).max
+        team = s.team if limit is not None and limit < total else None
+        key = (s.num_gpus, s.topology_for(largest), tuple(id(p) for p in pools), team)
         lanes.setdefault(key, deque()).append((order, job))
     ready: list[tuple[float, tuple]] = [(lane[0][0], key) for key, lane in lanes.items()]
     phantoms = _phantom_lanes(pending, arrivals, held_by_class)
@@ -102,10 +110,12 @@ def estimate_starts(
             limit = usage.quota(spec.team).max
             fits_quota = limit is None or held.get(spec.team, 0) + spec.num_gpus <= limit
             duration = remaining_work(job)
-            avoid = frozenset(
-                i for h_order, h in holds if h_order < order and t + duration > h.expected_start
-                for i in h.machines
-            )
+            avoid = NO_AVOID
+            if holds:
+                avoid = frozenset(
+                    i for h_order, h in holds if h_order < order and t + duration > h.expected_start
+                    for i in h.machines
+                )
             # Cheap test first: most blocked lanes are blocked because too little is free at all.
             enough = fits_quota and cap.could_fit(spec)
             slots = find_gpus(cap, spec, avoid=avoid, keep_whole=keep_whole) if enough else None
@@ -142,9 +152,12 @@ def estimate_starts(
                 heapq.heappush(ready, (lane[0][0], key))
         if len(blocked) <= len(phantoms) or not calendar or calendar[0][0] > end:
             break  # only phantoms are left waiting, or nothing will ever free up
+        # Releases close together are taken as one step: an estimate is good to a minute, or to
+        # 2% of how far ahead it looks, and the walk's cost follows the number of steps.
         t = calendar[0][0]
-        while calendar and calendar[0][0] <= t:
-            _, _, release = heapq.heappop(calendar)
+        window = t + max(STEP_FLOOR, STEP_SHARE * (t - now))
+        while calendar and calendar[0][0] <= window:
+            t, _, release = heapq.heappop(calendar)
             if book is not None:
                 _leave(cap, book, release.at, release)
             cap.give(release.slots)

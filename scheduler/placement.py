@@ -94,7 +94,10 @@ def _reserved_whole(pools: Sequence[Pool], n: int, keep_whole: float) -> frozens
 
 
 def _usable(cap: Capacity, pools: Sequence[Pool], avoid: frozenset[int]) -> list[int]:
-    return [i for p in pools for i in p.members if cap.free[i] and i not in avoid]
+    """Machines with a free GPU, in machine order (the buckets skip the full ones quickly)."""
+    found = [i for p in pools for bucket in p.buckets[1:] for i in bucket if i not in avoid]
+    found.sort()
+    return found
 
 
 def best_block(

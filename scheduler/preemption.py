@@ -119,8 +119,9 @@ def choose_victims(
             if have >= n:
                 break
         if have >= n:
-            at_risk = sum(by_id[j].work_at_risk(now) for j in taken)
-            options.append(((max(keys[j] for j in taken), at_risk, len(taken)), taken))
+            # keys are sorted, so the last taken is the worst; key[3] is the work at risk.
+            at_risk = sum(keys[j][3] for j in taken)
+            options.append(((keys[taken[-1]], at_risk, len(taken)), taken))
     for _, taken in sorted(options, key=lambda o: o[0]):
         victims = tuple(by_id[j] for j in taken)
         gpus = _placement_without(cap, claimant, victims, avoid)

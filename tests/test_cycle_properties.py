@@ -237,9 +237,22 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     for r in staying:
         team_held[r.spec.team] = team_held.get(r.spec.team, 0) + r.spec.num_gpus
 
+    def guaranteed(team):
+        return snap.quotas[team].guaranteed if team in snap.quotas else 0
+
+    # Borrowed: each team's most recently started jobs beyond its guarantee.
+    borrowed = set()
+    for team, held in team_held.items():
+        over = held - guaranteed(team)
+        for r in sorted((r for r in staying if r.spec.team == team), key=lambda r: (-r.started_at, r.spec.job_id)):
+            if over <= 0:
+                break
+            borrowed.add(r.spec.job_id)
+            over -= r.spec.num_gpus
+
     # The queue order, by the stated policy (not by the core's own function).
     def share(team):
-        g = snap.quotas[team].guaranteed if team in snap.quotas else 0
+        g = guaranteed(team)
         return math.inf if g == 0 else team_held.get(team, 0) / g
 
     def key(q: QueuedJob):
@@ -317,6 +330,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     for r in result.reservations:
         assert r.job_id in queued and r.job_id not in {p.job_id for p in result.placements}
         assert r.expected_start >= now
+        assert now - queued[r.job_id].queued_since >= config.starvation_threshold, f"{r.job_id} is not starving"
         assert all(m in reachable for m in r.machines)
     for p in result.placements:
         if p.job_id in live_in:
@@ -339,7 +353,11 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert pre.grace_period == config.grace_period
         assert pre.for_job in queued and pre.for_job not in {p.job_id for p in result.placements}
         c = queued[pre.for_job].spec
-        assert v.spec.priority.rank > c.priority.rank or v.spec.team != c.team, f"{pre.job_id} is no valid victim"
+        if v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
+            assert v.spec.team != c.team, f"{pre.job_id} is no valid victim"
+            assert team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team), (
+                f"{pre.for_job} reclaims {pre.job_id} though its team would exceed its guarantee")
+            assert pre.job_id in borrowed, f"{pre.job_id} is taken by a reclaim but is not borrowed"
         assert now - v.started_at >= config.min_runtime, f"{pre.job_id} preempted before its minimum runtime"
         recent = [t for t in v.preemptions if now - t < config.thrash_window]
         assert len(recent) < config.thrash_max_preemptions, f"{pre.job_id} is thrash-protected"
@@ -380,6 +398,10 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert p.estimated_start is None or p.estimated_start >= now
         assert (p.misses_deadline is None) == (queued[p.job_id].spec.deadline is None)
         assert p.reason
+        spec = queued[p.job_id].spec
+        quota = snap.quotas.get(spec.team)
+        if quota is not None and quota.max is not None and team_held.get(spec.team, 0) + spec.num_gpus > quota.max:
+            assert "maximum" in p.reason, p.reason
     assert result.next_wake is None or result.next_wake > now
 
 
