@@ -46,7 +46,7 @@ class Layout:
 
     machines: list[Machine]
     index: dict[str, int]
-    healthy: list[frozenset[int]]
+    healthy: list[tuple[int, ...]]  # sorted
     pools: dict[PoolKey, list[int]]
     pool_key: list[PoolKey]
     block_of: list[str]
@@ -74,7 +74,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
     layout = Layout(
         machines=usable,
         index={m.id: i for i, m in enumerate(usable)},
-        healthy=[frozenset(range(m.gpus)) - m.unhealthy_gpus for m in usable],
+        healthy=[tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
         pools=pools,
         pool_key=pool_key,
         block_of=[m.block for m in usable],
@@ -93,13 +93,12 @@ class Capacity:
         layout = _layout_of(machines)
         self.machines = layout.machines
         self.index = layout.index
-        free = [set(h) for h in layout.healthy]
-        index = self.index
+        self.free: list[list[int]] = [list(h) for h in layout.healthy]
+        index, free = self.index, self.free
         for machine_id, gpu in held:
             i = index.get(machine_id)
-            if i is not None:
-                free[i].discard(gpu)
-        self.free: list[list[int]] = [sorted(f) for f in free]
+            if i is not None and gpu in free[i]:
+                free[i].remove(gpu)
         self.pools: dict[tuple, Pool] = {}
         self.pool_of: list[Pool] = []
         for key, members in layout.pools.items():

@@ -55,6 +55,7 @@ class Admission:
     no_victims: set[tuple] = field(default_factory=set)
     victim_keys: dict[str, tuple] = field(default_factory=dict)
     exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
+    candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
     explained: dict[tuple, str] = field(default_factory=dict)
     searches: int = 0
 
@@ -113,7 +114,11 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
             continue
         if _preempt_for(cap, job, running, usage, now, config, state, avoid):
             continue
-        if now - job.queued_since >= config.starvation_threshold and len(state.holds) < config.max_reservations:
+        if (
+            spec.num_gpus >= cap.gpus_per_machine  # a large gang job: fragmentation can starve it
+            and now - job.queued_since >= config.starvation_threshold
+            and len(state.holds) < config.max_reservations
+        ):
             if book is None:
                 book = reservation.ReleaseBook(cap, running, now)
             taken = frozenset(i for h in state.holds for i in h.machines)
@@ -216,7 +221,13 @@ def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid)
         return False
     if state.exposed is None:
         state.exposed = preemption.unprotected(running, now, config)
-    candidates = [j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going]
+    reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
+    rights = (spec.priority.rank, spec.team if reclaim else None, len(state.going))
+    candidates = state.candidates.get(rights)
+    if candidates is None:
+        candidates = state.candidates[rights] = [
+            j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going
+        ]
     if not candidates:
         state.no_victims.add(key)
         return False

@@ -123,6 +123,7 @@ def estimate_starts(
                 blocked.append(key)
                 if (
                     fits_quota
+                    and spec.num_gpus >= cap.gpus_per_machine
                     and holds_left > 0
                     and len(holds) < max_holds
                     and t - job.queued_since >= starvation_threshold

@@ -14,8 +14,8 @@ from scheduler.models import Machine, Requeue, RunningJob, gpu_path
 
 def jobs_to_requeue(machines: Sequence[Machine], running: Sequence[RunningJob]) -> list[Requeue]:
     if all(m.reachable and not m.unhealthy_gpus for m in machines):
-        known = {m.id for m in machines}
-        if all(slot[0] in known for job in running for slot in job.gpus):
+        used = {machine_id for job in running for machine_id, _ in job.gpus}
+        if used <= {m.id for m in machines}:
             return []
     by_id = {m.id: m for m in machines}
     requeues = []

@@ -55,6 +55,8 @@ def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob]) -> Te
         by_team.setdefault(job.spec.team, []).append(job)
     for team, jobs in by_team.items():
         over = usage.held(team) - usage.quota(team).guaranteed
+        if over <= 0:
+            continue
         for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
             if over <= 0:
                 break
