@@ -233,26 +233,6 @@ def drain_some(rng: random.Random, running: list[RunningJob], queue: list[Queued
     return running, queue, earmarks
 
 
-def recent_arrivals(queue: list[QueuedJob], now: float, window: float = 2 * HOUR) -> dict:
-    """The snapshot's arrival-rate field, from the queued jobs submitted in the last window.
-
-    The field's name and shape are young (``arrivals`` of ``Arrivals``, earlier ``demand_rate``
-    of GPU-seconds per second), so this fills whichever the Snapshot model has."""
-    gpus: Counter = Counter()
-    work: Counter = Counter()
-    for job in queue:
-        if now - job.submit_time <= window:
-            gpus[job.spec.priority] += job.spec.num_gpus
-            work[job.spec.priority] += job.spec.num_gpus * job.spec.expected_duration
-    fields = Snapshot.model_fields
-    if "arrivals" in fields and hasattr(models, "Arrivals"):
-        return {"arrivals": {p: models.Arrivals(gpus_per_second=g / window, mean_duration=work[p] / g)
-                             for p, g in gpus.items()}}
-    if "demand_rate" in fields:
-        return {"demand_rate": {p: w / window for p, w in work.items()}}
-    return {}
-
-
 def build_snapshot(seed: int, span: float, estimate: bool = True) -> Snapshot:
     rng = random.Random(seed)
     machines, quotas = load_fleet()
@@ -261,11 +241,9 @@ def build_snapshot(seed: int, span: float, estimate: bool = True) -> Snapshot:
     running, queue, earmarks = drain_some(rng, running, queue, NOW, expires=NOW + span + 300)
     held = [slot for job in running for slot in job.gpus]
     assert len(held) == len(set(held)) == sum(m.gpus for m in machines), "the cluster is not exactly full"
-    extra = recent_arrivals(queue, NOW)
-    if "estimate" in Snapshot.model_fields:
-        extra["estimate"] = estimate  # the live loop estimates every cycle
+    # The live loop estimates start times every cycle; --no-estimate shows the cost without them.
     return Snapshot(cluster=machines[0].cluster, now=NOW, machines=tuple(machines), running=tuple(running),
-                    queue=tuple(queue), quotas=quotas, earmarks=tuple(earmarks), **extra)
+                    queue=tuple(queue), quotas=quotas, earmarks=tuple(earmarks), estimate=estimate)
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -36,6 +36,7 @@ from scheduler.models import (
     Reservation,
     RunningJob,
     Snapshot,
+    Topology,
     gpu_path,
 )
 
@@ -56,6 +57,7 @@ class Admission:
     victim_keys: dict[str, tuple] = field(default_factory=dict)
     exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
+    ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     explained: dict[tuple, str] = field(default_factory=dict)
     searches: int = 0
 
@@ -150,7 +152,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
         ),
         pending=tuple(pending),
         earmarks=tuple(state.earmarks.values()),
-        next_wake=_next_wake(snapshot, running, state),
+        next_wake=_next_wake(snapshot, running, state, cap, usage),
     )
 
 
@@ -219,6 +221,10 @@ def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid)
     key = (_shape(job), spec.priority, spec.team, avoid)
     if key in state.no_victims or state.searches >= config.max_preemption_searches:
         return False
+    if _frees_up_soon(cap, spec, running, now, config, state, avoid):
+        state.waiting.append((job, "enough GPUs are expected to free up within the grace period; "
+                                   "waiting for them instead of preempting"))
+        return True
     if state.exposed is None:
         state.exposed = preemption.unprotected(running, now, config)
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
@@ -256,6 +262,37 @@ def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid)
     state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
                                f"{config.grace_period:.0f} s)"))
     return True
+
+
+def _frees_up_soon(cap, spec, running, now, config, state: Admission, avoid) -> bool:
+    """Whether jobs ending by their estimates free room for `spec` before a preemption would.
+
+    Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
+    within the grace period, waiting is no slower for the claimant and costs nobody anything."""
+    if state.ending_soon is None:
+        state.ending_soon = {}
+        horizon = now + config.grace_period
+        for job in running:
+            if not job.draining and job.spec.job_id not in state.going and job.expected_end(now) <= horizon:
+                for i, count in cap.machines_of(job):
+                    state.ending_soon[i] = state.ending_soon.get(i, 0) + count
+    pools = cap.eligible_pools(spec)
+    machines = [i for p in pools for i in p.members if i not in avoid]
+    n = spec.num_gpus
+    ending = state.ending_soon
+    if not any(i in ending for i in machines):
+        return False
+    soon = {i: len(cap.free[i]) + ending.get(i, 0) for i in machines}
+    topology = placement.resolved_topology(cap, spec, pools)
+    if topology == Topology.machine:
+        return any(v >= n for i, v in soon.items() if i in ending)
+    if topology == Topology.block:
+        per_block: dict[str, int] = {}
+        for i, v in soon.items():
+            block = cap.machines[i].block
+            per_block[block] = per_block.get(block, 0) + v
+        return any(v >= n for v in per_block.values())
+    return sum(soon.values()) >= n
 
 
 def _why_waiting(cap, job, avoid, keep_whole, state: Admission) -> str:
@@ -328,8 +365,6 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
         starvation_threshold=config.starvation_threshold,
         max_holds=config.max_reservations,
         horizon=config.eta_horizon,
-        arrivals=snapshot.arrivals,
-        held_by_class=_held_by_class(running),
         keep_whole=keep_whole,
     )
     out = []
@@ -344,25 +379,29 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
     return out
 
 
-def _held_by_class(running: list[RunningJob]) -> dict[int, int]:
-    held: dict[int, int] = {}
-    for job in running:
-        rank = job.spec.priority.rank
-        held[rank] = held.get(rank, 0) + job.spec.num_gpus
-    return held
-
-
-def _next_wake(snapshot: Snapshot, running: list[RunningJob], state: Admission) -> float | None:
+def _next_wake(snapshot: Snapshot, running: list[RunningJob], state: Admission, cap: Capacity,
+               usage: quotas.TeamUsage) -> float | None:
+    """Only what could change a decision: a large job reaching the starvation threshold, or a
+    protection ending on a job that some waiting job would be allowed to displace."""
     if not state.waiting:
         return None
     now, config = snapshot.now, snapshot.config
-    times = [job.queued_since + config.starvation_threshold for job, _ in state.waiting]
+    times = [
+        job.queued_since + config.starvation_threshold
+        for job, _ in state.waiting
+        if job.spec.num_gpus >= cap.gpus_per_machine
+    ]
+    most_important = min(job.spec.priority.rank for job, _ in state.waiting)
+    reclaiming = any(usage.under_guarantee_with(j.spec.team, j.spec.num_gpus) for j, _ in state.waiting)
     for job in running:
-        times.append(job.started_at + config.min_runtime)
         if job.draining_until is not None:
             times.append(job.draining_until)
-        recent = sorted(t for t in job.preemptions if now - t < config.thrash_window)
+            continue
+        if job.spec.priority.rank <= most_important and not (reclaiming and job.spec.job_id in usage.borrowed):
+            continue  # nobody waiting may displace it, protected or not
+        times.append(job.started_at + config.min_runtime)
+        recent = sorted(t for t in job.preemptions if now - t <= config.thrash_window)
         if len(recent) >= config.thrash_max_preemptions:
-            times.append(recent[-config.thrash_max_preemptions] + config.thrash_window)
+            times.append(recent[-config.thrash_max_preemptions] + config.thrash_window + 1.0)
     future = [t for t in times if t > now]
     return min(future) if future else None

@@ -10,12 +10,9 @@ Algorithm overview
   3. A job that would have waited past the starvation threshold holds its soonest place, as
      the real cycle does; later jobs may use it only if they end before it starts.
   4. Advance to the next release, give its GPUs back, and repeat from 2.
-  5. Honesty about the future: jobs of a more important class that arrive later overtake a
-     waiting job. Each such class enters the simulation as a *phantom* lane placed after that
-     class's real jobs: arriving at the recent rate of g GPUs per second with a mean duration d,
-     the newcomers hold g × min(t − now, d) GPUs at time t — but no more than that class holds
-     now: newcomers replace the class's departing jobs rather than grow its share without end.
-     The phantom takes released GPUs up to that amount before any less important job sees them.
+  5. What it does not know: work that arrives later. A more important job submitted tomorrow
+     will overtake, so the estimate is a start time *if no more important work arrives*; the
+     simulator measures how far that is from what happens (docs/results.md).
 """
 
 from __future__ import annotations
@@ -23,10 +20,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from scheduler.capacity import Capacity
-from scheduler.models import INFERENCE_PARTITION, Arrivals, GpuSlot, Priority, QueuedJob
+from scheduler.models import GpuSlot, QueuedJob
 from scheduler.placement import NO_AVOID, find_gpus
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
@@ -59,8 +56,6 @@ def estimate_starts(
     starvation_threshold: float,
     max_holds: int,
     horizon: float,
-    arrivals: Mapping[Priority, Arrivals],
-    held_by_class: Mapping[int, int],
     keep_whole: float = 0.0,
 ) -> dict[str, float | None]:
     """Estimated start per pending job id (None: not within the horizon). Mutates `cap`."""
@@ -82,11 +77,7 @@ def estimate_starts(
         team = s.team if limit is not None and limit < total else None
         key = (s.num_gpus, s.topology_for(largest), tuple(id(p) for p in pools), team)
         lanes.setdefault(key, deque()).append((order, job))
-    ready: list[tuple[float, tuple]] = [(lane[0][0], key) for key, lane in lanes.items()]
-    phantoms = _phantom_lanes(pending, arrivals, held_by_class)
-    ready += [(lane[0], ("phantom", rank)) for rank, lane in phantoms.items()]
-    granted = {rank: 0 for rank in phantoms}
-    phantom_pools = [p for p in cap.pools.values() if p.key.partition != INFERENCE_PARTITION]
+    ready = [(lane[0][0], key) for key, lane in lanes.items()]
     heapq.heapify(ready)
     blocked: list[tuple] = []
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
@@ -97,13 +88,6 @@ def estimate_starts(
     while True:
         while ready:
             order, key = heapq.heappop(ready)
-            if key[0] == "phantom":
-                _, rate, ceiling = phantoms[key[1]]
-                owed = min(ceiling, int(rate.gpus_per_second * min(t - now, rate.mean_duration))) - granted[key[1]]
-                if owed > 0:
-                    granted[key[1]] += _take_any(cap, phantom_pools, owed)
-                blocked.append(key)  # it wants more as time goes on
-                continue
             lane = lanes[key]
             job = lane[0][1]
             spec = job.spec
@@ -151,8 +135,8 @@ def estimate_starts(
             lane.popleft()
             if lane:
                 heapq.heappush(ready, (lane[0][0], key))
-        if len(blocked) <= len(phantoms) or not calendar or calendar[0][0] > end:
-            break  # only phantoms are left waiting, or nothing will ever free up
+        if not blocked or not calendar or calendar[0][0] > end:
+            break
         # Releases close together are taken as one step: an estimate is good to a minute, or to
         # 2% of how far ahead it looks, and the walk's cost follows the number of steps.
         t = calendar[0][0]
@@ -164,41 +148,10 @@ def estimate_starts(
             cap.give(release.slots)
             held[release.team] = held.get(release.team, 0) - release.gpus
         for key in blocked:
-            heapq.heappush(ready, (phantoms[key[1]][0] if key[0] == "phantom" else lanes[key][0][0], key))
+            heapq.heappush(ready, (lanes[key][0][0], key))
         blocked = []
 
     return {job.spec.job_id: raw.get(job.spec.job_id) for job in pending}
-
-
-def _phantom_lanes(pending: Sequence[QueuedJob], arrivals: Mapping[Priority, Arrivals], held: Mapping[int, int]):
-    """For each class more important than some waiting job: (place in order, rate, GPU ceiling)."""
-    if not pending or not arrivals:
-        return {}
-    lowest = max(job.spec.priority.rank for job in pending)
-    lanes = {}
-    for priority, rate in arrivals.items():
-        rank = Priority(priority).rank
-        if rank >= lowest or rate.gpus_per_second <= 0 or held.get(rank, 0) <= 0:
-            continue
-        # Newcomers queue behind the jobs of their class already waiting.
-        behind = sum(1 for job in pending if job.spec.priority.rank <= rank)
-        lanes[rank] = (behind - 0.5, rate, held[rank])
-    return lanes
-
-
-def _take_any(cap: Capacity, pools, wanted: int) -> int:
-    """Take up to `wanted` free GPUs anywhere, filling the fullest machines first."""
-    taken = 0
-    for pool in pools:
-        for count in range(1, pool.key.gpus + 1):
-            while pool.buckets[count] and taken < wanted:
-                i = next(iter(pool.buckets[count]))
-                grab = min(count, wanted - taken)
-                cap.take(cap.slots_on(i, grab))
-                taken += grab
-            if taken >= wanted:
-                return taken
-    return taken
 
 
 def _counts(cap: Capacity, release: Release) -> list[tuple[int, int]]:

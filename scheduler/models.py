@@ -182,13 +182,6 @@ class PolicyConfig(Frozen):
     eta_horizon: float = Field(default=30 * 86400.0, gt=0)
 
 
-class Arrivals(Frozen):
-    """How fast work of one class has been arriving lately."""
-
-    gpus_per_second: float = Field(ge=0)  # GPUs asked for per second of wall time
-    mean_duration: float = Field(gt=0)  # GPU-weighted mean expected duration, seconds
-
-
 class Earmark(Frozen):
     """GPUs promised to a job whose preemption victims are leaving them; nobody else takes them."""
 
@@ -208,9 +201,6 @@ class Snapshot(Frozen):
     quotas: Mapping[str, Quota] = Field(default_factory=dict)
     earmarks: tuple[Earmark, ...] = ()  # as the previous cycle returned them
     config: PolicyConfig = PolicyConfig()
-    # Recent arrivals by class: later arrivals of a more important class overtake a queued job,
-    # so an honest ETA counts them.
-    arrivals: Mapping[Priority, "Arrivals"] = Field(default_factory=dict)
     # Whether to estimate start times this cycle (positions and reasons always come). The live
     # loop asks every cycle; the simulator only when a job arrived, as it records the ETA at submit.
     estimate: bool = True

@@ -38,7 +38,7 @@ def protection(job: RunningJob, now: float, config: PolicyConfig) -> str | None:
     """Why this running job may not be preempted now, or None."""
     if now - job.started_at < config.min_runtime:
         return "has run less than the minimum runtime"
-    recent = [t for t in job.preemptions if now - t < config.thrash_window]
+    recent = [t for t in job.preemptions if now - t <= config.thrash_window]
     if len(recent) >= config.thrash_max_preemptions:
         return f"was preempted {len(recent)} times in the last {config.thrash_window / 60:g} minutes"
     if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:

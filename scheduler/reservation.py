@@ -1,7 +1,8 @@
 """Reservations: a big job that has waited too long stops being overtaken forever.
 
-Greedy placement lets small jobs flow around a big blocked job indefinitely. Once a job has
-waited past the starvation threshold, it reserves the place where it would fit soonest (by the
+Greedy placement lets small jobs flow around a big blocked job indefinitely. Once a large gang
+job (a whole machine or more) has waited past the starvation threshold, it reserves the place
+where it would fit soonest (by the
 running jobs' expected ends). Other jobs may still use free GPUs there, but only if they are
 expected to finish before the reservation starts — that is backfill that never delays it.
 """

@@ -239,7 +239,7 @@ def config(**overrides) -> PolicyConfig:
 
 def snapshot(machines: Sequence[Machine], *, running: Sequence = (), queue: Sequence = (),
              quotas: dict | None = None, earmarks: Sequence[Earmark] = (), now: float = NOW,
-             cfg: PolicyConfig | None = None, arrivals: dict | None = None, cluster: str = CLUSTER,
+             cfg: PolicyConfig | None = None, cluster: str = CLUSTER,
              **config_overrides) -> Snapshot:
     if cfg is None:
         cfg = PolicyConfig(**config_overrides)
@@ -254,7 +254,6 @@ def snapshot(machines: Sequence[Machine], *, running: Sequence = (), queue: Sequ
         quotas={team: (q if isinstance(q, Quota) else Quota(**q)) for team, q in (quotas or {}).items()},
         earmarks=tuple(earmarks),
         config=cfg,
-        **({"arrivals": dict(arrivals)} if arrivals else {}),
     )
 
 

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from scheduler.models import (
     INFERENCE_PARTITION,
-    Arrivals,
     CycleResult,
     JobKind,
     JobSpec,
@@ -166,9 +165,6 @@ def snapshots(draw) -> Snapshot:
     return Snapshot(
         cluster="c1", now=NOW, machines=tuple(machines), running=tuple(draw(running_jobs(machines))),
         queue=tuple(draw(queues())), quotas=draw(quota_maps()), config=draw(configs),
-        arrivals=draw(st.dictionaries(st.sampled_from(PRIORITIES), st.builds(
-            Arrivals, gpus_per_second=st.sampled_from([0.0, 0.001, 0.01, 0.1]),
-            mean_duration=st.sampled_from([600.0, 3600.0])), max_size=2)),
     )
 
 

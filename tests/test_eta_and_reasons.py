@@ -19,7 +19,7 @@ from builders import (
     snapshot,
 )
 
-from scheduler.models import Arrivals, Priority
+from scheduler.models import Priority
 
 M = [mid(0, 0, i) for i in range(4)]
 
@@ -108,25 +108,6 @@ def test_remaining_work_counts_for_the_deadline():
     q = job("q").gpus(8).expected(3600).deadline(NOW + 2000).submitted(NOW).queued(progress=3000)
     result = cycle(snapshot(fleet(machines=4), running=FULL, queue=[q]))
     assert pending(result)["q"].misses_deadline is False
-
-
-def test_later_arrivals_of_a_more_important_class_push_an_eta_back():
-    """Critical work keeps arriving (about a machine's worth at a time): it will overtake a normal
-    job, so the normal job's honest ETA is later than the first release."""
-    q = [job("norm").gpus(8).submitted(NOW)]
-    plain = cycle(snapshot(fleet(machines=4), running=FULL, queue=q))
-    critical = {Priority.critical: Arrivals(gpus_per_second=0.008, mean_duration=1000.0)}
-    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, arrivals=critical))
-    assert pending(plain)["norm"].estimated_start == NOW + 1000
-    assert pending(busy)["norm"].estimated_start is not None
-    assert pending(busy)["norm"].estimated_start > NOW + 1000
-
-
-def test_arrivals_of_a_less_important_class_do_not_push_an_eta_back():
-    q = [job("crit").gpus(8).priority("critical").submitted(NOW)]
-    low = {Priority.low: Arrivals(gpus_per_second=0.03, mean_duration=3600.0)}
-    busy = cycle(snapshot(fleet(machines=4), running=FULL, queue=q, arrivals=low))
-    assert pending(busy)["crit"].estimated_start == NOW + 1000
 
 
 # --- reasons, in words ------------------------------------------------------------------------------------

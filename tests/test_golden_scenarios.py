@@ -164,11 +164,13 @@ def test_thrash_when_the_protected_job_is_the_only_candidate_nothing_is_preempte
     result = cycle(_victims(NOW, with_other=False))
     assert not result.preemptions and not result.earmarks
     assert "crit" in pending(result)
-    assert result.next_wake == NOW + 600, "the cycle should wake when the protection ends"
+    # The window is inclusive (no more than two preemptions in any closed hour): the protection
+    # ends just after the hour.
+    assert result.next_wake == NOW + 601, "the cycle should wake when the protection ends"
 
 
 def test_thrash_after_the_hour_the_job_can_be_preempted_again():
-    result = cycle(_victims(NOW + 600, with_other=False))
+    result = cycle(_victims(NOW + 601, with_other=False))
     assert preempted(result) == ["twice"]
     [p] = result.preemptions
     assert p.for_job == "crit"

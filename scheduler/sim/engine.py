@@ -30,7 +30,6 @@ from scheduler.capacity import Capacity
 from scheduler.cycle import run_cycle
 from scheduler.fleet import Fleet
 from scheduler.models import (
-    Arrivals,
     CycleResult,
     Machine,
     PolicyConfig,
@@ -62,7 +61,6 @@ class SimSettings(BaseModel):
     machine_failures_per_day: float = Field(default=0.0, ge=0)  # per machine
     gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
     repair_s: float = Field(default=1800.0, gt=0)
-    demand_window_s: float = Field(default=6 * 3600.0, gt=0)
     seed: int = 0
     until: float | None = None  # stop here even if jobs remain
 
@@ -104,7 +102,6 @@ class ClusterState:
         self.machine_tuple = machines
         self.queue: dict[str, QueuedJob] = {}
         self.running: dict[str, RunningJob] = {}
-        self.recent: deque[tuple[float, Priority, int, float]] = deque()  # submit, class, GPUs, expected
         self.arrived = True  # a job arrived since the last cycle: estimate start times
         self.wake: float | None = None
         self.earmarks: tuple = ()
@@ -215,7 +212,6 @@ class Simulation:
         life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
-        cluster.recent.append((now, spec.priority, spec.num_gpus, spec.expected_duration))
         cluster.arrived = True
         return {cluster.name}
 
@@ -391,21 +387,11 @@ class Simulation:
 
     def snapshot(self, cluster: ClusterState, now: float) -> Snapshot:
         self.refresh_checkpoints(cluster, now)
-        window = self.settings.demand_window_s
-        while cluster.recent and cluster.recent[0][0] < now - window:
-            cluster.recent.popleft()
-        span = min(window, max(1.0, now - self.start))
-        gpus: dict[Priority, float] = {}
-        work: dict[Priority, float] = {}
-        for _, priority, n, expected in cluster.recent:
-            gpus[priority] = gpus.get(priority, 0.0) + n
-            work[priority] = work.get(priority, 0.0) + n * expected
-        arrivals = {p: Arrivals(gpus_per_second=g / span, mean_duration=work[p] / g) for p, g in gpus.items()}
         estimate, cluster.arrived = cluster.arrived, False
         return Snapshot.model_construct(
             cluster=cluster.name, now=now, machines=cluster.machine_tuple,
             running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
-            quotas=self.quotas, config=self.settings.policy, arrivals=arrivals, earmarks=cluster.earmarks, estimate=estimate,
+            quotas=self.quotas, config=self.settings.policy, earmarks=cluster.earmarks, estimate=estimate,
         )
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
