@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler import models
 from scheduler.cycle import run_cycle
 from scheduler.fleet import parse_fleet
 from scheduler.models import (

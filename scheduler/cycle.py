@@ -5,15 +5,7 @@ The cycle, step by step:
   2. Capacity — a scratch copy of the free GPUs; the snapshot itself is never changed.
   3. Quotas — what each team holds and which running jobs are borrowed capacity.
   4. Order — the queue in its total order (ordering.py).
-  5. Admit, in order, each job:
-     a. within its team's maximum, or it waits;
-     a'. a job holding an earmark starts on its earmarked GPUs once all of them are free;
-     b. placed on free GPUs (bin-packed), leaving alone machines held for a starving job unless
-        it would finish before that job starts (backfill);
-     c. else, if it may displace others, preempt the victims that really let it start, and
-        earmark the GPUs it will get so that no other job takes them as the victims leave;
-     d. else, if it has waited past the starvation threshold, hold the place it fits soonest;
-     e. else it waits, with the reason in words.
+  5. Admit — each job in order is placed, preempts, reserves or waits (admission.py).
   6. Stagger — each placed job that checkpoints gets a checkpoint phase.
   7. Estimate — positions, estimated starts and deadline risk for every job still waiting.
   8. Wake — the next time the cycle could decide differently even if nothing happens.
@@ -21,45 +13,10 @@ The cycle, step by step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from scheduler import eta, health, ordering, placement, preemption, quotas, reservation, staggering
+from scheduler import admission, eta, health, ordering, quotas, staggering
+from scheduler.admission import Admission
 from scheduler.capacity import Capacity
-from scheduler.models import (
-    CycleResult,
-    Earmark,
-    GpuSlot,
-    Pending,
-    Placement,
-    Preemption,
-    QueuedJob,
-    Reservation,
-    RunningJob,
-    Snapshot,
-    Topology,
-    gpu_path,
-)
-
-
-@dataclass
-class Admission:
-    """Step 5's working state: what this cycle has decided so far."""
-
-    placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
-    preemptions: list[Preemption] = field(default_factory=list)
-    going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
-    holds: list[reservation.Hold] = field(default_factory=list)
-    earmarks: dict[str, Earmark] = field(default_factory=dict)
-    earmark_free: dict[str, list[GpuSlot]] = field(default_factory=dict)  # taken out of capacity
-    waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)
-    no_fit: set[tuple] = field(default_factory=set)  # shapes that found no GPUs this cycle
-    no_victims: set[tuple] = field(default_factory=set)
-    victim_keys: dict[str, tuple] = field(default_factory=dict)
-    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
-    candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
-    ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
-    explained: dict[tuple, str] = field(default_factory=dict)
-    searches: int = 0
+from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
 
 
 def run_cycle(snapshot: Snapshot) -> CycleResult:
@@ -81,64 +38,15 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     queue = ordering.ordered_queue(snapshot.queue, usage)
 
     # 5. Admit
-    state = Admission(going=set(leaving))
-    _hold_earmarks(cap, snapshot, state)
-    draining_for = _draining_for(running)
-    keep_whole = config.reserved_pool_fraction if _big_job_waiting(cap, queue) else 0.0
-    book = None
+    state = admission.begin(snapshot, cap, usage, running, leaving, queue)
     for job in queue:
-        spec = job.spec
-        if not usage.within_max(spec.team, spec.num_gpus):
-            quota = usage.quota(spec.team)
-            state.waiting.append(
-                (job, f"team {spec.team} is at its maximum ({usage.held(spec.team)} of {quota.max} GPUs held)")
-            )
-            continue
-        earmark = state.earmarks.get(spec.job_id)
-        if earmark is not None:
-            if len(state.earmark_free[spec.job_id]) == len(earmark.gpus):
-                del state.earmarks[spec.job_id]
-                usage.add(spec.team, spec.num_gpus)
-                state.placed.append((job, earmark.gpus, False))
-            else:
-                state.waiting.append((job, _waiting_for_victims(draining_for.get(spec.job_id, []), now)))
-            continue
-        avoid = _held_against(job, state.holds, now)
-        slots = _place(cap, job, avoid, keep_whole, state)
-        if slots is not None:
-            cap.take(slots)
-            usage.add(spec.team, spec.num_gpus)
-            on_hold = any(cap.index[m] in h.machines for h in state.holds for m, _ in slots)
-            state.placed.append((job, slots, on_hold))
-            continue
-        if draining_for.get(spec.job_id):
-            state.waiting.append((job, _waiting_for_victims(draining_for[spec.job_id], now)))
-            continue
-        if _preempt_for(cap, job, running, usage, now, config, state, avoid):
-            continue
-        if (
-            spec.num_gpus >= cap.gpus_per_machine  # a large gang job: fragmentation can starve it
-            and now - job.queued_since >= config.starvation_threshold
-            and len(state.holds) < config.max_reservations
-        ):
-            if book is None:
-                book = reservation.ReleaseBook(cap, running, now)
-            taken = frozenset(i for h in state.holds for i in h.machines)
-            hold = reservation.plan_hold(cap, spec, book, now, taken)
-            if hold is not None:
-                state.holds.append(hold)
-                state.waiting.append(
-                    (job, f"{_why_waiting(cap, job, placement.NO_AVOID, keep_whole, state)}; holds a reservation, expected to start "
-                          f"at {hold.expected_start:.0f}")
-                )
-                continue
-        state.waiting.append((job, _why_waiting(cap, job, avoid, keep_whole, state)))
+        admission.admit(state, job)
 
     # 6. Stagger
     placements = _with_checkpoint_phases(state.placed, running, now, config)
 
     # 7. Estimate
-    pending = _estimate(cap, snapshot, running, usage, state, placements, keep_whole)
+    pending = _estimate(snapshot, state, placements)
 
     # 8. Wake
     return CycleResult(
@@ -152,164 +60,8 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
         ),
         pending=tuple(pending),
         earmarks=tuple(state.earmarks.values()),
-        next_wake=_next_wake(snapshot, running, state, cap, usage),
+        next_wake=_next_wake(snapshot, state),
     )
-
-
-def _hold_earmarks(cap: Capacity, snapshot: Snapshot, state: Admission) -> None:
-    """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
-    queued = {job.spec.job_id for job in snapshot.queue}
-    for earmark in snapshot.earmarks:
-        if earmark.expires <= snapshot.now or earmark.job_id not in queued:
-            continue
-        usable = all(
-            m in cap.index and g not in cap.machines[cap.index[m]].unhealthy_gpus for m, g in earmark.gpus
-        )
-        if not usable:
-            continue
-        free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]
-        cap.take(free)
-        state.earmarks[earmark.job_id] = earmark
-        state.earmark_free[earmark.job_id] = free
-
-
-def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:
-    if not victims:
-        return "waiting for the GPUs earmarked for it to be released"
-    grace_end = max(v.draining_until or now for v in victims)
-    return (f"waiting for {len(victims)} preempted job(s) to checkpoint and release their GPUs "
-            f"(grace ends at {grace_end:.0f})")
-
-
-def _shape(job: QueuedJob) -> tuple:
-    s = job.spec
-    return (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind)
-
-
-def _big_job_waiting(cap: Capacity, queue: list[QueuedJob]) -> bool:
-    return cap.gpus_per_machine > 0 and any(j.spec.num_gpus >= cap.gpus_per_machine for j in queue)
-
-
-def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
-    out: dict[str, list[RunningJob]] = {}
-    for job in running:
-        if job.draining and job.preempted_for:
-            out.setdefault(job.preempted_for, []).append(job)
-    return out
-
-
-def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float) -> frozenset[int]:
-    """Machines held for a starving job that this job would still occupy when it starts."""
-    if not holds:
-        return placement.NO_AVOID
-    ends = now + eta.remaining_work(job)
-    return frozenset(i for h in holds if ends > h.expected_start for i in h.machines)
-
-
-def _place(cap, job, avoid, keep_whole, state: Admission):
-    key = (_shape(job), avoid)
-    if key in state.no_fit:
-        return None
-    slots = placement.find_gpus(cap, job.spec, avoid=avoid, keep_whole=keep_whole)
-    if slots is None:
-        state.no_fit.add(key)
-    return slots
-
-
-def _preempt_for(cap, job, running, usage, now, config, state: Admission, avoid) -> bool:
-    spec = job.spec
-    key = (_shape(job), spec.priority, spec.team, avoid)
-    if key in state.no_victims or state.searches >= config.max_preemption_searches:
-        return False
-    if _frees_up_soon(cap, spec, running, now, config, state, avoid):
-        state.waiting.append((job, "enough GPUs are expected to free up within the grace period; "
-                                   "waiting for them instead of preempting"))
-        return True
-    if state.exposed is None:
-        state.exposed = preemption.unprotected(running, now, config)
-    reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
-    rights = (spec.priority.rank, spec.team if reclaim else None, len(state.going))
-    candidates = state.candidates.get(rights)
-    if candidates is None:
-        candidates = state.candidates[rights] = [
-            j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going
-        ]
-    if not candidates:
-        state.no_victims.add(key)
-        return False
-    state.searches += 1
-    choice = preemption.choose_victims(cap, spec, candidates, now, usage, state.victim_keys, avoid)
-    if choice is None:
-        state.no_victims.add(key)
-        return False
-    free_now = [(m, g) for m, g in choice.gpus if g in cap.free[cap.index[m]]]
-    cap.take(free_now)
-    state.earmarks[spec.job_id] = Earmark(
-        job_id=spec.job_id, gpus=choice.gpus, expires=now + 2 * config.grace_period + 60.0
-    )
-    state.earmark_free[spec.job_id] = free_now
-    for victim in choice.victims:
-        state.going.add(victim.spec.job_id)
-        state.preemptions.append(
-            Preemption(
-                job_id=victim.spec.job_id,
-                for_job=spec.job_id,
-                reason=preemption.displacement_reason(spec, victim),
-                grace_period=config.grace_period,
-            )
-        )
-    names = ", ".join(v.spec.job_id for v in choice.victims)
-    state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
-                               f"{config.grace_period:.0f} s)"))
-    return True
-
-
-def _frees_up_soon(cap, spec, running, now, config, state: Admission, avoid) -> bool:
-    """Whether jobs ending by their estimates free room for `spec` before a preemption would.
-
-    Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
-    within the grace period, waiting is no slower for the claimant and costs nobody anything."""
-    if state.ending_soon is None:
-        state.ending_soon = {}
-        horizon = now + config.grace_period
-        for job in running:
-            if not job.draining and job.spec.job_id not in state.going and job.expected_end(now) <= horizon:
-                for i, count in cap.machines_of(job):
-                    state.ending_soon[i] = state.ending_soon.get(i, 0) + count
-    pools = cap.eligible_pools(spec)
-    machines = [i for p in pools for i in p.members if i not in avoid]
-    n = spec.num_gpus
-    ending = state.ending_soon
-    if not any(i in ending for i in machines):
-        return False
-    soon = {i: len(cap.free[i]) + ending.get(i, 0) for i in machines}
-    topology = placement.resolved_topology(cap, spec, pools)
-    if topology == Topology.machine:
-        return any(v >= n for i, v in soon.items() if i in ending)
-    if topology == Topology.block:
-        per_block: dict[str, int] = {}
-        for i, v in soon.items():
-            block = cap.machines[i].block
-            per_block[block] = per_block.get(block, 0) + v
-        return any(v >= n for v in per_block.values())
-    return sum(soon.values()) >= n
-
-
-def _why_waiting(cap, job, avoid, keep_whole, state: Admission) -> str:
-    # Capacity only shrinks as the cycle places and earmarks, so one answer per shape holds until then.
-    key = (_shape(job), avoid, keep_whole, len(state.placed), len(state.earmarks))
-    if key not in state.explained:
-        state.explained[key] = _explain(cap, job.spec, avoid, keep_whole, state)
-    return state.explained[key]
-
-
-def _explain(cap, spec, avoid, keep_whole, state: Admission) -> str:
-    if avoid and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None:
-        holders = [h.job_id for h in state.holds if h.machines & avoid]
-        return f"behind the reservation of job {holders[0]}"
-    if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
-        return "the last whole machines are kept for jobs that need a whole machine"
-    return placement.explain_no_fit(cap, spec)
 
 
 def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:
@@ -339,9 +91,8 @@ def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, confi
     return out
 
 
-def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placements,
-              keep_whole: float) -> list[Pending]:
-    now, config = snapshot.now, snapshot.config
+def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement]) -> list[Pending]:
+    now, config, cap = snapshot.now, snapshot.config, state.cap
     if not state.waiting:
         return []
     if not snapshot.estimate:
@@ -349,7 +100,7 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
                         misses_deadline=None, reason=reason)
                 for position, (job, reason) in enumerate(state.waiting, start=1)]
     releases = []
-    for job in running:
+    for job in state.running:
         at = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
         releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, cap.machines_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
@@ -360,12 +111,12 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
         cap.clone(),
         releases,
         [job for job, _ in in_order],
-        usage,
+        state.usage,
         now,
         starvation_threshold=config.starvation_threshold,
         max_holds=config.max_reservations,
         horizon=config.eta_horizon,
-        keep_whole=keep_whole,
+        keep_whole=state.keep_whole,
     )
     out = []
     for position, (job, reason) in enumerate(in_order, start=1):
@@ -379,13 +130,12 @@ def _estimate(cap, snapshot: Snapshot, running, usage, state: Admission, placeme
     return out
 
 
-def _next_wake(snapshot: Snapshot, running: list[RunningJob], state: Admission, cap: Capacity,
-               usage: quotas.TeamUsage) -> float | None:
+def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
     """Only what could change a decision: a large job reaching the starvation threshold, or a
     protection ending on a job that some waiting job would be allowed to displace."""
     if not state.waiting:
         return None
-    now, config = snapshot.now, snapshot.config
+    now, config, cap, usage = snapshot.now, snapshot.config, state.cap, state.usage
     times = [
         job.queued_since + config.starvation_threshold
         for job, _ in state.waiting
@@ -393,7 +143,7 @@ def _next_wake(snapshot: Snapshot, running: list[RunningJob], state: Admission, 
     ]
     most_important = min(job.spec.priority.rank for job, _ in state.waiting)
     reclaiming = any(usage.under_guarantee_with(j.spec.team, j.spec.num_gpus) for j, _ in state.waiting)
-    for job in running:
+    for job in state.running:
         if job.draining_until is not None:
             times.append(job.draining_until)
             continue

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from scheduler.capacity import Capacity
-from scheduler.models import GpuSlot, QueuedJob
+from scheduler.models import GpuSlot, QueuedJob, Topology
 from scheduler.placement import NO_AVOID, find_gpus
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
@@ -135,7 +135,7 @@ def estimate_starts(
             lane.popleft()
             if lane:
                 heapq.heappush(ready, (lane[0][0], key))
-        if not blocked or not calendar or calendar[0][0] > end:
+        if not ready and (not blocked or not calendar or calendar[0][0] > end):
             break
         # Releases close together are taken as one step: an estimate is good to a minute, or to
         # 2% of how far ahead it looks, and the walk's cost follows the number of steps.
@@ -147,9 +147,18 @@ def estimate_starts(
                 _leave(cap, book, release.at, release)
             cap.give(release.slots)
             held[release.team] = held.get(release.team, 0) - release.gpus
+        # Retry only the lanes that the freed GPUs could possibly serve; the rest stay blocked.
+        total = sum(cap.block_free.values())
+        largest = max((p.largest_free() for p in cap.pools.values()), default=0)
+        in_block = max(cap.block_free.values(), default=0)
+        still = []
         for key in blocked:
-            heapq.heappush(ready, (lanes[key][0][0], key))
-        blocked = []
+            n, topology = key[0], key[1]
+            if n > (largest if topology == Topology.machine else in_block if topology == Topology.block else total):
+                still.append(key)
+            else:
+                heapq.heappush(ready, (lanes[key][0][0], key))
+        blocked = still
 
     return {job.spec.job_id: raw.get(job.spec.job_id) for job in pending}
 

@@ -19,7 +19,6 @@ from builders import (
     snapshot,
 )
 
-from scheduler.models import Priority
 
 M = [mid(0, 0, i) for i in range(4)]
 

@@ -19,7 +19,6 @@ import heapq
 import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,7 +32,6 @@ from scheduler.models import (
     CycleResult,
     Machine,
     PolicyConfig,
-    Priority,
     QueuedJob,
     RunningJob,
     Snapshot,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence

@@ -1,0 +1,302 @@
+"""Step 5 of the cycle: admit the queue, one job at a time, in order.
+
+For each job, the first of these that applies decides:
+  a. it would take its team over its maximum: it waits;
+  b. it holds an earmark (GPUs promised when it preempted others): it starts on exactly those
+     GPUs once all of them are free, and waits until then;
+  c. it fits on free GPUs (bin-packed), leaving alone machines held for a starving job unless it
+     will end before that job starts (backfill): it is placed;
+  d. its preemption victims are still draining: it waits for them;
+  e. it may displace others: if GPUs free up on their own within the grace period it waits for
+     them, else the victims that really let it start are preempted and the GPUs it will get are
+     earmarked, so no other job takes them as the victims leave;
+  f. it is a large gang job that has waited past the starvation threshold: it holds the place
+     where it fits soonest;
+  g. otherwise it waits, with the reason in words.
+Capacity only shrinks during admission, so a shape that found no GPUs (or no victims) is not
+searched again in the same cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler import eta, placement, preemption, reservation
+from scheduler.capacity import Capacity
+from scheduler.models import (
+    Earmark,
+    GpuSlot,
+    PolicyConfig,
+    Preemption,
+    QueuedJob,
+    RunningJob,
+    Snapshot,
+    Topology,
+)
+from scheduler.quotas import TeamUsage
+
+
+@dataclass
+class Admission:
+    """What admission reads (the cycle's scratch state) and what it has decided so far."""
+
+    cap: Capacity
+    usage: TeamUsage
+    running: list[RunningJob]
+    now: float
+    config: PolicyConfig
+    keep_whole: float  # the reserved pool's share while a large job waits, else 0
+    draining_for: dict[str, list[RunningJob]]  # claimant -> its victims still draining
+    # decisions
+    placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
+    holds: list[reservation.Hold] = field(default_factory=list)
+    earmarks: dict[str, Earmark] = field(default_factory=dict)
+    earmark_free: dict[str, list[GpuSlot]] = field(default_factory=dict)  # taken out of capacity
+    waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)  # in queue order
+    # remembered within the cycle
+    no_fit: set[tuple] = field(default_factory=set)
+    no_victims: set[tuple] = field(default_factory=set)
+    searches: int = 0
+    victim_keys: dict[str, tuple] = field(default_factory=dict)
+    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
+    candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
+    ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
+    book: reservation.ReleaseBook | None = None
+    explained: dict[tuple, str] = field(default_factory=dict)
+
+
+def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
+          leaving: set[str], queue: list[QueuedJob]) -> Admission:
+    config = snapshot.config
+    state = Admission(
+        cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
+        keep_whole=config.reserved_pool_fraction if _big_job_waiting(cap, queue) else 0.0,
+        draining_for=_draining_for(running), going=set(leaving),
+    )
+    _hold_earmarks(snapshot, state)
+    return state
+
+
+def admit(state: Admission, job: QueuedJob) -> None:
+    spec = job.spec
+    cap, usage = state.cap, state.usage
+    # a. maximum
+    if not usage.within_max(spec.team, spec.num_gpus):
+        limit = usage.quota(spec.team).max
+        state.waiting.append(
+            (job, f"team {spec.team} is at its maximum ({usage.held(spec.team)} of {limit} GPUs held)")
+        )
+        return
+    # b. earmark
+    earmark = state.earmarks.get(spec.job_id)
+    if earmark is not None:
+        if len(state.earmark_free[spec.job_id]) == len(earmark.gpus):
+            del state.earmarks[spec.job_id]
+            usage.add(spec.team, spec.num_gpus)
+            state.placed.append((job, earmark.gpus, False))
+        else:
+            state.waiting.append((job, _waiting_for_victims(state.draining_for.get(spec.job_id, []), state.now)))
+        return
+    # c. free GPUs
+    avoid = _held_against(job, state.holds, state.now)
+    slots = _place(state, job, avoid)
+    if slots is not None:
+        cap.take(slots)
+        usage.add(spec.team, spec.num_gpus)
+        on_hold = any(cap.index[m] in h.machines for h in state.holds for m, _ in slots)
+        state.placed.append((job, slots, on_hold))
+        return
+    # d. victims still draining
+    if state.draining_for.get(spec.job_id):
+        state.waiting.append((job, _waiting_for_victims(state.draining_for[spec.job_id], state.now)))
+        return
+    # e. preemption
+    if _preempt_for(state, job, avoid):
+        return
+    # f. reservation
+    if _reserve(state, job):
+        return
+    # g. wait
+    state.waiting.append((job, _why_waiting(state, job, avoid)))
+
+
+def _reserve(state: Admission, job: QueuedJob) -> bool:
+    spec, cap, config = job.spec, state.cap, state.config
+    if (
+        spec.num_gpus < cap.gpus_per_machine  # small jobs are not starved by fragmentation
+        or state.now - job.queued_since < config.starvation_threshold
+        or len(state.holds) >= config.max_reservations
+    ):
+        return False
+    if state.book is None:
+        state.book = reservation.ReleaseBook(cap, state.running, state.now)
+    taken = frozenset(i for h in state.holds for i in h.machines)
+    hold = reservation.plan_hold(cap, spec, state.book, state.now, taken)
+    if hold is None:
+        return False
+    state.holds.append(hold)
+    why = _why_waiting(state, job, placement.NO_AVOID)
+    state.waiting.append((job, f"{why}; holds a reservation, expected to start at {hold.expected_start:.0f}"))
+    return True
+
+
+def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
+    """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
+    cap = state.cap
+    queued = {job.spec.job_id for job in snapshot.queue}
+    for earmark in snapshot.earmarks:
+        if earmark.expires <= snapshot.now or earmark.job_id not in queued:
+            continue
+        usable = all(
+            m in cap.index and g not in cap.machines[cap.index[m]].unhealthy_gpus for m, g in earmark.gpus
+        )
+        if not usable:
+            continue
+        free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]
+        cap.take(free)
+        state.earmarks[earmark.job_id] = earmark
+        state.earmark_free[earmark.job_id] = free
+
+
+def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:
+    if not victims:
+        return "waiting for the GPUs earmarked for it to be released"
+    grace_end = max(v.draining_until or now for v in victims)
+    return (f"waiting for {len(victims)} preempted job(s) to checkpoint and release their GPUs "
+            f"(grace ends at {grace_end:.0f})")
+
+
+def _shape(job: QueuedJob) -> tuple:
+    s = job.spec
+    return (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind)
+
+
+def _big_job_waiting(cap: Capacity, queue: list[QueuedJob]) -> bool:
+    return cap.gpus_per_machine > 0 and any(j.spec.num_gpus >= cap.gpus_per_machine for j in queue)
+
+
+def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
+    out: dict[str, list[RunningJob]] = {}
+    for job in running:
+        if job.draining and job.preempted_for:
+            out.setdefault(job.preempted_for, []).append(job)
+    return out
+
+
+def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float) -> frozenset[int]:
+    """Machines held for a starving job that this job would still occupy when it starts."""
+    if not holds:
+        return placement.NO_AVOID
+    ends = now + eta.remaining_work(job)
+    return frozenset(i for h in holds if ends > h.expected_start for i in h.machines)
+
+
+def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
+    key = (_shape(job), avoid)
+    if key in state.no_fit:
+        return None
+    slots = placement.find_gpus(state.cap, job.spec, avoid=avoid, keep_whole=state.keep_whole)
+    if slots is None:
+        state.no_fit.add(key)
+    return slots
+
+
+def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
+    cap, usage, running, now, config = state.cap, state.usage, state.running, state.now, state.config
+    spec = job.spec
+    key = (_shape(job), spec.priority, spec.team, avoid)
+    if key in state.no_victims or state.searches >= config.max_preemption_searches:
+        return False
+    if _frees_up_soon(state, spec, avoid):
+        state.waiting.append((job, "enough GPUs are expected to free up within the grace period; "
+                                   "waiting for them instead of preempting"))
+        return True
+    if state.exposed is None:
+        state.exposed = preemption.unprotected(running, now, config)
+    reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
+    rights = (spec.priority.rank, spec.team if reclaim else None, len(state.going))
+    candidates = state.candidates.get(rights)
+    if candidates is None:
+        candidates = state.candidates[rights] = [
+            j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going
+        ]
+    if not candidates:
+        state.no_victims.add(key)
+        return False
+    state.searches += 1
+    choice = preemption.choose_victims(cap, spec, candidates, now, usage, state.victim_keys, avoid)
+    if choice is None:
+        state.no_victims.add(key)
+        return False
+    free_now = [(m, g) for m, g in choice.gpus if g in cap.free[cap.index[m]]]
+    cap.take(free_now)
+    state.earmarks[spec.job_id] = Earmark(
+        job_id=spec.job_id, gpus=choice.gpus, expires=now + 2 * config.grace_period + 60.0
+    )
+    state.earmark_free[spec.job_id] = free_now
+    for victim in choice.victims:
+        state.going.add(victim.spec.job_id)
+        state.preemptions.append(
+            Preemption(
+                job_id=victim.spec.job_id,
+                for_job=spec.job_id,
+                reason=preemption.displacement_reason(spec, victim),
+                grace_period=config.grace_period,
+            )
+        )
+    names = ", ".join(v.spec.job_id for v in choice.victims)
+    state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
+                               f"{config.grace_period:.0f} s)"))
+    return True
+
+
+def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
+    """Whether jobs ending by their estimates free room for `spec` before a preemption would.
+
+    Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
+    within the grace period, waiting is no slower for the claimant and costs nobody anything."""
+    cap, now = state.cap, state.now
+    if state.ending_soon is None:
+        state.ending_soon = {}
+        horizon = now + state.config.grace_period
+        for job in state.running:
+            if not job.draining and job.spec.job_id not in state.going and job.expected_end(now) <= horizon:
+                for i, count in cap.machines_of(job):
+                    state.ending_soon[i] = state.ending_soon.get(i, 0) + count
+    pools = cap.eligible_pools(spec)
+    machines = [i for p in pools for i in p.members if i not in avoid]
+    n = spec.num_gpus
+    ending = state.ending_soon
+    if not any(i in ending for i in machines):
+        return False
+    soon = {i: len(cap.free[i]) + ending.get(i, 0) for i in machines}
+    topology = placement.resolved_topology(cap, spec, pools)
+    if topology == Topology.machine:
+        return any(v >= n for i, v in soon.items() if i in ending)
+    if topology == Topology.block:
+        per_block: dict[str, int] = {}
+        for i, v in soon.items():
+            block = cap.machines[i].block
+            per_block[block] = per_block.get(block, 0) + v
+        return any(v >= n for v in per_block.values())
+    return sum(soon.values()) >= n
+
+
+def _why_waiting(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str:
+    # Capacity only shrinks as the cycle places and earmarks, so one answer per shape holds until then.
+    key = (_shape(job), avoid, len(state.placed), len(state.earmarks))
+    if key not in state.explained:
+        state.explained[key] = _explain(state, job.spec, avoid)
+    return state.explained[key]
+
+
+def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
+    cap, keep_whole = state.cap, state.keep_whole
+    if avoid and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None:
+        holders = [h.job_id for h in state.holds if h.machines & avoid]
+        return f"behind the reservation of job {holders[0]}"
+    if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
+        return "the last whole machines are kept for jobs that need a whole machine"
+    return placement.explain_no_fit(cap, spec)
