@@ -60,7 +60,7 @@ class Admission:
     no_victims: set[tuple] = field(default_factory=set)
     searches: int = 0
     victim_keys: dict[str, tuple] = field(default_factory=dict)
-    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
+    exposed: tuple[list[RunningJob], list[RunningJob]] | None = None  # unprotected: (priority, reclaim)
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
@@ -210,7 +210,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if key in state.no_victims or state.searches >= config.max_preemption_searches:
         return False
     if _frees_up_soon(state, spec, avoid):
-        state.waiting.append((job, "enough GPUs are expected to free up within the grace period; "
+        state.waiting.append((job, "enough GPUs are expected to free up within half the grace period; "
                                    "waiting for them instead of preempting"))
         return True
     if state.exposed is None:
@@ -256,11 +256,13 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
     """Whether jobs ending by their estimates free room for `spec` before a preemption would.
 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
-    within the grace period, waiting is no slower for the claimant and costs nobody anything."""
+    within half the grace period, waiting is hardly slower for the claimant and costs nobody
+    anything. (Half: if the estimate was wrong, preempting then still starts the claimant within
+    about one grace period.)"""
     cap, now = state.cap, state.now
     if state.ending_soon is None:
         state.ending_soon = {}
-        horizon = now + state.config.grace_period
+        horizon = now + state.config.grace_period / 2
         for job in state.running:
             if not job.draining and job.spec.job_id not in state.going and job.expected_end(now) <= horizon:
                 for i, count in cap.machines_of(job):
