@@ -12,7 +12,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine
+from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Layout:
     block_of: list[str]
     has_inference_partition: bool
     gpus_per_machine: int
+    all_healthy: bool  # every machine reachable, no sick GPU
 
 
 _last_layout: tuple[Sequence[Machine], Layout] | None = None
@@ -81,24 +82,62 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         # Down or not, an inference partition stays one: its jobs wait for it to come back.
         has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
         gpus_per_machine=max((m.gpus for m in usable), default=0),
+        all_healthy=all(m.reachable and not m.unhealthy_gpus for m in machines),
     )
     _last_layout = (machines, layout)
     return layout
 
 
+_job_gpus: dict[int, tuple[RunningJob, Layout, list[tuple[int, list[int]]]]] = {}
+
+
+def _gpus_by_machine(layout: Layout, job: RunningJob) -> list[tuple[int, list[int]]]:
+    """A running job's GPUs grouped by machine index, remembered per job object and layout.
+
+    Running jobs are immutable and live for many cycles; grouping their GPUs once instead of
+    every cycle is most of the cost of building the capacity. Remembered by identity, so a
+    changed job (a new object) is always grouped afresh."""
+    found = _job_gpus.get(id(job))
+    if found is not None and found[0] is job and found[1] is layout:
+        return found[2]
+    grouped: dict[int, list[int]] = {}
+    for machine_id, gpu in job.gpus:
+        i = layout.index.get(machine_id)
+        if i is not None:
+            grouped.setdefault(i, []).append(gpu)
+    if len(_job_gpus) > 100_000:
+        _job_gpus.clear()
+    result = list(grouped.items())
+    _job_gpus[id(job)] = (job, layout, result)
+    return result
+
+
+def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[RunningJob]) -> bool:
+    """True when every machine is up and healthy and every running job is on known machines:
+    the common case, answered from remembered groupings instead of every GPU of every job."""
+    layout = _layout_of(machines)
+    if not layout.all_healthy:
+        return False
+    return all(sum(len(g) for _, g in _gpus_by_machine(layout, job)) == len(job.gpus) for job in running)
+
+
 class Capacity:
     """Free GPUs per usable machine; `take` and `give` keep the buckets in step."""
 
-    def __init__(self, machines: Sequence[Machine], held: Iterable[GpuSlot] = ()):
-        layout = _layout_of(machines)
+    def __init__(self, machines: Sequence[Machine], running: Iterable[RunningJob] = ()):
+        """The GPUs of `machines` that are healthy and not held by any of `running`."""
+        layout = self.layout = _layout_of(machines)
         self.machines = layout.machines
         self.index = layout.index
-        self.free: list[list[int]] = [list(h) for h in layout.healthy]
-        index, free = self.index, self.free
-        for machine_id, gpu in held:
-            i = index.get(machine_id)
-            if i is not None and gpu in free[i]:
-                free[i].remove(gpu)
+        self._machines_of: dict[str, list[tuple[int, int]]] = {}
+        taken: dict[int, set[int]] = {}
+        for job in running:
+            for i, gpus in _gpus_by_machine(layout, job):
+                taken.setdefault(i, set()).update(gpus)
+        self.free: list[list[int]] = [
+            list(h) if i not in taken else [g for g in h if g not in taken[i]]
+            for i, h in enumerate(layout.healthy)
+        ]
         self.pools: dict[tuple, Pool] = {}
         self.pool_of: list[Pool] = []
         for key, members in layout.pools.items():
@@ -114,7 +153,6 @@ class Capacity:
         self.has_inference_partition = layout.has_inference_partition
         self.gpus_per_machine = layout.gpus_per_machine
         self._eligible: dict[tuple, list[Pool]] = {}
-        self._machines_of: dict[str, list[tuple[int, int]]] = {}
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -158,16 +196,13 @@ class Capacity:
             return False
         return True
 
-    def machines_of(self, job) -> list[tuple[int, int]]:
+    def machines_of(self, job: RunningJob) -> list[tuple[int, int]]:
         """(machine, GPU count) of a running job's usable GPUs; remembered for the cycle."""
         found = self._machines_of.get(job.spec.job_id)
         if found is None:
-            counts: dict[int, int] = {}
-            for machine_id, _ in job.gpus:
-                i = self.index.get(machine_id)
-                if i is not None:
-                    counts[i] = counts.get(i, 0) + 1
-            found = self._machines_of[job.spec.job_id] = list(counts.items())
+            found = self._machines_of[job.spec.job_id] = [
+                (i, len(gpus)) for i, gpus in _gpus_by_machine(self.layout, job)
+            ]
         return found
 
     def slots_on(self, i: int, count: int) -> list[GpuSlot]:
@@ -211,6 +246,7 @@ class Capacity:
 
     def clone(self) -> "Capacity":
         twin = object.__new__(Capacity)
+        twin.layout = self.layout
         twin.machines = self.machines
         twin.index = self.index
         twin.free = [list(f) for f in self.free]

@@ -29,7 +29,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     running = [j for j in snapshot.running if j.spec.job_id not in lost]
 
     # 2. Capacity
-    cap = Capacity(snapshot.machines, held=[slot for job in running for slot in job.gpus])
+    cap = Capacity(snapshot.machines, running)
 
     # 3. Quotas
     usage = quotas.team_usage(snapshot.quotas, running)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from scheduler.capacity import all_on_healthy_machines
 from scheduler.models import Machine, Requeue, RunningJob, gpu_path
 
 
 def jobs_to_requeue(machines: Sequence[Machine], running: Sequence[RunningJob]) -> list[Requeue]:
-    if all(m.reachable and not m.unhealthy_gpus for m in machines):
-        used = {machine_id for job in running for machine_id, _ in job.gpus}
-        if used <= {m.id for m in machines}:
-            return []
+    if all_on_healthy_machines(machines, running):
+        return []
     by_id = {m.id: m for m in machines}
     requeues = []
     for job in running:

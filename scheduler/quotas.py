@@ -19,8 +19,9 @@ NO_QUOTA = Quota()
 @dataclass
 class TeamUsage:
     quotas: Mapping[str, Quota]
+    running: Sequence[RunningJob] = ()
     used: dict[str, int] = field(default_factory=dict)
-    borrowed: set[str] = field(default_factory=set)  # job ids of running jobs above a guarantee
+    _borrowed: set[str] | None = None
 
     def quota(self, team: str) -> Quota:
         return self.quotas.get(team) or self.quotas.get("*") or NO_QUOTA
@@ -46,23 +47,38 @@ class TeamUsage:
     def add(self, team: str, gpus: int) -> None:
         self.used[team] = self.used.get(team, 0) + gpus
 
+    @property
+    def borrowed(self) -> set[str]:
+        """Job ids of the running jobs above their team's guarantee (worked out when first asked)."""
+        if self._borrowed is None:
+            self._borrowed = _borrowed_jobs(self, self.running)
+        return self._borrowed
+
 
 def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob]) -> TeamUsage:
-    usage = TeamUsage(quotas)
-    by_team: dict[str, list[RunningJob]] = {}
+    usage = TeamUsage(quotas, running)
     for job in running:
         usage.add(job.spec.team, job.spec.num_gpus)
+    return usage
+
+
+def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
+    held: dict[str, int] = {}
+    by_team: dict[str, list[RunningJob]] = {}
+    for job in running:
+        held[job.spec.team] = held.get(job.spec.team, 0) + job.spec.num_gpus
         by_team.setdefault(job.spec.team, []).append(job)
+    borrowed = set()
     for team, jobs in by_team.items():
-        over = usage.held(team) - usage.quota(team).guaranteed
+        over = held[team] - usage.quota(team).guaranteed
         if over <= 0:
             continue
         for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
             if over <= 0:
                 break
-            usage.borrowed.add(job.spec.job_id)
+            borrowed.add(job.spec.job_id)
             over -= job.spec.num_gpus
-    return usage
+    return borrowed
 
 
 def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota]) -> str | None:

@@ -349,15 +349,19 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert pre.grace_period == config.grace_period
         assert pre.for_job in queued and pre.for_job not in {p.job_id for p in result.placements}
         c = queued[pre.for_job].spec
+        reclaim = (v.spec.team != c.team and pre.job_id in borrowed
+                   and team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team))
         if v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
             assert v.spec.team != c.team, f"{pre.job_id} is no valid victim"
             assert team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team), (
                 f"{pre.for_job} reclaims {pre.job_id} though its team would exceed its guarantee")
             assert pre.job_id in borrowed, f"{pre.job_id} is taken by a reclaim but is not borrowed"
         assert now - v.started_at >= config.min_runtime, f"{pre.job_id} preempted before its minimum runtime"
-        recent = [t for t in v.preemptions if now - t < config.thrash_window]
+        recent = [t for t in v.preemptions if now - t <= config.thrash_window]
         assert len(recent) < config.thrash_max_preemptions, f"{pre.job_id} is thrash-protected"
-        assert v.spec.checkpoints or now - v.started_at <= config.max_unsaved_run, f"{pre.job_id} cannot checkpoint"
+        # The unsaved-run protection shields from priority preemption, not from a reclaim.
+        assert reclaim or v.spec.checkpoints or now - v.started_at <= config.max_unsaved_run, (
+            f"{pre.job_id} cannot checkpoint")
         victims_of.setdefault(pre.for_job, set()).add(pre.job_id)
     assert len({p.job_id for p in result.preemptions}) == len(result.preemptions), "a victim preempted twice"
 

@@ -23,7 +23,7 @@ def _start(snapshot: Snapshot):
     requeues = health.jobs_to_requeue(snapshot.machines, snapshot.running)
     lost = {r.job_id for r in requeues if not r.graceful}
     running = [j for j in snapshot.running if j.spec.job_id not in lost]
-    cap = Capacity(snapshot.machines, held=(s for j in running for s in j.gpus))
+    cap = Capacity(snapshot.machines, running)
     return requeues, running, cap
 
 
