@@ -12,7 +12,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob
+from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob, Topology
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,7 @@ class Capacity:
         self.has_inference_partition = layout.has_inference_partition
         self.gpus_per_machine = layout.gpus_per_machine
         self._eligible: dict[tuple, list[Pool]] = {}
+        self._terms: dict[tuple, tuple] = {}
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -162,14 +163,23 @@ class Capacity:
     def total_free(self, pools: Sequence[Pool]) -> int:
         return sum(c * len(p.buckets[c]) for p in pools for c in range(1, p.key.gpus + 1))
 
+    def fit_terms(self, spec: JobSpec) -> tuple[list[Pool], int, Topology]:
+        """(eligible pools, their largest machine, the job's resolved topology), remembered."""
+        key = (spec.kind, spec.gpu_type, spec.gpu_memory_gb, spec.num_gpus, spec.topology)
+        terms = self._terms.get(key)
+        if terms is None:
+            pools = self.eligible_pools(spec)
+            largest = max((p.key.gpus for p in pools), default=self.gpus_per_machine)
+            terms = self._terms[key] = (pools, largest, spec.topology_for(largest))
+        return terms
+
     def could_fit(self, spec: JobSpec) -> bool:
         """A quick necessary condition for a fit: enough free GPUs in the right places at all."""
-        pools = self.eligible_pools(spec)
+        pools, _, topology = self.fit_terms(spec)
         n = spec.num_gpus
-        largest = max((p.key.gpus for p in pools), default=0)
-        if spec.topology_for(largest).value == "machine":
+        if topology == Topology.machine:
             return any(p.largest_free() >= n for p in pools)
-        if spec.topology_for(largest).value == "block" and max(self.block_free.values(), default=0) < n:
+        if topology == Topology.block and max(self.block_free.values(), default=0) < n:
             return False
         return self.total_free(pools) >= n
 
@@ -237,6 +247,25 @@ class Capacity:
         for i, count in before.items():
             self._moved(i, count)
 
+    def take_picks(self, picks: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """Take the lowest free GPUs of each picked machine; returns what was taken, for give_back."""
+        taken = []
+        for i, count in picks:
+            free = self.free[i]
+            before = len(free)
+            taken.append((i, free[:count]))
+            del free[:count]
+            self._moved(i, before)
+        return taken
+
+    def give_back(self, taken: Sequence[tuple[int, list[int]]]) -> None:
+        for i, gpus in taken:
+            free = self.free[i]
+            before = len(free)
+            free.extend(gpus)
+            free.sort()
+            self._moved(i, before)
+
     def _moved(self, i: int, before: int) -> None:
         after = len(self.free[i])
         buckets = self.pool_of[i].buckets
@@ -260,5 +289,6 @@ class Capacity:
         twin.has_inference_partition = self.has_inference_partition
         twin.gpus_per_machine = self.gpus_per_machine
         twin._eligible = {}
+        twin._terms = {}
         twin._machines_of = self._machines_of
         return twin

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from scheduler.capacity import Capacity
 from scheduler.models import GpuSlot, QueuedJob, Topology
-from scheduler.placement import NO_AVOID, find_gpus
+from scheduler.placement import NO_AVOID, find_picks
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
@@ -35,11 +35,14 @@ STEP_SHARE = 0.02
 
 @dataclass
 class Release:
+    """GPUs coming back at `at`: a running job's slots, or what the walk itself took."""
+
     at: float
     slots: Sequence[GpuSlot]
     team: str
     gpus: int
     machines: list[tuple[int, int]] | None = None  # (machine, GPU count), filled on first use
+    taken: list[tuple[int, list[int]]] | None = None  # set for jobs the walk started
 
 
 def remaining_work(job: QueuedJob) -> float:
@@ -83,6 +86,7 @@ def estimate_starts(
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
 
     raw: dict[str, float] = {}
+    avoid_cache: dict[tuple, frozenset[int]] = {}
     t = now
     end = now + horizon
     while True:
@@ -96,14 +100,16 @@ def estimate_starts(
             duration = remaining_work(job)
             avoid = NO_AVOID
             if holds:
-                avoid = frozenset(
-                    i for h_order, h in holds if h_order < order and t + duration > h.expected_start
-                    for i in h.machines
-                )
+                applying = tuple(k for k, (h_order, h) in enumerate(holds)
+                                 if h_order < order and t + duration > h.expected_start)
+                if applying:
+                    avoid = avoid_cache.get(applying)
+                    if avoid is None:
+                        avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
             # Cheap test first: most blocked lanes are blocked because too little is free at all.
             enough = fits_quota and cap.could_fit(spec)
-            slots = find_gpus(cap, spec, avoid=avoid, keep_whole=keep_whole) if enough else None
-            if slots is None:
+            picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole) if enough else None
+            if picks is None:
                 blocked.append(key)
                 if (
                     fits_quota
@@ -122,16 +128,18 @@ def estimate_starts(
                     holds_left -= 1
                     if hold is not None:
                         holds.append((order, hold))
+                        avoid_cache.clear()
                 continue
-            cap.take(slots)
             raw[spec.job_id] = t
             held[spec.team] = held.get(spec.team, 0) + spec.num_gpus
-            release = Release(t + duration, slots, spec.team, spec.num_gpus)
+            release = Release(t + duration, (), spec.team, spec.num_gpus, picks, cap.take_picks(picks))
             heapq.heappush(calendar, (release.at, seq, release))
             if book is not None:
                 _enter(cap, book, release.at, release)
             seq += 1
-            holds = [(o, h) for o, h in holds if o != order]
+            if any(o == order for o, _ in holds):
+                holds = [(o, h) for o, h in holds if o != order]
+                avoid_cache.clear()
             lane.popleft()
             if lane:
                 heapq.heappush(ready, (lane[0][0], key))
@@ -145,7 +153,10 @@ def estimate_starts(
             t, _, release = heapq.heappop(calendar)
             if book is not None:
                 _leave(cap, book, release.at, release)
-            cap.give(release.slots)
+            if release.taken is not None:
+                cap.give_back(release.taken)
+            else:
+                cap.give(release.slots)
             held[release.team] = held.get(release.team, 0) - release.gpus
         # Retry only the lanes that the freed GPUs could possibly serve; the rest stay blocked.
         total = sum(cap.block_free.values())

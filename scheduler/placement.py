@@ -24,9 +24,8 @@ from scheduler.models import GpuSlot, JobSpec, Topology
 NO_AVOID: frozenset[int] = frozenset()
 
 
-def resolved_topology(cap: Capacity, spec: JobSpec, pools: Sequence[Pool]) -> Topology:
-    largest = max((p.key.gpus for p in pools), default=cap.gpus_per_machine)
-    return spec.topology_for(largest)
+def resolved_topology(cap: Capacity, spec: JobSpec, pools: Sequence[Pool] = ()) -> Topology:
+    return cap.fit_terms(spec)[2]
 
 
 def find_gpus(
@@ -37,16 +36,28 @@ def find_gpus(
     keep_whole: float = 0.0,
 ) -> tuple[GpuSlot, ...] | None:
     """The GPUs this job should get now, or None if it cannot start. Does not take them."""
-    pools = cap.eligible_pools(spec)
+    picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
+    if picks is None:
+        return None
+    return tuple(slot for i, count in picks for slot in cap.slots_on(i, count))
+
+
+def find_picks(
+    cap: Capacity,
+    spec: JobSpec,
+    *,
+    avoid: frozenset[int] = NO_AVOID,
+    keep_whole: float = 0.0,
+) -> list[tuple[int, int]] | None:
+    """Where the job should go, as (machine, GPU count) picks, or None if it cannot start."""
+    pools, largest, topology = cap.fit_terms(spec)
     if not pools:
         return None
     n = spec.num_gpus
-    topology = resolved_topology(cap, spec, pools)
-    largest = max(p.key.gpus for p in pools)
     if n <= largest:  # one machine satisfies every topology
         i = best_machine(cap, pools, n, avoid, keep_whole)
         if i is not None:
-            return tuple(cap.slots_on(i, n))
+            return [(i, n)]
         if topology == Topology.machine:
             return None
         if keep_whole:
@@ -56,9 +67,7 @@ def find_gpus(
     picks = best_block(cap, pools, n, avoid)
     if picks is None and topology == Topology.any:
         picks = greedy_fill(cap, _usable(cap, pools, avoid), n)
-    if picks is None:
-        return None
-    return tuple(slot for i, count in picks for slot in cap.slots_on(i, count))
+    return picks
 
 
 def best_machine(
