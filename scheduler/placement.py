@@ -171,13 +171,11 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
             return f"needs {n} GPUs on one machine; machines here have {size}"
         return f"needs {n} GPUs on one machine; the largest free is {largest}"
     if topology == Topology.block:
-        best = 0
         by_block: dict[str, int] = {}
-        for p in pools:
-            for i in p.members:
-                block = cap.machines[i].block
-                by_block[block] = by_block.get(block, 0) + len(cap.free[i])
-                best = max(best, by_block[block])
+        for i in _usable(cap, pools, NO_AVOID):
+            block = cap.machines[i].block
+            by_block[block] = by_block.get(block, 0) + len(cap.free[i])
+        best = max(by_block.values(), default=0)
         return f"needs {n} GPUs in one block; the most free in a block is {best}"
     return f"needs {n} GPUs; {cap.total_free(pools)} are free"
 

@@ -98,23 +98,29 @@ def choose_victims(
     pools = cap.eligible_pools(claimant)
     if not pools or not candidates:
         return None
-    eligible = {i for p in pools for i in p.members if i not in avoid}
+    pool_of = cap.pool_of
     topology = resolved_topology(cap, claimant, pools)
     domain_of = _domain_function(cap, topology, claimant.num_gpus, pools)
+
+    def eligible(i: int) -> bool:
+        return i not in avoid and pool_of[i] in pools
 
     # What each candidate would free in each domain (only the eligible machines count).
     freed: dict[object, dict[str, int]] = {}
     for job in candidates:
         for i, count in cap.machines_of(job):
-            if i in eligible:
+            if eligible(i):
                 per = freed.setdefault(domain_of(i), {})
                 per[job.spec.job_id] = per.get(job.spec.job_id, 0) + count
     if not freed:
         return None
     free_in: dict[object, int] = {}
-    for i in eligible:
-        domain = domain_of(i)
-        free_in[domain] = free_in.get(domain, 0) + len(cap.free[i])
+    for pool in pools:
+        for count in range(1, pool.key.gpus + 1):  # only machines with a free GPU add anything
+            for i in pool.buckets[count]:
+                if i not in avoid:
+                    domain = domain_of(i)
+                    free_in[domain] = free_in.get(domain, 0) + count
 
     by_id = {job.spec.job_id: job for job in candidates}
     keys = {}
