@@ -70,6 +70,7 @@ class Admission:
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
           leaving: set[str], queue: list[QueuedJob]) -> Admission:
     config = snapshot.config
+    usage.preemptible = lambda job: preemption.protection(job, snapshot.now, config, reclaim=True) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
         keep_whole=config.reserved_pool_fraction if _big_job_waiting(cap, queue) else 0.0,

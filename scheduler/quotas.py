@@ -9,7 +9,7 @@ most recently started jobs beyond the guarantee, since they lose the least when 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from scheduler.models import Quota, RunningJob
 
@@ -21,6 +21,7 @@ class TeamUsage:
     quotas: Mapping[str, Quota]
     running: Sequence[RunningJob] = ()
     used: dict[str, int] = field(default_factory=dict)
+    preemptible: Callable[[RunningJob], bool] = lambda job: True  # set by the cycle
     _borrowed: set[str] | None = None
 
     def quota(self, team: str) -> Quota:
@@ -73,7 +74,7 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
         over = held[team] - usage.quota(team).guaranteed
         if over <= 0:
             continue
-        for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
+        for job in sorted(jobs, key=lambda j: (not usage.preemptible(j), -j.started_at, j.spec.job_id)):
             if over <= 0:
                 break
             borrowed.add(job.spec.job_id)

@@ -236,11 +236,17 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     def guaranteed(team):
         return snap.quotas[team].guaranteed if team in snap.quotas else 0
 
-    # Borrowed: each team's most recently started jobs beyond its guarantee.
+    # A team's borrowed jobs: those it is cheapest to give back — preemptible by a reclaim before
+    # protected ones, then the most recently started — until its overage is covered.
+    def protected_from_reclaim(r):
+        recent = [t for t in r.preemptions if now - t <= config.thrash_window]
+        return now - r.started_at < config.min_runtime or len(recent) >= config.thrash_max_preemptions
+
     borrowed = set()
     for team, held in team_held.items():
         over = held - guaranteed(team)
-        for r in sorted((r for r in staying if r.spec.team == team), key=lambda r: (-r.started_at, r.spec.job_id)):
+        for r in sorted((r for r in staying if r.spec.team == team),
+                        key=lambda r: (protected_from_reclaim(r), -r.started_at, r.spec.job_id)):
             if over <= 0:
                 break
             borrowed.add(r.spec.job_id)

@@ -173,7 +173,7 @@ RECLAIM_CASES = [
     (
         {"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, _full_of_b(started=(0, NOW - 60)),
         job("a1").team("a").gpus(8).submitted(NOW),
-        [],
+        ["b-old"],
     ),
     (
         {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}, _full_of_b(started=(0, NOW - 60)),
@@ -188,7 +188,7 @@ RECLAIM_IDS = [
     "a team already at its guarantee does not reclaim",
     "a team exactly reaching its guarantee with the job (4 held + 4 asked = 8) still reclaims",
     "a team that would go beyond its guarantee with the job (4 held + 6 asked > 8) does not reclaim",
-    "when the only borrowed job is protected, a job within the other team's guarantee is not taken instead",
+    "when the newest job beyond a guarantee is protected, the team's preemptible job counts as borrowed and goes",
     "a borrowed job still within its minimum runtime is protected, the other borrowed one goes",
 ]
 

@@ -63,6 +63,8 @@ class SimSettings(BaseModel):
     until: float | None = None  # stop here even if jobs remain
 
 
+MAX_CYCLES_PER_INSTANT = 4
+
 # Event kinds, in the order they apply within one timestamp.
 RELEASE, FINISH, MACHINE_DOWN, MACHINE_UP, GPU_DOWN, GPU_UP, SUBMIT, WAKE = range(8)
 
@@ -137,6 +139,7 @@ class Simulation:
         self.samples: list[Sample] = []
         self.cycle_ms: list[float] = []
         self.reclaim_latencies: list[float] = []
+        self.freed_now: set[str] = set()  # clusters whose GPUs a decision freed this instant
         for job in trace:
             self.jobs[job.spec.job_id] = JobLife(trace=job, cluster="")
             self.push(job.submit_time, SUBMIT, job.spec.job_id)
@@ -161,9 +164,16 @@ class Simulation:
             while self.events and self.events[0][0] == now:
                 _, kind, _, payload = heapq.heappop(self.events)
                 touched |= self.apply_event(now, kind, payload)
-            for name in sorted(touched):
-                self.run_cycle(self.clusters[name], now)
-            if touched:
+            # A cycle's decisions can free GPUs at once (a killed job, an instant checkpoint): the
+            # cluster then gets another cycle at the same moment, as the live loop's wake would.
+            cycled = bool(touched)
+            for _ in range(MAX_CYCLES_PER_INSTANT):
+                if not touched:
+                    break
+                for name in sorted(touched):
+                    self.run_cycle(self.clusters[name], now)
+                touched, self.freed_now = self.freed_now, set()
+            if cycled:
                 self.sample(now)
         return self.result(now)
 
@@ -301,6 +311,7 @@ class Simulation:
         if release <= now:
             self.close_allocation(life, now, reason, lost)
             self.enqueue(cluster, life, now)
+            self.freed_now.add(cluster.name)
             return
         life.lost_pending = lost
         life.state = "draining"

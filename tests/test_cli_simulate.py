@@ -1,0 +1,145 @@
+"""`gpusched simulate …`: the files design.md promises ("Simulator output"), `--json`, and exit code 2
+with one `error:` line for bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from workers.cli import main
+
+TRACE = """job_id,submit_time,duration,num_gpus,team,priority,gpu_type,topology,checkpoint_interval,expected_duration,kind,deadline
+a,0,3600,8,vision,normal,,,1800,3600,training,
+b,60,1200,4,language,high,,,,1500,training,
+c,120,900,2,vision,low,,,,600,,
+d,300,2400,16,language,critical,,block,600,2400,training,
+e,900,600,1,vision,normal,,,,,inference,
+"""
+
+FLEET = """clusters:
+  - name: c1
+    blocks:
+      - name: b0
+        racks: 1
+        machines_per_rack: 2
+        gpus_per_machine: 8
+        gpu_type: H100
+      - name: inf
+        racks: 1
+        machines_per_rack: 1
+        gpus_per_machine: 8
+        gpu_type: H100
+        partition: inference
+quotas:
+  vision: {guaranteed: 8, max: 24, queue_cap: 10}
+  language: {guaranteed: 8, max: 24}
+"""
+
+RUN_FILES = ("allocations.csv", "jobs.csv", "summary.json", "run.png")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    trace, fleet = tmp_path / "trace.csv", tmp_path / "fleet.yaml"
+    trace.write_text(TRACE)
+    fleet.write_text(FLEET)
+    return trace, fleet
+
+
+def simulate_argv(trace, fleet, out, *more: str) -> list[str]:
+    return ["simulate", "--trace", str(trace), "--fleet", str(fleet), "--out", str(out), *more]
+
+
+def check_run_dir(d, policy: str) -> None:
+    for name in RUN_FILES:
+        assert (d / name).is_file(), f"{d / name} is missing"
+    with open(d / "allocations.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["job_id", "start", "end", "reason", "gpus"]
+    assert (d / "allocations.csv").read_text().splitlines()[0] == "job_id,start,end,reason,gpus"
+    body = rows[1:]
+    assert {r[0] for r in body} == set("abcde")
+    for job_id, start, end, reason, gpus in body:
+        assert float(start) <= float(end)
+        assert reason in {"completed", "preempted", "failed", "cancelled", "machine_failure"}
+        paths = gpus.split(" ")
+        assert all(p.startswith("c1/") and p.count("/") == 4 for p in paths), gpus
+    assert len(next(r for r in body if r[0] == "d")[4].split(" ")) == 16
+    with open(d / "jobs.csv", newline="") as f:
+        jobs = list(csv.DictReader(f))
+    assert sorted(j["job_id"] for j in jobs) == list("abcde")
+    assert all(j["state"] == "completed" for j in jobs)
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["policy"] == policy
+    assert summary["jobs"]["completed"] == summary["jobs"]["total"] == 5
+    assert summary["double_booked_gpus"] == 0
+    assert (d / "run.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_simulate_with_compare_writes_every_run_and_a_comparison(tmp_path, inputs, capsys):
+    out = tmp_path / "out"
+    assert main(simulate_argv(*inputs, out, "--compare", "fifo,easy")) == 0
+    check_run_dir(out, "gpusched")
+    for policy in ("fifo", "easy"):
+        check_run_dir(out / policy, policy)
+    table = (out / "comparison.md").read_text()
+    assert all(name in table for name in ("gpusched", "fifo", "easy"))
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+
+
+def test_json_prints_the_summary_to_stdout(tmp_path, inputs, capsys):
+    out = tmp_path / "out"
+    assert main(simulate_argv(*inputs, out, "--policy", "easy", "--compare", "fifo", "--json")) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["policy"] == "easy"
+    assert printed == json.loads((out / "summary.json").read_text())
+    check_run_dir(out, "easy")
+    check_run_dir(out / "fifo", "fifo")
+
+
+def _bad_num_gpus(d):
+    lines = TRACE.splitlines(keepends=True)
+    lines[2] = lines[2].replace(",4,language,", ",four,language,")  # line 3 of the file: job b
+    (d / "trace.csv").write_text("".join(lines))
+
+
+def _no_fleet(d):
+    (d / "fleet.yaml").unlink()
+
+
+def _team_without_quota(d):
+    (d / "trace.csv").write_text(TRACE.replace("e,900,600,1,vision", "e,900,600,1,audio"))
+
+
+@pytest.mark.parametrize(
+    "spoil, more, expected",
+    [
+        (_bad_num_gpus, [], ["trace.csv:3", "num_gpus", "'four'"]),
+        (_no_fleet, [], ["fleet.yaml", "cannot read the fleet file"]),
+        (_team_without_quota, [], ["trace.csv", "team", "'audio'", "fleet.yaml"]),
+        (lambda d: None, ["--policy", "sjf"], ["unknown policy 'sjf'"]),
+        (lambda d: None, ["--compare", "fifo,nope"], ["unknown policy 'nope'"]),
+    ],
+    ids=[
+        "a malformed trace names its line and field",
+        "a missing fleet file",
+        "a team without a quota and no '*' default",
+        "an unknown policy",
+        "an unknown policy to compare with",
+    ],
+)
+def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):
+    spoil(tmp_path)
+    out = tmp_path / "out"
+    assert main(simulate_argv(*inputs, out, *more)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err
+    for fragment in expected:
+        assert fragment in captured.err, f"{fragment!r} not in {captured.err!r}"
+    assert not out.exists(), "nothing should be written for bad input"

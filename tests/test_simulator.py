@@ -1,0 +1,397 @@
+"""The trace-driven simulator: what the engine does with a policy's decisions, checked from its output.
+
+Small hand-made fleets (parse_fleet of inline YAML) and traces (TraceJob lists or CSV text) pin the
+engine's semantics one at a time: a lone job, a preemption with and without a checkpoint, a machine
+failure, FIFO and EASY ordering, checkpoint staggering. A small generated trace then checks the
+invariants every run must keep whatever the policy: each job completes, no GPU is double-booked,
+a job never runs twice at once nor before it was submitted, and the same inputs give the same run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+import pytest
+
+from scheduler.fleet import Fleet, parse_fleet
+from scheduler.models import JobSpec, PolicyConfig, Priority
+from scheduler.sim import engine
+from scheduler.sim.engine import SimSettings, Simulation, simulate
+from scheduler.sim.records import AllocationRecord, SimResult
+from scheduler.sim.report import summarize
+from scheduler.sim.trace import TraceJob, parse_trace
+from scheduler.sim.workloads import fleet_for, generate_trace
+
+POLICY_NAMES = ("gpusched", "fifo", "easy")
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+def small_fleet(machines: int = 1, gpus: int = 8, quotas: str = '"*": {guaranteed: 0}') -> Fleet:
+    """One cluster c1, one block b0, one rack of `machines` machines c1/b0/r0/m0, m1, …"""
+    return parse_fleet(
+        f"""
+clusters:
+  - name: c1
+    blocks:
+      - name: b0
+        racks: 1
+        machines_per_rack: {machines}
+        gpus_per_machine: {gpus}
+        gpu_type: H100
+quotas:
+  {quotas}
+""",
+        "fleet.yaml",
+    )
+
+
+def tj(job_id: str, submit: float, duration: float, *, gpus: int = 8, priority: str = "normal",
+       interval: float | None = None, expected: float | None = None, team: str = "t") -> TraceJob:
+    """A trace job; by default it needs a whole 8-GPU machine, estimates perfectly, never checkpoints."""
+    spec = JobSpec(job_id=job_id, team=team, num_gpus=gpus, priority=Priority(priority),
+                   checkpoint_interval=interval, expected_duration=expected or duration)
+    return TraceJob(spec=spec, submit_time=submit, duration=duration)
+
+
+def csv_trace(rows: str) -> list[TraceJob]:
+    header = "job_id,submit_time,duration,num_gpus,team,priority,checkpoint_interval,expected_duration\n"
+    return parse_trace(header + rows, "trace.csv")
+
+
+@lru_cache(maxsize=None)
+def busy_inputs() -> tuple[tuple[TraceJob, ...], Fleet]:
+    """A busy day on a small fleet: 150 generated jobs offering 1.3× what 64 GPUs can do."""
+    trace = generate_trace(jobs=150, days=1, gpus=64, load=1.3, seed=7)
+    fleet = parse_fleet(fleet_for(trace, load=1.3, machines_per_rack=4, racks_per_block=4), "busy.yaml")
+    assert fleet.total_gpus <= 128
+    return tuple(trace), fleet
+
+
+@lru_cache(maxsize=None)
+def busy_run(policy: str, failures_per_day: float = 0.0, seed: int = 0) -> SimResult:
+    trace, fleet = busy_inputs()
+    return simulate(list(trace), fleet, policy,
+                    SimSettings(machine_failures_per_day=failures_per_day, seed=seed))
+
+
+# --- reading results -------------------------------------------------------------------------
+
+
+def allocs(result: SimResult, job_id: str) -> list[AllocationRecord]:
+    return sorted((a for a in result.allocations if a.job_id == job_id), key=lambda a: a.start)
+
+
+def job_record(result: SimResult, job_id: str):
+    [record] = [j for j in result.jobs if j.job_id == job_id]
+    return record
+
+
+def machine_of(allocation: AllocationRecord) -> set[str]:
+    return {g.rsplit("/", 1)[0] for g in allocation.gpus}
+
+
+def run_time(allocations: list[AllocationRecord]) -> float:
+    return sum(a.end - a.start for a in allocations)
+
+
+def gpu_overlaps(result: SimResult) -> list[str]:
+    """Every place where two allocations hold one GPU at once (touching ends are fine)."""
+    by_gpu: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for a in result.allocations:
+        for g in a.gpus:
+            by_gpu[g].append((a.start, a.end, a.job_id))
+    clashes = []
+    for gpu, intervals in by_gpu.items():
+        intervals.sort()
+        for (s0, e0, j0), (s1, e1, j1) in zip(intervals, intervals[1:]):
+            if s1 < e0:
+                clashes.append(f"{gpu}: {j0} [{s0}, {e0}) and {j1} [{s1}, {e1})")
+    return clashes
+
+
+def check_run_invariants(result: SimResult, trace: list[TraceJob] | tuple[TraceJob, ...]) -> None:
+    """What every run must keep, whatever the policy and the failures."""
+    by_id = {j.spec.job_id: j for j in trace}
+    not_done = [(j.job_id, j.state, j.reason) for j in result.jobs if j.state != "completed"]
+    assert not not_done, f"jobs that did not complete: {not_done[:5]}"
+    assert summarize(result)["double_booked_gpus"] == 0
+    assert gpu_overlaps(result) == []
+    for job_id, job in by_id.items():
+        mine = allocs(result, job_id)
+        assert mine, f"{job_id} never ran"
+        assert mine[0].start >= job.submit_time, f"{job_id} started before it was submitted"
+        for before, after in zip(mine, mine[1:]):
+            assert after.start >= before.end, f"{job_id} ran twice at once: {before} and {after}"
+        assert [a.reason for a in mine].count("completed") == 1 and mine[-1].reason == "completed"
+        for a in mine:
+            assert len(set(a.gpus)) == len(a.gpus) == job.spec.num_gpus, f"{job_id} held {a.gpus}"
+            assert a.end >= a.start
+        assert run_time(mine) >= job.duration - 1e-6, f"{job_id} completed with less running than it needs"
+        assert job_record(result, job_id).finish == mine[-1].end
+
+
+# --- one job at a time -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize(
+    "job",
+    [
+        tj("whole-machine", 100.0, 3600.0),
+        tj("one-gpu", 0.0, 600.0, gpus=1),
+        tj("checkpointing", 42.5, 7200.0, gpus=4, interval=1800.0),
+    ],
+    ids=["a whole-machine job", "a one-GPU job", "a checkpointing job"],
+)
+def test_a_job_alone_on_an_empty_cluster_runs_from_submit_to_submit_plus_duration(policy, job):
+    result = simulate([job], small_fleet(machines=2), policy, SimSettings())
+    [a] = result.allocations
+    assert (a.job_id, a.start, a.end, a.reason, a.lost_work) == (
+        job.spec.job_id, job.submit_time, job.submit_time + job.duration, "completed", 0.0)
+    assert len(a.gpus) == job.spec.num_gpus and len(machine_of(a)) == 1
+    record = job_record(result, job.spec.job_id)
+    assert (record.state, record.first_start, record.finish, record.preemptions) == (
+        "completed", job.submit_time, job.submit_time + job.duration, 0)
+
+
+# --- preemption --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "write_s",
+    [30.0, 90.0, 0.0],
+    ids=[
+        "a checkpoint written in 30 s",
+        "a checkpoint written in 90 s",
+        "an instant checkpoint",
+    ],
+)
+def test_a_critical_job_preempts_a_low_job_that_checkpoints_and_resumes_from_it(write_s):
+    """Low starts at 0 on the only machine; critical arrives at 1,000 (past the minimum runtime)."""
+    settings = SimSettings(checkpoint_write_s=write_s)
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+
+    low = allocs(result, "low")
+    first = low[0]
+    assert (first.reason, first.start, first.end, first.lost_work) == ("preempted", 0.0, 1000.0 + write_s, 0.0)
+    assert low[-1].reason == "completed" and len(low) == 2
+    assert low[1].start >= first.end  # requeued, started again later
+    # It resumed from the checkpoint: its running, less the time spent writing it, is its work.
+    assert run_time(low) - write_s == pytest.approx(7200.0)
+
+    record = job_record(result, "low")
+    assert (record.state, record.preemptions, record.preemption_times, record.lost_work) == (
+        "completed", 1, (1000.0,), 0.0)
+
+    [crit] = allocs(result, "crit")
+    assert crit.reason == "completed"
+    assert crit.start == first.end, "the critical job should start as soon as its victim released the GPUs"
+    assert crit.start - 1000.0 <= settings.policy.grace_period
+    assert set(crit.gpus) == set(first.gpus)
+
+
+def test_a_checkpoint_that_cannot_finish_within_the_grace_loses_the_work_since_the_last_interval_checkpoint():
+    policy = PolicyConfig(stagger_checkpoints=False)  # checkpoints at start + k × 600: 600, 1200, …
+    settings = SimSettings(checkpoint_write_s=policy.grace_period + 80.0, policy=policy)
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=600.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+    first, second = allocs(result, "low")
+    assert (first.reason, first.end) == ("preempted", 1000.0 + policy.grace_period)
+    assert first.lost_work == pytest.approx((1000.0 - 600.0) * 8)
+    assert second.reason == "completed"
+    assert second.end - second.start == pytest.approx(7200.0 - 600.0)
+
+
+@pytest.mark.parametrize("exit_s", [5.0, 0.0], ids=["it exits 5 s after SIGTERM", "it exits at once"])
+def test_a_preempted_job_that_never_checkpoints_loses_all_its_progress_and_runs_its_full_duration_again(exit_s):
+    settings = SimSettings(sigterm_exit_s=exit_s, policy=PolicyConfig(min_runtime=0, max_unsaved_run=1e9))
+    trace = [tj("low", 0.0, 7200.0, priority="low"), tj("crit", 1000.0, 600.0, priority="critical")]
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+
+    first, second = allocs(result, "low")
+    assert (first.reason, first.start, first.end) == ("preempted", 0.0, 1000.0 + exit_s)
+    progress = 1000.0  # it had run this long when told to stop; all of it is gone
+    assert first.lost_work == pytest.approx(progress * 8)
+    assert second.reason == "completed"
+    assert second.end - second.start == pytest.approx(7200.0), "it restarted from scratch"
+    assert run_time([first, second]) >= 7200.0 + progress
+    record = job_record(result, "low")
+    assert (record.preemptions, record.lost_work) == (1, pytest.approx(progress * 8))
+    [crit] = allocs(result, "crit")
+    assert crit.start == first.end, "the critical job should start as soon as its victim left"
+
+
+# --- machine failure -------------------------------------------------------------------------
+
+
+def _job_on_a_machine_that_fails(policy: str, repaired_after: float | None):
+    """Job a (8 GPUs, checkpoints every 1,800 s) starts at 100 on one of two machines; that
+    machine dies at 4,000 and, if `repaired_after` is set, comes back that long after."""
+    trace = [tj("a", 100.0, 7200.0, interval=1800.0)]
+    settings = SimSettings(policy=PolicyConfig(stagger_checkpoints=False))
+    fleet = small_fleet(machines=2)
+    [dry] = simulate(trace, fleet, policy, settings).allocations  # where it runs: the same again
+    [machine] = machine_of(dry)
+    sim = Simulation(trace, fleet, policy, settings)
+    sim.push(4000.0, engine.MACHINE_DOWN, ("c1", machine, 0))
+    if repaired_after is not None:
+        sim.push(4000.0 + repaired_after, engine.MACHINE_UP, ("c1", machine, 0))
+    return sim.run(), machine
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("repaired_after", [1800.0, None], ids=["repaired after 30 min", "never repaired"])
+def test_a_job_on_a_failed_machine_loses_the_work_since_its_last_checkpoint_and_moves(policy, repaired_after):
+    result, dead = _job_on_a_machine_that_fails(policy, repaired_after)
+    record = job_record(result, "a")
+    assert record.state == "completed", f"job a was lost: {record.state} ({record.reason})"
+    first, second = allocs(result, "a")
+    # Stagger off: the phase is start-relative, so checkpoints fell at 1,900 and 3,700.
+    assert Simulation.checkpoint_after(3800.0, 100.0, 1800.0, first.checkpoint_phase) == 5500.0
+    assert (first.reason, first.start, first.end) == ("machine_failure", 100.0, 4000.0)
+    assert first.lost_work == pytest.approx((4000.0 - 3700.0) * 8)
+    assert record.lost_work == pytest.approx((4000.0 - 3700.0) * 8)
+    assert record.preemptions == 0
+    assert second.reason == "completed"
+    assert machine_of(second) != {dead}, "it should move to the healthy machine, not wait for the dead one"
+    assert second.start - 4000.0 <= 10.0, "the other machine was free: it should restart at once"
+    assert second.end - second.start == pytest.approx(7200.0 - 3600.0), "it resumed from the 3,700 checkpoint"
+
+
+# --- thrash protection and invariants on a busy trace ---------------------------------------------
+
+
+def test_no_job_is_preempted_more_than_twice_in_any_hour_on_a_busy_trace():
+    result = busy_run("gpusched")
+    summary = summarize(result)
+    assert summary["preemptions"] > 0, "the trace should be busy enough to preempt"
+    assert summary["max_preemptions_per_job_in_any_hour"] <= 2
+    for job in result.jobs:  # and the same, checked from the record itself
+        times = sorted(job.preemption_times)
+        for i in range(len(times) - 2):
+            assert times[i + 2] - times[i] > 3600.0, f"{job.job_id} preempted 3 times in an hour: {times}"
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_completes_every_job_without_double_booking_on_a_busy_trace(policy):
+    trace, _ = busy_inputs()
+    check_run_invariants(busy_run(policy), trace)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_injected_machine_failures_requeue_jobs_and_keep_every_invariant(policy):
+    trace, _ = busy_inputs()
+    result = busy_run(policy, failures_per_day=1.0, seed=3)
+    failed = [a for a in result.allocations if a.reason == "machine_failure"]
+    assert failed, "failure injection should hit some running job"
+    check_run_invariants(result, trace)
+    assert summarize(result)["work_lost_gpu_hours"]["machine_failure"] > 0
+
+
+@pytest.mark.parametrize(
+    "policy, failures_per_day",
+    [("gpusched", 0.0), ("gpusched", 1.0), ("fifo", 1.0), ("easy", 1.0)],
+    ids=["gpusched", "gpusched with failures", "fifo with failures", "easy with failures"],
+)
+def test_the_same_inputs_give_the_same_run_twice(policy, failures_per_day):
+    trace, fleet = busy_inputs()
+    settings = SimSettings(machine_failures_per_day=failures_per_day, seed=11)
+    one = simulate(list(trace), fleet, policy, settings)
+    two = simulate(list(trace), fleet, policy, settings)
+    assert one.allocations == two.allocations
+    assert one.jobs == two.jobs
+    assert one.checkpoint_writes == two.checkpoint_writes
+
+
+def test_a_different_failure_seed_gives_different_failures():
+    trace, fleet = busy_inputs()
+    runs = [simulate(list(trace), fleet, "fifo", SimSettings(machine_failures_per_day=1.0, seed=s)) for s in (1, 2)]
+    failed = [[(a.job_id, a.end) for a in r.allocations if a.reason == "machine_failure"] for r in runs]
+    assert failed[0] != failed[1]
+
+
+# --- FIFO and EASY ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        "j1,0,1000,8,t,low,,\nj2,10,500,8,t,critical,,\nj3,20,300,8,t,high,,\nj4,30,200,8,t,normal,,\n",
+        "j1,0,100,8,t,normal,,\nj2,500,900,8,t,low,,\nj3,510,50,8,t,critical,,\nj4,520,50,8,t,critical,,\n",
+        "b,0,300,8,t,normal,,5000\na,0,300,8,t,normal,,10\nc,1,300,8,t,high,,10\n",
+    ],
+    ids=[
+        "later jobs of higher classes wait their turn",
+        "a gap in arrivals, then short critical jobs behind a long low one",
+        "equal submit times go by job id",
+    ],
+)
+def test_fifo_starts_whole_machine_jobs_in_strict_submit_order(rows):
+    trace = csv_trace(rows)
+    result = simulate(trace, small_fleet(machines=1), "fifo", SimSettings())
+    check_run_invariants(result, trace)
+    order = [j.spec.job_id for j in sorted(trace, key=lambda j: (j.submit_time, j.spec.job_id))]
+    starts = {j.job_id: j.first_start for j in result.jobs}
+    assert sorted(order, key=lambda i: starts[i]) == order
+    # One machine, one job at a time: each starts when the one before it finished (or on arrival).
+    by_id = {j.spec.job_id: j for j in trace}
+    for before, after in zip(order, order[1:]):
+        expected = max(by_id[after].submit_time, starts[before] + by_id[before].duration)
+        assert starts[after] == expected
+
+
+# A 4-GPU job holds half the machine until 1,000; the whole-machine job `big` (submitted at 10) is
+# blocked and reserved for 1,000; then a 2-GPU job arrives at 20 that would fit now.
+EASY_BASE = "first,0,1000,4,t,normal,,1000\nbig,10,1000,8,t,normal,,1000\n"
+
+
+@pytest.mark.parametrize(
+    "small_row, backfills",
+    [
+        ("small,20,500,2,t,normal,,500\n", True),
+        ("small,20,980,2,t,normal,,980\n", True),
+        ("small,20,981,2,t,normal,,981\n", False),
+        ("small,20,5000,2,t,normal,,5000\n", False),
+    ],
+    ids=[
+        "a short job that ends long before the reservation backfills",
+        "a job that ends exactly at the reservation backfills",
+        "a job that would end a second after the reservation waits",
+        "a long job waits for the big one",
+    ],
+)
+def test_easy_backfills_a_small_job_only_when_it_ends_before_the_blocked_jobs_reserved_start(small_row, backfills):
+    trace = csv_trace(EASY_BASE + small_row)
+    result = simulate(trace, small_fleet(machines=1), "easy", SimSettings())
+    check_run_invariants(result, trace)
+    starts = {j.job_id: j.first_start for j in result.jobs}
+    assert starts["first"] == 0.0
+    assert starts["big"] == 1000.0, "the reserved job must not be delayed by a backfill"
+    if backfills:
+        assert starts["small"] == 20.0
+    else:
+        assert starts["small"] >= 2000.0, "it may not run on the reserved machine before the big job"
+    fifo = simulate(trace, small_fleet(machines=1), "fifo", SimSettings())
+    assert job_record(fifo, "small").first_start >= 2000.0, "strict FIFO never starts it ahead of big"
+
+
+# --- checkpoint staggering -----------------------------------------------------------------------
+
+
+def test_staggering_spreads_the_checkpoint_writes_of_jobs_that_start_together():
+    trace = [tj(f"j{i:02d}", 0.0, 4 * 3600.0, gpus=1, interval=1800.0) for i in range(32)]
+    fleet = small_fleet(machines=4)
+    peak = {}
+    for stagger in (True, False):
+        settings = SimSettings(policy=PolicyConfig(stagger_checkpoints=stagger))
+        result = simulate(trace, fleet, "gpusched", settings)
+        check_run_invariants(result, trace)
+        writes = summarize(result)["checkpoint_write"]
+        assert writes["writes"] >= 32 * 7  # every 1,800 s of each job's 4 h, whatever its phase
+        peak[stagger] = writes["peak_to_mean"]
+    assert peak[True] < peak[False]
+    assert peak[True] * 5 < peak[False], f"staggering should flatten the burst a lot: {peak}"
