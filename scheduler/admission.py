@@ -65,6 +65,7 @@ class Admission:
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
+    settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step g
 
 
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
@@ -102,6 +103,14 @@ def admit(state: Admission, job: QueuedJob) -> None:
         return
     # c. free GPUs
     avoid = _held_against(job, state.holds, state.now)
+    # A job just like one that already came out at step g, with nothing decided since, fares the
+    # same: it waits for the same reason. This keeps a long queue of blocked jobs cheap.
+    starving = state.now - job.queued_since >= state.config.starvation_threshold
+    like = (_shape(job), spec.team, spec.priority, avoid, starving, len(state.placed),
+            len(state.earmarks), len(state.holds), len(state.preemptions))
+    if like in state.settled and spec.job_id not in state.draining_for:
+        state.waiting.append((job, state.settled[like]))
+        return
     slots = _place(state, job, avoid)
     if slots is not None:
         cap.take(slots)
@@ -120,7 +129,9 @@ def admit(state: Admission, job: QueuedJob) -> None:
     if _reserve(state, job):
         return
     # g. wait
-    state.waiting.append((job, _why_waiting(state, job, avoid)))
+    reason = _why_waiting(state, job, avoid)
+    state.settled[like] = reason
+    state.waiting.append((job, reason))
 
 
 def _reserve(state: Admission, job: QueuedJob) -> bool:

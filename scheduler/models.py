@@ -174,7 +174,7 @@ class PolicyConfig(Frozen):
     thrash_max_preemptions: int = Field(default=2, ge=1)  # this many in the window: protected
     starvation_threshold: float = Field(default=1800.0, ge=0)  # then a blocked job gets a reservation
     max_reservations: int = Field(default=4, ge=0)
-    reserved_pool_fraction: float = Field(default=0.01, ge=0, le=0.5)  # whole machines kept for big jobs
+    reserved_pool_fraction: float = Field(default=0.005, ge=0, le=0.5)  # whole machines kept for big jobs
     stagger_checkpoints: bool = True
     checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
     max_unsaved_run: float = Field(default=1800.0, ge=0)  # a job that cannot checkpoint is protected after this
