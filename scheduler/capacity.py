@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from bisect import insort
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from typing import Iterable, Sequence
 
 from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob, Topology
 
 
-@dataclass(frozen=True)
-class PoolKey:
+class PoolKey(NamedTuple):
     partition: str
     gpu_type: str
     gpu_memory_gb: float
@@ -88,18 +88,19 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
     return layout
 
 
-_job_gpus: dict[int, tuple[RunningJob, Layout, list[tuple[int, list[int]]]]] = {}
+_job_gpus: dict[int, tuple[RunningJob, Layout, list[tuple[int, list[int]]], bool]] = {}
 
 
-def _gpus_by_machine(layout: Layout, job: RunningJob) -> list[tuple[int, list[int]]]:
-    """A running job's GPUs grouped by machine index, remembered per job object and layout.
+def _grouped(layout: Layout, job: RunningJob) -> tuple[RunningJob, Layout, list[tuple[int, list[int]]], bool]:
+    """A running job's GPUs grouped by machine index, and whether all of them are on usable
+    machines; remembered per job object and layout.
 
     Running jobs are immutable and live for many cycles; grouping their GPUs once instead of
     every cycle is most of the cost of building the capacity. Remembered by identity, so a
     changed job (a new object) is always grouped afresh."""
     found = _job_gpus.get(id(job))
     if found is not None and found[0] is job and found[1] is layout:
-        return found[2]
+        return found
     grouped: dict[int, list[int]] = {}
     for machine_id, gpu in job.gpus:
         i = layout.index.get(machine_id)
@@ -107,9 +108,13 @@ def _gpus_by_machine(layout: Layout, job: RunningJob) -> list[tuple[int, list[in
             grouped.setdefault(i, []).append(gpu)
     if len(_job_gpus) > 100_000:
         _job_gpus.clear()
-    result = list(grouped.items())
-    _job_gpus[id(job)] = (job, layout, result)
-    return result
+    entry = (job, layout, list(grouped.items()), sum(map(len, grouped.values())) == len(job.gpus))
+    _job_gpus[id(job)] = entry
+    return entry
+
+
+def _gpus_by_machine(layout: Layout, job: RunningJob) -> list[tuple[int, list[int]]]:
+    return _grouped(layout, job)[2]
 
 
 def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[RunningJob]) -> bool:
@@ -118,7 +123,7 @@ def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[Runni
     layout = _layout_of(machines)
     if not layout.all_healthy:
         return False
-    return all(sum(len(g) for _, g in _gpus_by_machine(layout, job)) == len(job.gpus) for job in running)
+    return all(_grouped(layout, job)[3] for job in running)
 
 
 class Capacity:
@@ -130,14 +135,21 @@ class Capacity:
         self.machines = layout.machines
         self.index = layout.index
         self._machines_of: dict[str, list[tuple[int, int]]] = {}
-        taken: dict[int, set[int]] = {}
+        taken: dict[int, list[int]] = {}
         for job in running:
-            for i, gpus in _gpus_by_machine(layout, job):
-                taken.setdefault(i, set()).update(gpus)
-        self.free: list[list[int]] = [
-            list(h) if i not in taken else [g for g in h if g not in taken[i]]
-            for i, h in enumerate(layout.healthy)
-        ]
+            for i, gpus in _grouped(layout, job)[2]:
+                if i in taken:
+                    taken[i] = taken[i] + gpus
+                else:
+                    taken[i] = gpus
+        healthy = layout.healthy
+        self.free: list[list[int]] = [list(h) for h in healthy]
+        for i, gpus in taken.items():
+            if len(gpus) >= len(healthy[i]) and set(gpus) >= set(healthy[i]):
+                self.free[i] = []  # a full machine, the common case on a busy cluster
+            else:
+                held = set(gpus)
+                self.free[i] = [g for g in healthy[i] if g not in held]
         self.pools: dict[tuple, Pool] = {}
         self.pool_of: list[Pool] = []
         for key, members in layout.pools.items():
