@@ -19,6 +19,7 @@ searched again in the same cycle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scheduler import eta, placement, preemption, reservation
@@ -74,7 +75,7 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
     usage.preemptible = lambda job: preemption.protection(job, snapshot.now, config, reclaim=True) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
-        keep_whole=config.reserved_pool_fraction if _big_job_waiting(cap, queue) else 0.0,
+        keep_whole=config.reserved_pool_fraction if _pool_would_serve(cap, queue, config) else 0.0,
         draining_for=_draining_for(running), going=set(leaving),
     )
     _hold_earmarks(snapshot, state)
@@ -185,8 +186,16 @@ def _shape(job: QueuedJob) -> tuple:
     return (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind)
 
 
-def _big_job_waiting(cap: Capacity, queue: list[QueuedJob]) -> bool:
-    return cap.gpus_per_machine > 0 and any(j.spec.num_gpus >= cap.gpus_per_machine for j in queue)
+def _pool_would_serve(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) -> bool:
+    """Whether a waiting job needs whole machines and the reserved pool alone could host it.
+
+    A job bigger than the pool waits for its reservation instead; keeping the pool idle for it
+    would only waste GPUs."""
+    size = cap.gpus_per_machine
+    if size == 0:
+        return False
+    pool_gpus = math.ceil(config.reserved_pool_fraction * len(cap.machines)) * size
+    return any(size <= j.spec.num_gpus <= pool_gpus for j in queue)
 
 
 def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:

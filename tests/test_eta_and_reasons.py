@@ -21,6 +21,7 @@ from builders import (
 
 
 M = [mid(0, 0, i) for i in range(4)]
+CAPPED = {"capped": {"guaranteed": 0, "max": 0}}  # a team that cannot start anything
 
 
 def _ends_at(job_id, machine, gpus, end, priority="critical"):
@@ -122,8 +123,8 @@ REASON_CASES = [
      {"vision": {"guaranteed": 4, "max": 6}}, "team vision is at its maximum (4 of 6 GPUs held)"),
     (fleet(machines=2), [], [job("j").gpus(1).gpu_type("A100")], {},
      "no machine in this cluster matches training jobs, GPU type A100"),
-    (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(64), job("j").gpus(2)], {},
-     "the last whole machines are kept for jobs that need a whole machine"),
+    (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(8).team("capped"), job("j").gpus(2)],
+     {"capped": {"guaranteed": 0, "max": 0}}, "the last whole machines are kept for jobs that need a whole machine"),
     (fleet(machines=2), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)), filler("f1", M[1], range(8))],
      [job("j").gpus(8).priority("critical")], {},
      "preempting low; starts when they have checkpointed (grace 120 s)"),
@@ -147,12 +148,12 @@ def test_reason_texts(machines, run, queue, quotas, reason):
 
 
 def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
-    """m0 is the last whole machine, kept for a queued 64-GPU job. A 2-GPU job that has waited past
+    """m0 is the last whole machine, kept for a queued 8-GPU job (its team is at its maximum). A 2-GPU job that has waited past
     the starvation threshold still cannot have it; its reason must not say 'the largest free is 8'
     (which would let it fit) but that whole machines are kept."""
     run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]
-    queue = [job("big").gpus(64).submitted(NOW), job("small").gpus(2).submitted(0)]
-    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue))
+    queue = [job("big").gpus(8).team("capped").submitted(NOW), job("small").gpus(2).submitted(0)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, quotas=CAPPED))
     assert "small" not in placements(result)
     reason = pending(result)["small"].reason
     assert "the largest free is 8" not in reason, reason
@@ -160,12 +161,12 @@ def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
 
 
 def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
-    """m0 is the last whole machine, kept for a queued 64-GPU job; m1 and m2 are full until
+    """m0 is the last whole machine, kept for a queued 8-GPU job (its team is at its maximum); m1 and m2 are full until
     NOW+720. The 2-GPU job cannot start now, so an ETA of 'now' would be wrong: it can start when
     another machine frees up (then m0 is no longer the last whole one)."""
     run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]  # overdue: expected to end at NOW+720
-    queue = [job("big").gpus(64).submitted(NOW), job("small").gpus(2).submitted(NOW)]
-    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue))
+    queue = [job("big").gpus(8).team("capped").submitted(NOW), job("small").gpus(2).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, quotas=CAPPED))
     assert "small" not in placements(result)
     p = pending(result)["small"]
     assert p.reason == "the last whole machines are kept for jobs that need a whole machine"

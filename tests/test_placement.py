@@ -221,15 +221,18 @@ def test_unusable_machines_and_gpus_are_never_used(machines, run, queued, starts
 
 
 # --- the reserved pool of whole machines ----------------------------------------------------------------
-# One whole machine left (m0), the rest full; a big job that cannot start is queued or not.
+# One whole machine left (m0), the rest full; a job needing a whole machine, which the pool could
+# host but which cannot start now (its team is at its maximum), is queued or not.
 
-BIG = job("big").gpus(128).submitted(NOW)  # never fits: keeps the pool reserved
+BIG = job("big").gpus(8).team("capped").submitted(NOW)
+CAPPED = {"capped": {"guaranteed": 0, "max": 0}}
 
 
 def _pool_snapshot(small, *, big=True, machines=3, fraction=0.01, whole=1):
     run = [_busy(mid(0, 0, i), 8) for i in range(whole, machines)]
     queue = ([BIG] if big else []) + [small.submitted(NOW)]
-    return snapshot(fleet(machines=machines), running=run, queue=queue, reserved_pool_fraction=fraction)
+    return snapshot(fleet(machines=machines), running=run, queue=queue, quotas=CAPPED,
+                    reserved_pool_fraction=fraction)
 
 
 POOL_CASES = [
@@ -261,6 +264,15 @@ def test_reserved_pool_of_whole_machines(small, opts, starts):
     assert ("small" in placements(result)) == starts, (result.placements, result.pending)
     if not starts:
         assert pending(result)["small"].reason == "the last whole machines are kept for jobs that need a whole machine"
+
+
+def test_a_job_bigger_than_the_reserved_pool_does_not_keep_it_idle():
+    """A 128-GPU job cannot use the one-machine pool; it waits for its reservation, so small jobs
+    may use the last whole machine meanwhile."""
+    queue = [job("huge").gpus(128).submitted(NOW), job("small").gpus(2).submitted(NOW)]
+    run = [_busy(mid(0, 0, i), 8) for i in range(1, 3)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue))
+    assert "small" in placements(result)
 
 
 def test_the_reserved_pool_does_not_keep_a_big_job_from_a_whole_machine():
