@@ -173,7 +173,7 @@ class PolicyConfig(Frozen):
     thrash_window: float = Field(default=3600.0, gt=0)
     thrash_max_preemptions: int = Field(default=2, ge=1)  # this many in the window: protected
     starvation_threshold: float = Field(default=1800.0, ge=0)  # then a blocked job gets a reservation
-    max_reservations: int = Field(default=4, ge=0)
+    max_reservations: int = Field(default=1, ge=0)
     reserved_pool_fraction: float = Field(default=0.005, ge=0, le=0.5)  # whole machines kept for big jobs
     stagger_checkpoints: bool = True
     checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
