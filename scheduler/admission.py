@@ -61,7 +61,7 @@ class Admission:
     no_victims: set[tuple] = field(default_factory=set)
     searches: int = 0
     victim_keys: dict[str, tuple] = field(default_factory=dict)
-    exposed: tuple[list[RunningJob], list[RunningJob]] | None = None  # unprotected: (priority, reclaim)
+    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
@@ -72,7 +72,7 @@ class Admission:
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
           leaving: set[str], queue: list[QueuedJob]) -> Admission:
     config = snapshot.config
-    usage.preemptible = lambda job: preemption.protection(job, snapshot.now, config, reclaim=True) is None
+    usage.preemptible = lambda job: preemption.protection(job, snapshot.now, config) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
         keep_whole=config.reserved_pool_fraction if _pool_would_serve(cap, queue, config) else 0.0,

@@ -5,9 +5,8 @@
      still within its guarantee (counting the waiting job), a *borrowed* job of another team
      (reclaim), whatever its class.
   3. Who is protected: a job that has run less than the minimum runtime; a job preempted
-     `thrash_max_preemptions` times within the last `thrash_window` (thrash protection); and,
-     from priority preemption but not from reclaim, a job that cannot checkpoint once it has run
-     `max_unsaved_run`, since all of it would be lost.
+     `thrash_max_preemptions` times within the last `thrash_window` (thrash protection); and a
+     job that cannot checkpoint once it has run `max_unsaved_run`, since all of it would be lost.
   4. Victim order: lowest class first; borrowed before guaranteed; most recently started first;
      then the one with the least work since its last checkpoint; then job id.
   5. Whole gangs only, and only if it works: for each place the job could go (a machine, a
@@ -35,17 +34,14 @@ class VictimChoice:
     gpus: tuple  # where the job will start once they have left
 
 
-def protection(job: RunningJob, now: float, config: PolicyConfig, reclaim: bool = False) -> str | None:
-    """Why this running job may not be preempted now, or None.
-
-    A reclaim is a guarantee being honoured: capacity borrowed by a job that cannot checkpoint is
-    still borrowed, so the unsaved-run protection does not shield it from a reclaim."""
+def protection(job: RunningJob, now: float, config: PolicyConfig) -> str | None:
+    """Why this running job may not be preempted now, or None."""
     if now - job.started_at < config.min_runtime:
         return "has run less than the minimum runtime"
     recent = [t for t in job.preemptions if now - t <= config.thrash_window]
     if len(recent) >= config.thrash_max_preemptions:
         return f"was preempted {len(recent)} times in the last {config.thrash_window / 60:g} minutes"
-    if not reclaim and not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
+    if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
         return "cannot checkpoint and has run too long to throw away"
     return None
 
@@ -57,32 +53,21 @@ def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:
     return (-spec.priority.rank, borrowed, -job.started_at, job.work_at_risk(now), spec.job_id)
 
 
-def unprotected(
-    running: Sequence[RunningJob], now: float, config: PolicyConfig
-) -> tuple[list[RunningJob], list[RunningJob]]:
-    """Running jobs some claimant could displace: (by priority, by reclaim)."""
-    live = [j for j in running if not j.draining]
-    return (
-        [j for j in live if protection(j, now, config) is None],
-        [j for j in live if protection(j, now, config, reclaim=True) is None],
-    )
+def unprotected(running: Sequence[RunningJob], now: float, config: PolicyConfig) -> list[RunningJob]:
+    """Running jobs that some claimant could displace: not draining, not protected."""
+    return [j for j in running if not j.draining and protection(j, now, config) is None]
 
 
-def displaceable(
-    claimant: JobSpec, exposed: tuple[Sequence[RunningJob], Sequence[RunningJob]], usage: TeamUsage
-) -> list[RunningJob]:
+def displaceable(claimant: JobSpec, exposed: Sequence[RunningJob], usage: TeamUsage) -> list[RunningJob]:
     """Of the unprotected jobs, those this claimant may displace (a lower class, or reclaim)."""
     rank = claimant.priority.rank
-    by_priority, by_reclaim = exposed
-    lower = [j for j in by_priority if j.spec.priority.rank > rank]
-    if not usage.under_guarantee_with(claimant.team, claimant.num_gpus):
-        return lower
-    borrowed, team = usage.borrowed, claimant.team
-    seen = {j.spec.job_id for j in lower}
-    return lower + [
-        j for j in by_reclaim
-        if j.spec.team != team and j.spec.job_id in borrowed and j.spec.job_id not in seen
-    ]
+    if usage.under_guarantee_with(claimant.team, claimant.num_gpus):
+        borrowed, team = usage.borrowed, claimant.team
+        return [
+            j for j in exposed
+            if j.spec.priority.rank > rank or (j.spec.team != team and j.spec.job_id in borrowed)
+        ]
+    return [j for j in exposed if j.spec.priority.rank > rank]
 
 
 def choose_victims(

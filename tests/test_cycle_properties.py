@@ -240,7 +240,8 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     # protected ones, then the most recently started — until its overage is covered.
     def protected_from_reclaim(r):
         recent = [t for t in r.preemptions if now - t <= config.thrash_window]
-        return now - r.started_at < config.min_runtime or len(recent) >= config.thrash_max_preemptions
+        unsaved = not r.spec.checkpoints and now - r.started_at > config.max_unsaved_run
+        return now - r.started_at < config.min_runtime or len(recent) >= config.thrash_max_preemptions or unsaved
 
     borrowed = set()
     for team, held in team_held.items():
@@ -355,8 +356,6 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert pre.grace_period == config.grace_period
         assert pre.for_job in queued and pre.for_job not in {p.job_id for p in result.placements}
         c = queued[pre.for_job].spec
-        reclaim = (v.spec.team != c.team and pre.job_id in borrowed
-                   and team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team))
         if v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
             assert v.spec.team != c.team, f"{pre.job_id} is no valid victim"
             assert team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team), (
@@ -365,9 +364,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert now - v.started_at >= config.min_runtime, f"{pre.job_id} preempted before its minimum runtime"
         recent = [t for t in v.preemptions if now - t <= config.thrash_window]
         assert len(recent) < config.thrash_max_preemptions, f"{pre.job_id} is thrash-protected"
-        # The unsaved-run protection shields from priority preemption, not from a reclaim.
-        assert reclaim or v.spec.checkpoints or now - v.started_at <= config.max_unsaved_run, (
-            f"{pre.job_id} cannot checkpoint")
+        assert v.spec.checkpoints or now - v.started_at <= config.max_unsaved_run, f"{pre.job_id} cannot checkpoint"
         victims_of.setdefault(pre.for_job, set()).add(pre.job_id)
     assert len({p.job_id for p in result.preemptions}) == len(result.preemptions), "a victim preempted twice"
 
