@@ -177,7 +177,7 @@ class PolicyConfig(Frozen):
     reserved_pool_fraction: float = Field(default=0.005, ge=0, le=0.5)  # whole machines kept for big jobs
     stagger_checkpoints: bool = True
     checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
-    max_unsaved_run: float = Field(default=1800.0, ge=0)  # a job that cannot checkpoint is protected after this
+    max_unsaved_run: float = Field(default=900.0, ge=0)  # a job that cannot checkpoint is protected after this
     max_preemption_searches: int = Field(default=16, ge=0)  # per cycle; bounds the cycle's cost
     eta_horizon: float = Field(default=30 * 86400.0, gt=0)
 

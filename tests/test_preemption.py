@@ -46,9 +46,9 @@ WHO_CASES = [
     ([_run("low", M0).preempted_at(NOW - 1000), _guard(M1)], CRIT, ["low"]),
     ([_run("low", M0).preempted_at(NOW - 3600, NOW - 1000), _guard(M1)], CRIT, []),
     ([_run("low", M0).preempted_at(NOW - 3601, NOW - 1000), _guard(M1)], CRIT, ["low"]),
-    ([_run("low", M0, started=NOW - 1801, checkpoint=None), _guard(M1)], CRIT, []),
-    ([_run("low", M0, started=NOW - 1800, checkpoint=None), _guard(M1)], CRIT, ["low"]),
-    ([_run("low", M0, started=NOW - 1000, checkpoint=None), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0, started=NOW - 901, checkpoint=None), _guard(M1)], CRIT, []),
+    ([_run("low", M0, started=NOW - 900, checkpoint=None), _guard(M1)], CRIT, ["low"]),
+    ([_run("low", M0, started=NOW - 700, checkpoint=None), _guard(M1)], CRIT, ["low"]),
     ([_run("low", M0).draining(NOW + 60, "someone"), _guard(M1)], CRIT, []),
 ]
 WHO_IDS = [
