@@ -169,9 +169,6 @@ class Capacity:
 
     # --- reading -----------------------------------------------------------------------------
 
-    def free_count(self, i: int) -> int:
-        return len(self.free[i])
-
     def total_free(self, pools: Sequence[Pool]) -> int:
         return sum(c * len(p.buckets[c]) for p in pools for c in range(1, p.key.gpus + 1))
 
