@@ -295,7 +295,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
     if not any(i in ending for i in machines):
         return False
     soon = {i: len(cap.free[i]) + ending.get(i, 0) for i in machines}
-    topology = placement.resolved_topology(cap, spec, pools)
+    topology = placement.resolved_topology(cap, spec)
     if topology == Topology.machine:
         return any(v >= n for i, v in soon.items() if i in ending)
     if topology == Topology.block:

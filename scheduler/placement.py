@@ -24,7 +24,7 @@ from scheduler.models import GpuSlot, JobSpec, Topology
 NO_AVOID: frozenset[int] = frozenset()
 
 
-def resolved_topology(cap: Capacity, spec: JobSpec, pools: Sequence[Pool] = ()) -> Topology:
+def resolved_topology(cap: Capacity, spec: JobSpec) -> Topology:
     return cap.fit_terms(spec)[2]
 
 
@@ -163,7 +163,7 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
     n = spec.num_gpus
     if not pools:
         return f"no machine in this cluster matches {_wants(spec)}"
-    topology = resolved_topology(cap, spec, pools)
+    topology = resolved_topology(cap, spec)
     if topology == Topology.machine:
         largest = max(p.largest_free() for p in pools)
         size = max(p.key.gpus for p in pools)

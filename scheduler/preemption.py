@@ -84,7 +84,7 @@ def choose_victims(
     if not pools or not candidates:
         return None
     pool_of = cap.pool_of
-    topology = resolved_topology(cap, claimant, pools)
+    topology = resolved_topology(cap, claimant)
     domain_of = _domain_function(cap, topology, claimant.num_gpus, pools)
 
     def eligible(i: int) -> bool:

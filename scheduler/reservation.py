@@ -46,7 +46,7 @@ def plan_hold(
         return None
     n = spec.num_gpus
     machines = [i for p in pools for i in p.members if i not in held]
-    topology = resolved_topology(cap, spec, pools)
+    topology = resolved_topology(cap, spec)
     largest = max(p.key.gpus for p in pools)
     if topology == Topology.machine or (topology == Topology.any and n <= largest):
         groups = [[i] for i in machines]

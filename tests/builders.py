@@ -296,13 +296,16 @@ def blocks_of(gpus: Iterable[GpuSlot]) -> set[str]:
 
 def after_preemption(snap: Snapshot, result: CycleResult, *, now: float | None = None,
                      victims_gone: bool = True) -> Snapshot:
-    """The next snapshot as the live loop would build it: earmarks passed back, and the victims
-    either gone (their GPUs free) or still draining for the claimant."""
+    """The next snapshot as the live loop would build it: earmarks passed back, jobs whose machine
+    died gone, and the victims either gone (their GPUs free) or still draining for the claimant."""
+    lost = {r.job_id for r in result.requeues if not r.graceful}
     victims = {p.job_id: p for p in result.preemptions}
     placed = {p.job_id: p for p in result.placements}
     t = snap.now if now is None else now
     still = []
     for r in snap.running:
+        if r.spec.job_id in lost:
+            continue
         if r.spec.job_id in victims:
             if victims_gone:
                 continue

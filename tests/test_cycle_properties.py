@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from builders import cycle
+from builders import after_preemption, cycle
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -172,31 +172,7 @@ def snapshots(draw) -> Snapshot:
 
 
 def next_snapshot(snap: Snapshot, result: CycleResult, victims_gone: bool, later: float) -> Snapshot:
-    lost = {r.job_id for r in result.requeues if not r.graceful}
-    victims = {p.job_id: p for p in result.preemptions}
-    placed = {p.job_id: p for p in result.placements}
-    now = snap.now + later
-    running = []
-    for r in snap.running:
-        if r.spec.job_id in lost:
-            continue
-        if r.spec.job_id in victims:
-            if victims_gone:
-                continue
-            p = victims[r.spec.job_id]
-            r = r.model_copy(update={"draining_until": snap.now + p.grace_period, "preempted_for": p.for_job,
-                                     "preemptions": r.preemptions + (snap.now,)})
-        running.append(r)
-    queue = []
-    for q in snap.queue:
-        p = placed.get(q.spec.job_id)
-        if p is None:
-            queue.append(q)
-        else:
-            running.append(RunningJob(spec=q.spec, submit_time=q.submit_time, gpus=p.gpus, started_at=snap.now,
-                                      progress_at_start=q.progress, checkpoint_phase=p.checkpoint_phase))
-    return snap.model_copy(update={"now": now, "running": tuple(running), "queue": tuple(queue),
-                                   "earmarks": result.earmarks})
+    return after_preemption(snap, result, now=snap.now + later, victims_gone=victims_gone)
 
 
 # --- the invariants ------------------------------------------------------------------------------------
