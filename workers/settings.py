@@ -1,0 +1,149 @@
+"""Connection settings for every gpusched process, from flags, environment or the embedded stack.
+
+Precedence: an explicit value (a flag) over a ``GPUSCHED_*`` environment variable over the
+embedded stack's ``stack.json`` (written by ``gpusched dev up`` into its data directory).
+
+| variable                        | meaning                                          |
+|---------------------------------|--------------------------------------------------|
+| GPUSCHED_DATA_DIR               | the embedded stack's directory (~/.gpusched)      |
+| GPUSCHED_TEMPORAL_ADDRESS       | host:port of the Temporal frontend               |
+| GPUSCHED_TEMPORAL_NAMESPACE     | namespace (default)                              |
+| GPUSCHED_TEMPORAL_TLS_CERT/KEY  | client certificate and key files (mTLS)          |
+| GPUSCHED_TEMPORAL_TLS_CA        | server CA file; set alone for server-only TLS    |
+| GPUSCHED_PG_DSN                 | postgresql://user@host:port/db                   |
+| GPUSCHED_S3_ENDPOINT            | http(s)://host:port                              |
+| GPUSCHED_S3_BUCKET              | bucket for checkpoints                           |
+| GPUSCHED_S3_ACCESS_KEY/SECRET_KEY | credentials                                    |
+| GPUSCHED_S3_REGION              | region (us-east-1)                               |
+| GPUSCHED_API_URL                | http://host:port of the HTTP API                 |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+STACK_FILE = "stack.json"
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("GPUSCHED_DATA_DIR") or Path.home() / ".gpusched").expanduser()
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temporal_address: str = "127.0.0.1:7233"
+    temporal_namespace: str = "default"
+    temporal_tls_cert: str | None = None
+    temporal_tls_key: str | None = None
+    temporal_tls_ca: str | None = None
+    pg_dsn: str = "postgresql://postgres@127.0.0.1:5432/gpusched"
+    s3_endpoint: str | None = None
+    s3_bucket: str = "gpusched-checkpoints"
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_region: str = "us-east-1"
+    api_url: str = "http://127.0.0.1:8080"
+    # Task queue names are prefixed so that several stacks (parallel test runs) can share one
+    # Temporal server; empty in production.
+    task_queue_prefix: str = ""
+
+    @property
+    def control_task_queue(self) -> str:
+        from workflows.types import CONTROL_TASK_QUEUE
+
+        return self.task_queue_prefix + CONTROL_TASK_QUEUE
+
+    def agent_task_queue(self, machine_id: str) -> str:
+        from workflows.types import agent_task_queue
+
+        return self.task_queue_prefix + agent_task_queue(machine_id)
+
+
+_ENV = {
+    "temporal_address": "GPUSCHED_TEMPORAL_ADDRESS",
+    "temporal_namespace": "GPUSCHED_TEMPORAL_NAMESPACE",
+    "temporal_tls_cert": "GPUSCHED_TEMPORAL_TLS_CERT",
+    "temporal_tls_key": "GPUSCHED_TEMPORAL_TLS_KEY",
+    "temporal_tls_ca": "GPUSCHED_TEMPORAL_TLS_CA",
+    "pg_dsn": "GPUSCHED_PG_DSN",
+    "s3_endpoint": "GPUSCHED_S3_ENDPOINT",
+    "s3_bucket": "GPUSCHED_S3_BUCKET",
+    "s3_access_key": "GPUSCHED_S3_ACCESS_KEY",
+    "s3_secret_key": "GPUSCHED_S3_SECRET_KEY",
+    "s3_region": "GPUSCHED_S3_REGION",
+    "api_url": "GPUSCHED_API_URL",
+    "task_queue_prefix": "GPUSCHED_TASK_QUEUE_PREFIX",
+}
+
+
+def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
+    """Settings for this process: flags (``explicit``, None meaning unset) over environment over
+    the embedded stack's stack.json in ``data_dir`` (or the default data directory)."""
+    values: dict[str, object] = {}
+    stack = (data_dir or default_data_dir()) / STACK_FILE
+    if stack.exists():
+        values.update(json.loads(stack.read_text()).get("settings", {}))
+    for field, var in _ENV.items():
+        if os.environ.get(var):
+            values[field] = os.environ[var]
+    values.update({k: v for k, v in explicit.items() if v is not None})
+    return Settings(**values)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment variables that hand these settings to a child process."""
+    env = {}
+    for field, var in _ENV.items():
+        value = getattr(settings, field)
+        if value is not None:
+            env[var] = str(value)
+    return env
+
+
+async def connect_temporal(settings: Settings):
+    """A Temporal client with the pydantic data converter (every payload here is a model)."""
+    from temporalio.client import Client, TLSConfig
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    tls: TLSConfig | bool = False
+    if settings.temporal_tls_ca or settings.temporal_tls_cert:
+        def read(p: str | None) -> bytes | None:
+            return Path(p).read_bytes() if p else None
+
+        tls = TLSConfig(
+            server_root_ca_cert=read(settings.temporal_tls_ca),
+            client_cert=read(settings.temporal_tls_cert),
+            client_private_key=read(settings.temporal_tls_key),
+        )
+    return await Client.connect(
+        settings.temporal_address,
+        namespace=settings.temporal_namespace,
+        tls=tls,
+        data_converter=pydantic_data_converter,
+    )
+
+
+def machine_component(machine_id: str) -> str:
+    """The dev stack's name for the agent of a machine: ``c1/b0/r0/m0`` → ``agent-c1-b0-r0-m0``."""
+    return "agent-" + machine_id.replace("/", "-")
+
+
+def ready_path(data_dir: Path, component: str) -> Path:
+    """A worker process writes its pid here once it is connected and serving; the dev stack reads
+    it to tell a healthy worker from one that is still starting or has hung at start."""
+    return data_dir / "run" / f"{component}.ready"
+
+
+def mark_ready(data_dir: Path | None, component: str) -> None:
+    if data_dir is None:
+        return
+    path = ready_path(data_dir, component)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(path)

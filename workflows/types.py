@@ -1,0 +1,191 @@
+"""Inputs and results of the workflows and activities: one pydantic model each, so fields can be
+added compatibly. Pure: imported by workflows (through the sandbox), activities, workers and the
+client alike.
+
+Task queues: the control worker listens on ``CONTROL_TASK_QUEUE`` (both workflows and the control
+activities); the agent of machine M listens on ``agent_task_queue(M)`` (the node activities).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.models import JobKind, Priority, Topology
+
+CONTROL_TASK_QUEUE = "gpusched-control"
+JOB_WORKFLOW = "JobWorkflow"
+SCHEDULER_WORKFLOW = "ClusterSchedulerWorkflow"
+
+
+def agent_task_queue(machine_id: str) -> str:
+    return f"gpusched-agent-{machine_id}"
+
+
+def job_workflow_id(job_id: str) -> str:
+    return f"job-{job_id}"
+
+
+def scheduler_workflow_id(cluster: str) -> str:
+    return f"scheduler-{cluster}"
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobState(str, Enum):
+    queued = "queued"
+    placed = "placed"
+    running = "running"
+    checkpointing = "checkpointing"
+    preempted = "preempted"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
+
+
+class EndReason(str, Enum):
+    """Why an attempt gave its GPUs back; the simulator's allocations.csv uses the same words."""
+
+    completed = "completed"
+    failed = "failed"
+    preempted = "preempted"
+    cancelled = "cancelled"
+    machine_failure = "machine_failure"
+    not_started = "not_started"  # the agent never picked the attempt up
+
+
+class JobRequest(Model):
+    """What a submitter gives: the input of ``JobWorkflow``. A pipeline using the Temporal SDK
+    starts ``JobWorkflow`` with this model on ``CONTROL_TASK_QUEUE`` and workflow id
+    ``job_workflow_id(job_id)``; the workflow validates it and checks quota and queue cap."""
+
+    job_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    team: str = Field(min_length=1)
+    num_gpus: int = Field(ge=1)
+    command: list[str] = Field(min_length=1)
+    gpu_type: str | None = None
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
+    topology: Topology | None = None
+    priority: Priority = Priority.normal
+    deadline: float | None = None  # epoch seconds, a hint
+    checkpoint_interval: float | None = Field(default=None, ge=0)
+    expected_duration: float = Field(default=3600.0, gt=0)
+    kind: JobKind = JobKind.training
+    cluster: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra environment for the command
+    submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
+
+
+class GpuGrant(Model):
+    index: int  # the GPU's index on its machine, what CUDA_VISIBLE_DEVICES names
+    path: str  # topology path, e.g. c1/b0/r0/m0/3
+
+
+class PlacementSignal(Model):
+    """Sent by the scheduler to a job: run attempt ``attempt`` on these GPUs. Re-sent until the
+    job acknowledges it; the job takes duplicates idempotently (by ``allocation_id``)."""
+
+    allocation_id: int
+    machine_id: str
+    gpus: list[GpuGrant]
+    attempt: int
+    checkpoint_phase: float | None = None
+    reason: str = ""
+
+
+class PreemptSignal(Model):
+    allocation_id: int  # only this allocation is stopped; a stale signal for an older one is ignored
+    grace_period: float
+    reason: str
+
+
+class PriorityBump(Model):
+    priority: Priority
+
+
+class RunJobInput(Model):
+    """The node activity an agent runs: start the command pinned to its GPUs, heartbeat while it
+    runs, stop it with SIGTERM → grace → SIGKILL if cancelled, report how it ended."""
+
+    job_id: str
+    allocation_id: int
+    attempt: int
+    command: list[str]
+    gpus: list[GpuGrant]
+    env: dict[str, str] = Field(default_factory=dict)
+    grace_period: float = 120.0
+    checkpoint_uri: str | None = None  # where this job writes checkpoints (issue 4)
+    resume_from: str | None = None  # the checkpoint to resume from, or None
+
+
+class RunJobResult(Model):
+    exit_code: int | None  # None: killed by a signal that was not ours
+    signal: int | None = None
+    stopped: bool = False  # we stopped it (preemption or cancel)
+    log_path: str
+    last_log_lines: list[str] = Field(default_factory=list)
+
+
+class AttemptView(Model):
+    attempt: int
+    allocation_id: int
+    machine_id: str
+    gpus: list[str]  # topology paths
+    started_at: str | None  # ISO 8601
+    ended_at: str | None
+    end_reason: str | None
+
+
+class JobView(Model):
+    """What ``gpusched status --json`` prints and the status query answers."""
+
+    job_id: str
+    team: str
+    priority: str
+    state: str
+    num_gpus: int
+    cluster: str | None
+    command: list[str]
+    submitted_at: str
+    exit_code: int | None = None
+    reason: str | None = None
+    position: int | None = None
+    estimated_start: str | None = None
+    attempts: list[AttemptView] = Field(default_factory=list)
+
+
+class SchedulerInput(Model):
+    cluster: str
+    cycle_seq: int = 0  # the last cycle committed by an earlier run (continue-as-new carries it)
+    tick_seconds: float = 2.0
+    cycles_per_run: int = 500  # continue-as-new after this many cycles (or when suggested)
+
+
+class CycleInput(Model):
+    cluster: str
+    cycle_seq: int  # this cycle's number: the store refuses a cycle whose number is not the next
+
+
+class PreemptOrder(Model):
+    job_id: str
+    signal: PreemptSignal
+
+
+class PlacementOrder(Model):
+    job_id: str
+    signal: PlacementSignal
+
+
+class CycleOutcome(Model):
+    cycle_seq: int
+    committed: bool  # False: a stale or repeated cycle, nothing changed
+    placements: list[PlacementOrder] = Field(default_factory=list)  # new and unacknowledged ones
+    preemptions: list[PreemptOrder] = Field(default_factory=list)
+    next_wake_in: float | None = None  # seconds until the core could decide differently
