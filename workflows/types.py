@@ -88,14 +88,22 @@ class GpuGrant(Model):
     path: str  # topology path, e.g. c1/b0/r0/m0/3
 
 
-class PlacementSignal(Model):
-    """Sent by the scheduler to a job: run attempt ``attempt`` on these GPUs. Re-sent until the
-    job acknowledges it; the job takes duplicates idempotently (by ``allocation_id``)."""
+class HostGrant(Model):
+    """The part of a gang on one machine: one process runs there, on these GPUs."""
 
-    allocation_id: int
     machine_id: str
     gpus: list[GpuGrant]
+
+
+class PlacementSignal(Model):
+    """Sent by the scheduler to a job: run attempt ``attempt`` on these GPUs, one process per
+    machine. Re-sent until the job acknowledges it; the job takes duplicates idempotently (by
+    ``allocation_id``)."""
+
+    allocation_id: int
+    hosts: list[HostGrant]
     attempt: int
+    grace_period: float = 120.0  # how long a stop waits for the job to checkpoint and exit
     checkpoint_phase: float | None = None
     reason: str = ""
 
@@ -136,7 +144,6 @@ class RunJobResult(Model):
 class AttemptView(Model):
     attempt: int
     allocation_id: int
-    machine_id: str
     gpus: list[str]  # topology paths
     started_at: str | None  # ISO 8601
     ended_at: str | None
@@ -163,6 +170,7 @@ class JobView(Model):
 
 class SchedulerInput(Model):
     cluster: str
+    workflow_id_prefix: str = ""  # the control plane's prefix (see Admission.task_queue_prefix)
     cycle_seq: int = 0  # the last cycle committed by an earlier run (continue-as-new carries it)
     tick_seconds: float = 2.0
     cycles_per_run: int = 500  # continue-as-new after this many cycles (or when suggested)
@@ -189,3 +197,58 @@ class CycleOutcome(Model):
     placements: list[PlacementOrder] = Field(default_factory=list)  # new and unacknowledged ones
     preemptions: list[PreemptOrder] = Field(default_factory=list)
     next_wake_in: float | None = None  # seconds until the core could decide differently
+
+
+class Admission(Model):
+    """Whether a job joined a queue: the first step of every JobWorkflow."""
+
+    accepted: bool
+    job_id: str
+    cluster: str | None = None
+    reason: str  # why it was refused, or "accepted"
+    field: str | None = None  # the request field at fault, when refused
+    # The control plane's task-queue and workflow-id prefix (empty in production; tests set one
+    # so that several stacks share a Temporal server).
+    task_queue_prefix: str = ""
+
+
+class StartAttempt(Model):
+    job_id: str
+    allocation_id: int
+
+
+class EndAttempt(Model):
+    job_id: str
+    allocation_id: int | None  # None: whatever the job holds
+    end_reason: EndReason
+    exit_code: int | None = None
+    next_state: JobState  # queued (to run again) or a terminal state
+    reason: str
+
+
+class JobStateChange(Model):
+    job_id: str
+    state: JobState
+
+
+class PriorityChange(Model):
+    job_id: str
+    priority: Priority
+
+
+class Wake(Model):
+    cluster: str
+    reason: str = ""
+
+
+class JobOutcome(Model):
+    """JobWorkflow's result, and what its ``status`` query answers."""
+
+    job_id: str
+    state: JobState
+    priority: Priority | None = None
+    cluster: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    attempts: int = 0
+    allocation_id: int | None = None  # the attempt running now

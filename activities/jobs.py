@@ -1,0 +1,74 @@
+"""The control-side activities of a job's life: admission, attempts, state, priority, and waking
+its cluster's scheduler. Each is one store call (or one Temporal call), idempotent."""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+
+from activities.store import Store
+from workflows.types import (
+    Admission,
+    EndAttempt,
+    JobRequest,
+    JobStateChange,
+    PriorityChange,
+    SchedulerInput,
+    StartAttempt,
+    Wake,
+    scheduler_workflow_id,
+)
+
+
+class JobActivities:
+    def __init__(self, store: Store, client: Client, task_queue_prefix: str = "",
+                 loop: SchedulerInput | None = None):
+        self.store = store
+        self.client = client
+        self.prefix = task_queue_prefix
+        self.loop = loop or SchedulerInput(cluster="")
+
+    @activity.defn(name="admit_job")
+    async def admit_job(self, request: JobRequest) -> Admission:
+        admission = await self.store.admit(request)
+        return admission.model_copy(update={"task_queue_prefix": self.prefix})
+
+    @activity.defn(name="start_attempt")
+    async def start_attempt(self, inp: StartAttempt) -> bool:
+        return await self.store.start_attempt(inp.job_id, inp.allocation_id)
+
+    @activity.defn(name="end_attempt")
+    async def end_attempt(self, inp: EndAttempt) -> None:
+        await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
+                                     inp.next_state, inp.reason)
+
+    @activity.defn(name="set_job_state")
+    async def set_job_state(self, inp: JobStateChange) -> None:
+        await self.store.set_job_state(inp.job_id, inp.state)
+
+    @activity.defn(name="set_priority")
+    async def set_priority(self, inp: PriorityChange) -> bool:
+        return await self.store.set_priority(inp.job_id, inp.priority.value)
+
+    @activity.defn(name="wake_scheduler")
+    async def wake_scheduler(self, inp: Wake) -> None:
+        await wake_scheduler(self.client, inp.cluster, self.prefix, inp.reason, self.loop)
+
+
+async def wake_scheduler(client: Client, cluster: str, prefix: str = "", reason: str = "",
+                         loop: SchedulerInput | None = None) -> None:
+    """Signal the cluster's scheduler, starting it if it is not running (signal-with-start);
+    ``loop`` gives the tick and continue-as-new settings a newly started loop runs with."""
+    from workflows.types import CONTROL_TASK_QUEUE, SCHEDULER_WORKFLOW
+
+    settings = loop or SchedulerInput(cluster=cluster)
+    await client.start_workflow(
+        SCHEDULER_WORKFLOW,
+        settings.model_copy(update={"cluster": cluster, "workflow_id_prefix": prefix}),
+        id=prefix + scheduler_workflow_id(cluster),
+        task_queue=prefix + CONTROL_TASK_QUEUE,
+        start_signal="wake",
+        start_signal_args=[reason],
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )

@@ -1,0 +1,192 @@
+"""Every SQL statement gpusched runs, by name. ``store.py`` is the only caller.
+
+Times are epoch seconds from the database clock (``NOW_EPOCH``), so agents, workers and the
+scheduler share one clock whatever their hosts' clocks say.
+"""
+
+NOW_EPOCH = "extract(epoch from clock_timestamp())::double precision"
+
+# --- migrations ---------------------------------------------------------------------------------
+
+CREATE_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)"""
+# Two processes migrating at once (two `dev up`s, a worker and a test) take turns.
+LOCK_MIGRATIONS = "SELECT pg_advisory_xact_lock(7723001)"
+APPLIED_MIGRATIONS = "SELECT version FROM schema_migrations"
+RECORD_MIGRATION = "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)"
+
+NOW = f"SELECT {NOW_EPOCH}"
+
+# --- fleet --------------------------------------------------------------------------------------
+
+UPSERT_CLUSTER = "INSERT INTO clusters (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
+UPSERT_MACHINE = """
+INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partition)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (id) DO UPDATE SET gpu_type = EXCLUDED.gpu_type,
+    gpu_memory_gb = EXCLUDED.gpu_memory_gb, partition = EXCLUDED.partition"""
+UPSERT_GPU = """
+INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
+MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
+RECORD_HEARTBEAT = f"""
+UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
+SET_GPU_HEALTH = """
+UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2
+RETURNING (SELECT healthy FROM gpus g WHERE g.machine_id = $1 AND g.idx = $2) AS was_healthy"""
+LIVE_ALLOCATIONS_ON_MACHINE = """
+SELECT DISTINCT h.allocation_id FROM gpu_holds h
+WHERE h.machine_id = $1 AND upper_inf(h.held)"""
+SET_CLUSTER_SETTINGS = """
+UPDATE clusters SET policy = coalesce($2, policy), machine_timeout = coalesce($3, machine_timeout)
+WHERE name = $1"""
+LIST_CLUSTERS = "SELECT name, policy, machine_timeout, cycle_seq FROM clusters ORDER BY name"
+CLUSTER_CAPACITY = """
+SELECT m.cluster, m.block, m.id, m.gpu_type, m.gpu_memory_gb, m.partition, count(g.idx) AS gpus
+FROM machines m JOIN gpus g ON g.machine_id = m.id
+GROUP BY m.cluster, m.block, m.id ORDER BY m.cluster, m.id"""
+LIST_MACHINES = f"""
+SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
+       m.last_heartbeat, m.agent_pid, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
+       c.machine_timeout,
+       array_agg(g.idx ORDER BY g.idx) AS gpus,
+       array_agg(g.idx ORDER BY g.idx) FILTER (WHERE NOT g.healthy) AS unhealthy
+FROM machines m JOIN clusters c ON c.name = m.cluster JOIN gpus g ON g.machine_id = m.id
+WHERE ($1::text IS NULL OR m.cluster = $1)
+GROUP BY m.id, c.machine_timeout ORDER BY m.id"""
+
+# --- quotas -------------------------------------------------------------------------------------
+
+SET_QUOTA = """
+INSERT INTO quotas (team, guaranteed, max_gpus, queue_cap) VALUES ($1, $2, $3, $4)
+ON CONFLICT (team) DO UPDATE SET guaranteed = EXCLUDED.guaranteed, max_gpus = EXCLUDED.max_gpus,
+    queue_cap = EXCLUDED.queue_cap, updated_at = now()"""
+LIST_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas ORDER BY team"
+QUOTA_FOR_UPDATE = "SELECT guaranteed, max_gpus, queue_cap FROM quotas WHERE team = $1 FOR UPDATE"
+TEAM_WAITING_JOBS = """
+SELECT count(*) FROM jobs WHERE team = $1 AND state IN ('queued', 'placed')"""
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+INSERT_JOB = f"""
+INSERT INTO jobs (id, team, cluster, request, priority, num_gpus, state, submit_time,
+                  queued_since, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, 'queued', $7, $7, {NOW_EPOCH})
+ON CONFLICT (id) DO NOTHING"""
+JOB = "SELECT * FROM jobs WHERE id = $1"
+JOB_FOR_UPDATE = "SELECT * FROM jobs WHERE id = $1 FOR UPDATE"
+LIST_JOBS = """
+SELECT * FROM jobs
+WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
+ORDER BY submit_time, id LIMIT $3"""
+JOB_ATTEMPTS = """
+SELECT id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state
+FROM allocations WHERE job_id = $1 ORDER BY attempt"""
+SET_PRIORITY = f"""
+UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),
+    updated_at = {NOW_EPOCH}
+WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+SET_JOB_STATE = f"""
+UPDATE jobs SET state = $2, updated_at = {NOW_EPOCH} WHERE id = $1
+  AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+FINISH_JOB = f"""
+UPDATE jobs SET state = $2, reason = $3, exit_code = $4, position = NULL, estimated_start = NULL,
+    pending_reason = NULL, updated_at = {NOW_EPOCH}
+WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+REQUEUE_JOB = f"""
+UPDATE jobs SET state = 'queued', queued_since = {NOW_EPOCH}, reason = $2,
+    preemptions = CASE WHEN $3 THEN preemptions || {NOW_EPOCH} ELSE preemptions END,
+    updated_at = {NOW_EPOCH}
+WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+
+# --- allocations --------------------------------------------------------------------------------
+
+ALLOCATION = "SELECT * FROM allocations WHERE id = $1"
+LIVE_ALLOCATIONS_OF_JOB = "SELECT id FROM allocations WHERE job_id = $1 AND state <> 'ended'"
+START_ATTEMPT = f"""
+UPDATE allocations SET state = 'running', started_at = {NOW_EPOCH}, version = version + 1
+WHERE id = $1 AND job_id = $2 AND state = 'placed'"""
+MARK_JOB_RUNNING = f"""
+UPDATE jobs SET state = 'running', attempts = $2, position = NULL, estimated_start = NULL,
+    pending_reason = NULL, updated_at = {NOW_EPOCH}
+WHERE id = $1 AND state IN ('placed', 'queued')"""
+END_ALLOCATION = f"""
+UPDATE allocations SET state = 'ended', ended_at = {NOW_EPOCH}, end_reason = $2, exit_code = $3,
+    version = version + 1
+WHERE id = $1 AND state <> 'ended'
+RETURNING job_id"""
+# A hold closes at the database's clock, which is after the hold opened (same clock).
+RELEASE_HOLDS = """
+UPDATE gpu_holds SET held = tstzrange(lower(held), greatest(clock_timestamp(), lower(held) + interval '1 microsecond'))
+WHERE allocation_id = $1 AND upper_inf(held)"""
+
+# --- the scheduling cycle -----------------------------------------------------------------------
+
+# Taken first in the cycle's transaction: cycles of one cluster run one at a time, and a cycle
+# whose number is not the next one commits nothing.
+LOCK_CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHERE name = $1 FOR UPDATE"
+SNAPSHOT_MACHINES = f"""
+SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
+       coalesce(m.last_heartbeat >= {NOW_EPOCH} - $2, false) AS reachable,
+       count(g.idx) AS gpus,
+       coalesce(array_agg(g.idx) FILTER (WHERE NOT g.healthy), '{{}}') AS unhealthy
+FROM machines m JOIN gpus g ON g.machine_id = m.id
+WHERE m.cluster = $1
+GROUP BY m.id ORDER BY m.id"""
+SNAPSHOT_RUNNING = """
+SELECT a.id AS allocation_id, a.job_id, a.gpus, a.placed_at, a.started_at, a.progress_at_start,
+       a.checkpoint_phase, a.draining_until, a.preempted_for, a.state,
+       j.request, j.submit_time, j.preemptions, j.priority
+FROM allocations a JOIN jobs j ON j.id = a.job_id
+WHERE a.cluster = $1 AND a.state <> 'ended'
+ORDER BY a.id"""
+SNAPSHOT_QUEUE = """
+SELECT id, request, priority, submit_time, queued_since, progress, preemptions
+FROM jobs WHERE cluster = $1 AND state = 'queued'
+ORDER BY id"""
+SNAPSHOT_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas"
+NEXT_ATTEMPT = "SELECT coalesce(max(attempt), 0) + 1 FROM allocations WHERE job_id = $1"
+INSERT_ALLOCATION = """
+INSERT INTO allocations (job_id, cluster, attempt, gpus, state, cycle_seq, checkpoint_phase,
+                         progress_at_start, placed_at)
+VALUES ($1, $2, $3, $4, 'placed', $5, $6, $7, $8)
+RETURNING id"""
+INSERT_HOLD = """
+INSERT INTO gpu_holds (allocation_id, machine_id, idx, held)
+VALUES ($1, $2, $3, tstzrange(clock_timestamp(), NULL))"""
+MARK_JOB_PLACED = """
+UPDATE jobs SET state = 'placed', position = NULL, estimated_start = NULL, pending_reason = NULL,
+    updated_at = $2
+WHERE id = $1 AND state = 'queued'"""
+ORDER_PREEMPTION = """
+UPDATE allocations SET state = 'draining', draining_until = $2, preempt_ordered_at = $3,
+    preempt_reason = $4, preempted_for = $5, version = version + 1
+WHERE id = $1 AND state IN ('placed', 'running')"""
+WRITE_PENDING = """
+UPDATE jobs SET position = p.position, estimated_start = p.estimated_start,
+    misses_deadline = p.misses_deadline, pending_reason = p.reason
+FROM unnest($1::text[], $2::int[], $3::double precision[], $4::boolean[], $5::text[])
+     AS p(job_id, position, estimated_start, misses_deadline, reason)
+WHERE jobs.id = p.job_id AND jobs.state = 'queued'"""
+FINISH_CYCLE = "UPDATE clusters SET cycle_seq = $2, earmarks = $3, last_cycle_at = $4 WHERE name = $1"
+# Orders that a job has not acted on yet: sent again (jobs take duplicates idempotently).
+UNACKED_PLACEMENTS = """
+SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at
+FROM allocations a WHERE a.cluster = $1 AND a.state = 'placed' AND a.placed_at <= $2"""
+UNACKED_PREEMPTIONS = """
+SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at
+FROM allocations a WHERE a.cluster = $1 AND a.state = 'draining' AND a.preempt_ordered_at <= $2"""
+
+# --- audit --------------------------------------------------------------------------------------
+
+AUDIT = f"""
+INSERT INTO audit (at, cluster, job_id, event, reason, data)
+VALUES ({NOW_EPOCH}, $1, $2, $3, $4, $5)"""
+AUDIT_MANY = """
+INSERT INTO audit (at, cluster, job_id, event, reason, data)
+SELECT $1, $2, e.job_id, e.event, e.reason, e.data
+FROM unnest($3::text[], $4::text[], $5::text[], $6::jsonb[]) AS e(job_id, event, reason, data)"""
+AUDIT_OF_JOB = "SELECT at, cluster, event, reason, data FROM audit WHERE job_id = $1 ORDER BY id"

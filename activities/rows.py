@@ -1,0 +1,246 @@
+"""Database rows ↔ gpusched models: the scheduling snapshot, job views and admission rules.
+
+Pure functions over plain mappings (asyncpg records), so they are tested without a database.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping
+
+from scheduler.models import (
+    INFERENCE_PARTITION,
+    Earmark,
+    JobKind,
+    JobSpec,
+    Machine,
+    PolicyConfig,
+    Quota,
+    QueuedJob,
+    RunningJob,
+    Snapshot,
+    Topology,
+)
+from workflows.types import (
+    Admission,
+    AttemptView,
+    GpuGrant,
+    HostGrant,
+    JobRequest,
+    JobView,
+    PlacementOrder,
+    PlacementSignal,
+    PreemptOrder,
+    PreemptSignal,
+)
+
+Row = Mapping[str, Any]
+
+
+def iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def json_value(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+# --- the snapshot -------------------------------------------------------------------------------
+
+
+def job_spec(request: Row | JobRequest, priority: str | None = None) -> JobSpec:
+    req = request if isinstance(request, JobRequest) else JobRequest.model_validate(json_value(request))
+    return JobSpec(
+        job_id=req.job_id,
+        team=req.team,
+        num_gpus=req.num_gpus,
+        gpu_type=req.gpu_type,
+        gpu_memory_gb=req.gpu_memory_gb,
+        topology=req.topology,
+        priority=priority or req.priority,
+        deadline=req.deadline,
+        checkpoint_interval=req.checkpoint_interval,
+        expected_duration=req.expected_duration,
+        kind=req.kind,
+        cluster=req.cluster,
+    )
+
+
+def split_path(path: str) -> tuple[str, int]:
+    """``c1/b0/r0/m0/3`` → (``c1/b0/r0/m0``, 3)."""
+    machine, _, index = path.rpartition("/")
+    return machine, int(index)
+
+
+def quota(row: Row) -> Quota:
+    return Quota(guaranteed=row["guaranteed"], max=row["max_gpus"], queue_cap=row["queue_cap"])
+
+
+def snapshot(*, cluster: str, now: float, lock: Row, machines: Iterable[Row], running: Iterable[Row],
+             queue: Iterable[Row], quotas: Iterable[Row]) -> Snapshot:
+    return Snapshot(
+        cluster=cluster,
+        now=now,
+        machines=tuple(
+            Machine(id=m["id"], cluster=m["cluster"], block=m["block"], rack=m["rack"], gpus=m["gpus"],
+                    gpu_type=m["gpu_type"], gpu_memory_gb=m["gpu_memory_gb"], partition=m["partition"],
+                    reachable=m["reachable"], unhealthy_gpus=frozenset(m["unhealthy"]))
+            for m in machines
+        ),
+        running=tuple(
+            RunningJob(
+                spec=job_spec(r["request"], r["priority"]),
+                submit_time=r["submit_time"],
+                gpus=tuple(split_path(p) for p in r["gpus"]),
+                started_at=r["started_at"] if r["started_at"] is not None else r["placed_at"],
+                progress_at_start=r["progress_at_start"],
+                preemptions=tuple(r["preemptions"]),
+                checkpoint_phase=r["checkpoint_phase"],
+                draining_until=r["draining_until"],
+                preempted_for=r["preempted_for"],
+            )
+            for r in running
+        ),
+        queue=tuple(
+            QueuedJob(spec=job_spec(j["request"], j["priority"]), submit_time=j["submit_time"],
+                      queued_since=max(j["queued_since"], j["submit_time"]), progress=j["progress"],
+                      preemptions=tuple(j["preemptions"]))
+            for j in queue
+        ),
+        quotas={r["team"]: quota(r) for r in quotas},
+        earmarks=tuple(Earmark.model_validate(e) for e in json_value(lock["earmarks"])),
+        config=PolicyConfig(**json_value(lock["policy"])),
+    )
+
+
+def placement_order(row: Row, grace_period: float) -> PlacementOrder:
+    hosts: dict[str, list[GpuGrant]] = defaultdict(list)
+    for path in row["gpus"]:
+        machine, index = split_path(path)
+        hosts[machine].append(GpuGrant(index=index, path=path))
+    return PlacementOrder(
+        job_id=row["job_id"],
+        signal=PlacementSignal(
+            allocation_id=row["id"],
+            hosts=[HostGrant(machine_id=m, gpus=g) for m, g in hosts.items()],
+            attempt=row["attempt"],
+            grace_period=grace_period,
+            checkpoint_phase=row["checkpoint_phase"],
+        ),
+    )
+
+
+def preempt_order(row: Row, now: float) -> PreemptOrder:
+    return PreemptOrder(
+        job_id=row["job_id"],
+        signal=PreemptSignal(allocation_id=row["id"], grace_period=max(0.0, row["draining_until"] - now),
+                             reason=row["preempt_reason"] or "preempted"),
+    )
+
+
+def machine_from_report(machine_id: str, gpus: list) -> Machine:
+    """A machine that joins by heartbeat: its id is its topology path."""
+    parts = machine_id.split("/")
+    if len(parts) != 4 or not all(parts):
+        raise ValueError(f"machine id '{machine_id}' is not a topology path cluster/block/rack/machine")
+    first = gpus[0] if gpus else None
+    return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=max(1, len(gpus)),
+                   gpu_type=(first.gpu_type if first and first.gpu_type else "unknown"),
+                   gpu_memory_gb=(first.memory_gb if first and first.memory_gb else 80.0))
+
+
+# --- views --------------------------------------------------------------------------------------
+
+
+def attempt_view(row: Row) -> AttemptView:
+    return AttemptView(
+        attempt=row["attempt"],
+        allocation_id=row["id"],
+        gpus=list(row["gpus"]),
+        started_at=iso(row["started_at"]),
+        ended_at=iso(row["ended_at"]),
+        end_reason=row["end_reason"],
+    )
+
+
+def job_view(job: Row, attempts: Iterable[Row]) -> JobView:
+    request = JobRequest.model_validate(json_value(job["request"]))
+    return JobView(
+        job_id=job["id"],
+        team=job["team"],
+        priority=job["priority"],
+        state=job["state"],
+        num_gpus=job["num_gpus"],
+        cluster=job["cluster"],
+        command=request.command,
+        submitted_at=iso(job["submit_time"]),
+        exit_code=job["exit_code"],
+        reason=job["reason"] if job["reason"] else job["pending_reason"],
+        position=job["position"],
+        estimated_start=iso(job["estimated_start"]),
+        attempts=[attempt_view(a) for a in attempts],
+    )
+
+
+# --- admission ----------------------------------------------------------------------------------
+
+
+def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iterable[Row], waiting: int):
+    """Whether a job may join a queue, and which cluster's; the reason names the field and fix."""
+    def refuse(field: str, reason: str) -> Admission:
+        return Admission(accepted=False, job_id=request.job_id, field=field, reason=reason)
+
+    team = request.team
+    if quota_row is None:
+        return refuse("team", f"team '{team}' has no quota; an operator sets one with "
+                              f"`gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
+    if quota_row["max_gpus"] is not None and request.num_gpus > quota_row["max_gpus"]:
+        return refuse("num_gpus", f"the job asks for {request.num_gpus} GPUs but team '{team}' may hold "
+                                  f"at most {quota_row['max_gpus']}; ask for fewer or raise the team's max")
+    if quota_row["queue_cap"] is not None and waiting >= quota_row["queue_cap"]:
+        return refuse("team", f"team '{team}' already has {waiting} jobs waiting, its queue cap; "
+                              "wait for some to start or raise the cap")
+    by_cluster: dict[str, list[Row]] = defaultdict(list)
+    for m in capacity:
+        by_cluster[m["cluster"]].append(m)
+    if request.cluster is not None and request.cluster not in by_cluster:
+        known = ", ".join(sorted(by_cluster)) or "none"
+        return refuse("cluster", f"unknown cluster '{request.cluster}' (known: {known})")
+    candidates = [request.cluster] if request.cluster else sorted(by_cluster)
+    reasons = []
+    for name in candidates:
+        why_not = _why_it_cannot_fit(request, by_cluster[name])
+        if why_not is None:
+            return Admission(accepted=True, job_id=request.job_id, cluster=name, reason="accepted")
+        reasons.append(f"{name}: {why_not}")
+    field = "gpu_type" if request.gpu_type and "type" in " ".join(reasons) else "num_gpus"
+    return refuse(field, "no cluster can ever host this job (" + "; ".join(reasons or ["no machines"]) + ")")
+
+
+def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> str | None:
+    has_inference = any(m["partition"] == INFERENCE_PARTITION for m in machines)
+    usable = [
+        m for m in machines
+        if (request.gpu_type is None or m["gpu_type"] == request.gpu_type)
+        and (request.gpu_memory_gb is None or m["gpu_memory_gb"] >= request.gpu_memory_gb)
+        and ((m["partition"] == INFERENCE_PARTITION) == (request.kind == JobKind.inference and has_inference))
+    ]
+    if not usable:
+        return f"no machine with GPU type {request.gpu_type}" if request.gpu_type else "no machine of its kind"
+    largest = max(m["gpus"] for m in usable)
+    blocks: dict[str, int] = defaultdict(int)
+    for m in usable:
+        blocks[m["block"]] += m["gpus"]
+    topology = request.topology or (Topology.machine if request.num_gpus <= largest else Topology.block)
+    n = request.num_gpus
+    if topology == Topology.machine and n > largest:
+        return f"needs {n} GPUs on one machine; the largest has {largest}"
+    if topology == Topology.block and n > max(blocks.values()):
+        return f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
+    if n > sum(blocks.values()):
+        return f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
+    return None

@@ -1,0 +1,334 @@
+"""The Postgres port: everything gpusched keeps in its system of record, behind named methods.
+
+SQL lives in ``queries.py``; the row ↔ model conversions of a scheduling snapshot live in
+``rows.py``. Driver errors that callers must tell apart become ``StoreError`` subclasses.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Callable
+
+import asyncpg
+from pydantic import BaseModel
+
+from activities import queries as q
+from activities import rows
+from scheduler.models import CycleResult, Machine, PolicyConfig, Quota, Snapshot
+from workflows.types import (
+    Admission,
+    AttemptView,
+    CycleOutcome,
+    EndReason,
+    JobRequest,
+    JobState,
+    JobView,
+)
+
+
+class StoreError(Exception):
+    pass
+
+
+class CycleConflict(StoreError):
+    """Another transaction changed what the cycle read; the cycle is run again from a new read."""
+
+
+class GpuReport(BaseModel):
+    index: int
+    gpu_type: str | None = None
+    memory_gb: float | None = None
+    healthy: bool = True
+    faults: list[str] = []
+
+
+Planner = Callable[[Snapshot], CycleResult]
+# Placements not acknowledged this long after the cycle that made them are sent again.
+RESEND_AFTER = 3.0
+
+
+class Store:
+    def __init__(self, pool: asyncpg.Pool):
+        self.pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10) -> "Store":
+        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def now(self) -> float:
+        return await self.pool.fetchval(q.NOW)
+
+    # --- migrations -------------------------------------------------------------------------
+
+    async def migrate(self) -> list[str]:
+        """Apply the SQL files of ``activities/migrations`` not applied yet, in order, each in
+        its own transaction; returns the names applied."""
+        files = sorted(
+            (f for f in resources.files("activities.migrations").iterdir() if f.name.endswith(".sql")),
+            key=lambda f: f.name,
+        )
+        applied_now = []
+        async with self.pool.acquire() as conn:
+            await conn.execute(q.CREATE_MIGRATIONS_TABLE)
+            for f in files:
+                version = int(f.name.split("_", 1)[0])
+                async with conn.transaction():
+                    await conn.execute(q.LOCK_MIGRATIONS)
+                    done = {r["version"] for r in await conn.fetch(q.APPLIED_MIGRATIONS)}
+                    if version in done:
+                        continue
+                    await conn.execute(f.read_text())
+                    await conn.execute(q.RECORD_MIGRATION, version, f.name)
+                    applied_now.append(f.name)
+        return applied_now
+
+    # --- fleet ------------------------------------------------------------------------------
+
+    async def register_fleet(self, cluster: str, machines: list[Machine]) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(q.UPSERT_CLUSTER, cluster)
+            for m in machines:
+                await self._upsert_machine(conn, m)
+
+    async def _upsert_machine(self, conn, m: Machine) -> None:
+        await conn.execute(q.UPSERT_CLUSTER, m.cluster)
+        await conn.execute(q.UPSERT_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
+                           m.gpu_memory_gb, m.partition)
+        await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
+
+    async def machine_heartbeat(self, machine_id: str, pid: int | None, gpus: list[GpuReport]) -> list[int]:
+        """Record that the machine's agent is alive and how its GPUs are; a machine not seen
+        before joins the fleet (its topology is its id, ``cluster/block/rack/machine``). Returns
+        the allocations live on the machine: the agent kills any process not among them."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not await conn.fetchval(q.MACHINE_EXISTS, machine_id):
+                await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
+            await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid)
+            for g in gpus:
+                await conn.execute(q.SET_GPU_HEALTH, machine_id, g.index, g.healthy, g.faults)
+            return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]
+
+    async def configure_cluster(self, cluster: str, policy: dict | None = None,
+                                machine_timeout: float | None = None) -> None:
+        await self.pool.execute(q.UPSERT_CLUSTER, cluster)
+        await self.pool.execute(q.SET_CLUSTER_SETTINGS, cluster,
+                                json.dumps(policy) if policy is not None else None, machine_timeout)
+
+    async def capacity(self) -> list[dict]:
+        """Every machine's place and size: what admission checks a job's shape against."""
+        return [dict(r) for r in await self.pool.fetch(q.CLUSTER_CAPACITY)]
+
+    async def cluster_names(self) -> list[str]:
+        return [r["name"] for r in await self.pool.fetch(q.LIST_CLUSTERS)]
+
+    async def list_machines(self, cluster: str | None = None) -> list[dict]:
+        return [dict(r) for r in await self.pool.fetch(q.LIST_MACHINES, cluster)]
+
+    # --- quotas -----------------------------------------------------------------------------
+
+    async def set_quota(self, team: str, quota: Quota) -> None:
+        await self.pool.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)
+
+    async def list_quotas(self) -> dict[str, Quota]:
+        return {r["team"]: rows.quota(r) for r in await self.pool.fetch(q.LIST_QUOTAS)}
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    async def admit(self, request: JobRequest) -> Admission:
+        """Accept a job into its cluster's queue, or refuse it with the reason and the field at
+        fault. Idempotent: admitting a job id again answers as the first time did."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            existing = await conn.fetchrow(q.JOB, request.job_id)
+            if existing is not None:
+                return Admission(accepted=True, job_id=request.job_id, cluster=existing["cluster"],
+                                 reason="already admitted")
+            quota_row = await conn.fetchrow(q.QUOTA_FOR_UPDATE, request.team)  # serialises a team's submits
+            capacity = await conn.fetch(q.CLUSTER_CAPACITY)
+            waiting = await conn.fetchval(q.TEAM_WAITING_JOBS, request.team)
+            verdict = rows.admission_verdict(request, quota_row, capacity, waiting)
+            if not verdict.accepted:
+                await conn.execute(q.AUDIT, None, None, "refused", verdict.reason,
+                                   json.dumps({"job_id": request.job_id, "field": verdict.field}))
+                return verdict
+            submit = request.submit_time if request.submit_time is not None else await conn.fetchval(q.NOW)
+            await conn.execute(q.INSERT_JOB, request.job_id, request.team, verdict.cluster,
+                               request.model_dump_json(), request.priority.value, request.num_gpus, submit)
+            await conn.execute(q.AUDIT, verdict.cluster, request.job_id, "submitted", "accepted",
+                               request.model_dump_json(include={"team", "num_gpus", "priority", "command"}))
+            return verdict
+
+    async def job_view(self, job_id: str) -> JobView | None:
+        async with self.pool.acquire() as conn:
+            job = await conn.fetchrow(q.JOB, job_id)
+            if job is None:
+                return None
+            return rows.job_view(job, await conn.fetch(q.JOB_ATTEMPTS, job_id))
+
+    async def list_jobs(self, team: str | None = None, state: str | None = None,
+                        limit: int = 1000) -> list[JobView]:
+        async with self.pool.acquire() as conn:
+            jobs = await conn.fetch(q.LIST_JOBS, team, state, limit)
+            return [rows.job_view(j, await conn.fetch(q.JOB_ATTEMPTS, j["id"])) for j in jobs]
+
+    async def attempts(self, job_id: str) -> list[AttemptView]:
+        return [rows.attempt_view(r) for r in await self.pool.fetch(q.JOB_ATTEMPTS, job_id)]
+
+    async def set_priority(self, job_id: str, priority: str) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            done = await conn.execute(q.SET_PRIORITY, job_id, priority) == "UPDATE 1"
+            if done:
+                await conn.execute(q.AUDIT, None, job_id, "priority", f"priority set to {priority}", "{}")
+            return done
+
+    async def set_job_state(self, job_id: str, state: JobState) -> None:
+        await self.pool.execute(q.SET_JOB_STATE, job_id, state.value)
+
+    async def audit_trail(self, job_id: str) -> list[dict]:
+        return [dict(r) for r in await self.pool.fetch(q.AUDIT_OF_JOB, job_id)]
+
+    # --- attempts ---------------------------------------------------------------------------
+
+    async def start_attempt(self, job_id: str, allocation_id: int) -> bool:
+        """The job acknowledges a placement and is about to launch it. False: the allocation is
+        not this job's live placement (a duplicate or stale signal), so nothing is launched."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.execute(q.START_ATTEMPT, allocation_id, job_id) != "UPDATE 1":
+                row = await conn.fetchrow(q.ALLOCATION, allocation_id)
+                # Acknowledged before (the activity ran twice): still the job's to run.
+                return row is not None and row["job_id"] == job_id and row["state"] == "running"
+            attempt = (await conn.fetchrow(q.ALLOCATION, allocation_id))["attempt"]
+            await conn.execute(q.MARK_JOB_RUNNING, job_id, attempt)
+            await conn.execute(q.AUDIT, None, job_id, "started", f"attempt {attempt} launched",
+                               json.dumps({"allocation_id": allocation_id}))
+            return True
+
+    async def end_attempt(self, job_id: str, allocation_id: int | None, end: EndReason,
+                          exit_code: int | None, next_state: JobState, reason: str) -> None:
+        """Give the attempt's GPUs back and move the job on: to the queue again (``queued``)
+        or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
+            ids = [allocation_id] if allocation_id is not None else [
+                r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_OF_JOB, job_id)]
+            for alloc in ids:
+                if await conn.fetchval(q.END_ALLOCATION, alloc, end.value, exit_code) is not None:
+                    await conn.execute(q.RELEASE_HOLDS, alloc)
+                    await conn.execute(q.AUDIT, None, job_id, "released", end.value,
+                                       json.dumps({"allocation_id": alloc, "exit_code": exit_code}))
+            if next_state is JobState.queued:
+                preempted = end is EndReason.preempted
+                if await conn.execute(q.REQUEUE_JOB, job_id, reason, preempted) == "UPDATE 1":
+                    await conn.execute(q.AUDIT, None, job_id, "requeued", reason, "{}")
+            elif next_state.terminal:
+                if await conn.execute(q.FINISH_JOB, job_id, next_state.value, reason, exit_code) == "UPDATE 1":
+                    await conn.execute(q.AUDIT, None, job_id, next_state.value, reason,
+                                       json.dumps({"exit_code": exit_code}))
+
+    # --- the scheduling cycle ---------------------------------------------------------------
+
+    async def plan_cycle(self, cluster: str, cycle_seq: int, planner: Planner) -> CycleOutcome:
+        """One cycle in one transaction: lock the cluster's cycle counter, read a consistent
+        snapshot, run ``planner`` (the pure core) on it, commit its decisions, and advance the
+        counter. A cycle whose number is not the next one (stale, or repeated after its commit)
+        changes nothing and only returns the orders still waiting for acknowledgement.
+        Raises ``CycleConflict`` when a concurrent change invalidates what it read."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):
+                lock = await conn.fetchrow(q.LOCK_CLUSTER, cluster)
+                if lock is None:
+                    raise StoreError(f"unknown cluster '{cluster}'")
+                now = await conn.fetchval(q.NOW)
+                if lock["cycle_seq"] != cycle_seq - 1:
+                    return await self._resend(conn, cluster, lock, now, committed=False)
+                snapshot = await self._snapshot(conn, cluster, lock, now)
+                result = planner(snapshot)
+                await self._commit(conn, cluster, cycle_seq, snapshot, result)
+                outcome = await self._resend(conn, cluster, lock, now, committed=True, seq=cycle_seq)
+                outcome.next_wake_in = None if result.next_wake is None else max(0.0, result.next_wake - now)
+                return outcome
+        except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as e:
+            raise CycleConflict(str(e)) from e
+
+    async def snapshot(self, cluster: str) -> Snapshot:
+        """A read-only snapshot (for previews: a queue position and ETA right after submit)."""
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            lock = await conn.fetchrow(q.LOCK_CLUSTER.replace(" FOR UPDATE", ""), cluster)
+            if lock is None:
+                raise StoreError(f"unknown cluster '{cluster}'")
+            return await self._snapshot(conn, cluster, lock, await conn.fetchval(q.NOW))
+
+    async def _snapshot(self, conn, cluster: str, lock, now: float) -> Snapshot:
+        return rows.snapshot(
+            cluster=cluster,
+            now=now,
+            lock=lock,
+            machines=await conn.fetch(q.SNAPSHOT_MACHINES, cluster, lock["machine_timeout"]),
+            running=await conn.fetch(q.SNAPSHOT_RUNNING, cluster),
+            queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster),
+            quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),
+        )
+
+    async def _commit(self, conn, cluster: str, seq: int, snapshot: Snapshot, result: CycleResult) -> None:
+        now = snapshot.now
+        queued = {j.spec.job_id: j for j in snapshot.queue}
+        events: list[tuple[str, str, str, str]] = []
+        for p in result.placements:
+            job = queued[p.job_id]
+            attempt = await conn.fetchval(q.NEXT_ATTEMPT, p.job_id)
+            paths = [f"{m}/{i}" for m, i in p.gpus]
+            alloc = await conn.fetchval(q.INSERT_ALLOCATION, p.job_id, cluster, attempt, paths, seq,
+                                        p.checkpoint_phase, job.progress, now)
+            await conn.executemany(q.INSERT_HOLD, [(alloc, m, i) for m, i in p.gpus])
+            await conn.execute(q.MARK_JOB_PLACED, p.job_id, now)
+            events.append((p.job_id, "placed", p.reason, json.dumps({"allocation_id": alloc, "gpus": paths})))
+        orders = [(v.job_id, v.grace_period, v.reason, v.for_job) for v in result.preemptions]
+        orders += [(r.job_id, snapshot.config.grace_period if r.graceful else 0.0, r.reason, None)
+                   for r in result.requeues]
+        for job_id, grace, reason, for_job in orders:
+            alloc = await conn.fetchval(q.LIVE_ALLOCATIONS_OF_JOB, job_id)
+            if alloc is None:
+                continue
+            await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job)
+            events.append((job_id, "preempt_ordered", reason,
+                           json.dumps({"allocation_id": alloc, "for_job": for_job})))
+        pend = result.pending
+        await conn.execute(q.WRITE_PENDING, [p.job_id for p in pend], [p.position for p in pend],
+                           [p.estimated_start for p in pend], [p.misses_deadline for p in pend],
+                           [p.reason for p in pend])
+        if events:
+            job_ids, kinds, reasons, data = zip(*events)
+            await conn.execute(q.AUDIT_MANY, now, cluster, list(job_ids), list(kinds), list(reasons), list(data))
+        earmarks = json.dumps([e.model_dump(mode="json") for e in result.earmarks])
+        await conn.execute(q.FINISH_CYCLE, cluster, seq, earmarks, now)
+
+    async def _resend(self, conn, cluster: str, lock, now: float, committed: bool,
+                      seq: int | None = None) -> CycleOutcome:
+        # This cycle's own orders (made at ``now``) and the older ones still not acted on; those
+        # of the last few seconds are left alone, as their first signal may be on its way.
+        def due(at: float) -> bool:
+            return (committed and at == now) or at <= now - RESEND_AFTER
+
+        placed = [r for r in await conn.fetch(q.UNACKED_PLACEMENTS, cluster, now) if due(r["placed_at"])]
+        draining = [r for r in await conn.fetch(q.UNACKED_PREEMPTIONS, cluster, now)
+                    if due(r["preempt_ordered_at"])]
+        grace = PolicyConfig(**rows.json_value(lock["policy"])).grace_period
+        return CycleOutcome(
+            cycle_seq=seq if committed else lock["cycle_seq"],
+            committed=committed,
+            placements=[rows.placement_order(r, grace) for r in placed],
+            preemptions=[rows.preempt_order(r, now) for r in draining],
+        )
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=_json_text, decoder=json.loads, schema="pg_catalog")
+
+
+def _json_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+

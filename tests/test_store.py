@@ -1,0 +1,189 @@
+"""The Postgres store on a real Postgres: migrations, admission, the cycle's commit with its
+version check, attempts, and the database's own refusal to double-book a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import asyncpg
+import pytest
+
+from activities.store import GpuReport, Store
+from scheduler.cycle import run_cycle
+from scheduler.models import CycleResult, Machine, Placement, Quota
+from workflows.types import EndReason, JobRequest, JobState
+
+pytestmark = pytest.mark.live
+_names = itertools.count()
+
+
+def machines(n: int = 2, gpus: int = 4, cluster: str = "c1") -> list[Machine]:
+    return [Machine(id=f"{cluster}/b0/r0/m{i}", cluster=cluster, block="b0", rack="r0", gpus=gpus,
+                    gpu_type="H100") for i in range(n)]
+
+
+def job(job_id: str, gpus: int = 2, team: str = "vision", **kw) -> JobRequest:
+    return JobRequest(job_id=job_id, team=team, num_gpus=gpus, command=["true"], **kw)
+
+
+@pytest.fixture
+def store_env(live_servers):
+    """A fresh database with the schema, a 2 × 4-GPU cluster whose agents have reported, and a
+    quota for team vision; yields (run, store) where run(coro) runs on one event loop."""
+    dsn = live_servers.new_database(f"store_{next(_names)}")
+    loop = asyncio.new_event_loop()
+    store = loop.run_until_complete(Store.connect(dsn))
+
+    async def setup():
+        await store.migrate()
+        await store.register_fleet("c1", machines())
+        for m in machines():
+            await store.machine_heartbeat(m.id, 1, [GpuReport(index=i) for i in range(4)])
+        await store.set_quota("vision", Quota(guaranteed=4, max=8, queue_cap=3))
+
+    loop.run_until_complete(setup())
+    yield loop.run_until_complete, store
+    loop.run_until_complete(store.close())
+    loop.close()
+
+
+def test_migrations_apply_once_and_are_recorded(store_env):
+    run, store = store_env
+    assert run(store.migrate()) == []
+    versions = run(store.pool.fetch("SELECT version FROM schema_migrations"))
+    assert [r["version"] for r in versions] == [1]
+
+
+@pytest.mark.parametrize("request_, field, words", [
+    (job("a", team="nobody"), "team", "has no quota"),
+    (job("a", gpus=9), "num_gpus", "at most 8"),
+    (job("a", gpus=8, topology="machine"), "num_gpus", "largest has 4"),
+    (job("a", gpu_type="A100"), "gpu_type", "GPU type A100"),
+    (job("a", cluster="c9"), "cluster", "unknown cluster 'c9'"),
+])
+def test_a_job_the_fleet_or_quota_cannot_take_is_refused_naming_the_field(store_env, request_, field, words):
+    run, store = store_env
+    verdict = run(store.admit(request_))
+    assert not verdict.accepted and verdict.field == field and words in verdict.reason
+    assert run(store.job_view("a")) is None
+
+
+def test_a_team_at_its_queue_cap_is_refused_and_nothing_accepted_is_lost(store_env):
+    run, store = store_env
+    for name in "abc":
+        assert run(store.admit(job(name))).accepted
+    verdict = run(store.admit(job("d")))
+    assert not verdict.accepted and "queue cap" in verdict.reason
+    assert [v.job_id for v in run(store.list_jobs(team="vision"))] == ["a", "b", "c"]
+
+
+def test_admitting_the_same_job_twice_keeps_one_job(store_env):
+    run, store = store_env
+    assert run(store.admit(job("a"))).accepted
+    assert run(store.admit(job("a"))).accepted
+    assert len(run(store.list_jobs())) == 1
+
+
+def test_a_cycle_commits_placements_and_a_repeated_or_stale_cycle_changes_nothing(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    first = run(store.plan_cycle("c1", 1, run_cycle))
+    assert first.committed and [p.job_id for p in first.placements] == ["a"]
+    run(store.admit(job("b")))
+    repeated = run(store.plan_cycle("c1", 1, run_cycle))
+    stale = run(store.plan_cycle("c1", 0, run_cycle))
+    assert not repeated.committed and not stale.committed
+    assert run(store.job_view("b")).state == "queued"
+    assert run(store.plan_cycle("c1", 2, run_cycle)).committed
+    assert run(store.job_view("b")).state == "placed"
+
+
+def test_the_database_refuses_a_second_live_hold_of_a_gpu_whatever_the_planner_says(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    run(store.admit(job("b")))
+    same_gpus = (("c1/b0/r0/m0", 0), ("c1/b0/r0/m0", 1))
+
+    def greedy(snapshot) -> CycleResult:  # a broken planner: both jobs on the same GPUs
+        return CycleResult(placements=tuple(Placement(job_id=j.spec.job_id, gpus=same_gpus, reason="bug")
+                                            for j in snapshot.queue))
+
+    with pytest.raises(asyncpg.ExclusionViolationError):
+        run(store.plan_cycle("c1", 1, greedy))
+    assert run(store.pool.fetchval("SELECT count(*) FROM allocations")) == 0
+    assert run(store.pool.fetchval("SELECT cycle_seq FROM clusters WHERE name = 'c1'")) == 0
+
+
+def test_an_attempt_is_acknowledged_once_and_its_end_frees_the_gpus_for_the_next_cycle(store_env):
+    run, store = store_env
+    run(store.admit(job("a", gpus=4)))
+    run(store.admit(job("b", gpus=4)))
+    run(store.admit(job("c", gpus=4)))
+    placed = run(store.plan_cycle("c1", 1, run_cycle)).placements
+    assert sorted(p.job_id for p in placed) == ["a", "b"]
+    alloc = next(p.signal.allocation_id for p in placed if p.job_id == "a")
+    assert run(store.start_attempt("a", alloc)) is True
+    assert run(store.start_attempt("a", alloc)) is True  # the same acknowledgement again
+    assert run(store.start_attempt("b", alloc)) is False  # not b's allocation
+    run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
+    run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
+    view = run(store.job_view("a"))
+    assert view.state == "succeeded" and view.exit_code == 0 and view.attempts[0].end_reason == "completed"
+    assert [p.job_id for p in run(store.plan_cycle("c1", 2, run_cycle)).placements] == ["c"]
+
+
+def test_unacknowledged_placements_are_sent_again_in_later_cycles(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    first = run(store.plan_cycle("c1", 1, run_cycle))
+    run(store.pool.execute("UPDATE allocations SET placed_at = placed_at - 10"))
+    again = run(store.plan_cycle("c1", 2, run_cycle))
+    assert [p.signal.allocation_id for p in again.placements] == [first.placements[0].signal.allocation_id]
+
+
+def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", alloc))
+    run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for b"))
+    row = run(store.pool.fetchrow("SELECT state, preemptions FROM jobs WHERE id = 'a'"))
+    assert row["state"] == "queued" and len(row["preemptions"]) == 1
+    second = run(store.plan_cycle("c1", 2, run_cycle)).placements
+    assert second[0].signal.attempt == 2
+
+
+def test_a_machine_that_stops_heartbeating_leaves_the_snapshot(store_env):
+    run, store = store_env
+    run(store.configure_cluster("c1", machine_timeout=0.5))
+    run(asyncio.sleep(0.7))
+    run(store.machine_heartbeat("c1/b0/r0/m1", 1, [GpuReport(index=i) for i in range(4)]))
+    snap = run(store.snapshot("c1"))
+    assert {m.id: m.reachable for m in snap.machines} == {"c1/b0/r0/m0": False, "c1/b0/r0/m1": True}
+
+
+def test_a_gpu_reported_unhealthy_is_marked_alone(store_env):
+    run, store = store_env
+    reports = [GpuReport(index=i, healthy=i != 2, faults=["ecc_uncorrectable"] if i == 2 else []) for i in range(4)]
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, reports))
+    snap = run(store.snapshot("c1"))
+    assert {m.id: set(m.unhealthy_gpus) for m in snap.machines} == {"c1/b0/r0/m0": {2}, "c1/b0/r0/m1": set()}
+
+
+def test_an_unknown_machine_joins_the_fleet_by_heartbeat(store_env):
+    run, store = store_env
+    run(store.machine_heartbeat("c1/b1/r0/m0", 1, [GpuReport(index=i, gpu_type="H200") for i in range(8)]))
+    snap = run(store.snapshot("c1"))
+    joined = next(m for m in snap.machines if m.id == "c1/b1/r0/m0")
+    assert (joined.block, joined.gpus, joined.gpu_type) == ("b1", 8, "H200")
+
+
+def test_every_decision_and_state_change_is_audited(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", alloc))
+    run(store.end_attempt("a", alloc, EndReason.failed, 3, JobState.failed, "exit code 3"))
+    events = [e["event"] for e in run(store.audit_trail("a"))]
+    assert events == ["submitted", "placed", "started", "released", "failed"]

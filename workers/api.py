@@ -1,0 +1,114 @@
+"""The HTTP API: agents' heartbeats, and read access to jobs, machines and quotas.
+
+    python -m workers.api [--data-dir DIR] [--host 127.0.0.1] [--port 8080]
+
+| method and path                        | what                                              |
+|----------------------------------------|---------------------------------------------------|
+| GET  /healthz                          | 200 when the API can reach Postgres               |
+| POST /machines/{machine_id}/heartbeat  | an agent reports; answers the allocations live on |
+|                                        | the machine (anything else it runs is an orphan)  |
+| GET  /machines                         | the fleet with last heartbeats and GPU health     |
+| GET  /jobs?team=&state=                | jobs (JobView)                                    |
+| GET  /jobs/{job_id}                    | one job (JobView), 404 when unknown               |
+| GET  /quotas                           | team quotas                                       |
+
+Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from activities.store import GpuReport, Store
+from workers.settings import Settings, load_settings, mark_ready
+from workflows.types import JobView
+
+
+class Heartbeat(BaseModel):
+    pid: int | None = None
+    gpus: list[GpuReport] = Field(default_factory=list)
+    running_allocations: list[int] = Field(default_factory=list)
+
+
+class HeartbeatReply(BaseModel):
+    live_allocations: list[int]
+
+
+def create_app(settings: Settings) -> FastAPI:
+    ctx: dict[str, Store] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx["store"] = await Store.connect(settings.pg_dsn)
+        yield
+        await ctx["store"].close()
+
+    app = FastAPI(title="gpusched", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        await ctx["store"].now()
+        return {"ok": True}
+
+    @app.post("/machines/{machine_id:path}/heartbeat")
+    async def heartbeat(machine_id: str, beat: Heartbeat) -> HeartbeatReply:
+        try:
+            live = await ctx["store"].machine_heartbeat(machine_id, beat.pid, beat.gpus)
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from None
+        return HeartbeatReply(live_allocations=live)
+
+    @app.get("/machines")
+    async def machines(cluster: str | None = None) -> list[dict]:
+        return await ctx["store"].list_machines(cluster)
+
+    @app.get("/jobs")
+    async def jobs(team: str | None = None, state: str | None = None, limit: int = 1000) -> list[JobView]:
+        return await ctx["store"].list_jobs(team=team, state=state, limit=limit)
+
+    @app.get("/jobs/{job_id}")
+    async def job(job_id: str) -> JobView:
+        view = await ctx["store"].job_view(job_id)
+        if view is None:
+            raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
+        return view
+
+    @app.get("/quotas")
+    async def quotas() -> dict:
+        return {t: q.model_dump() for t, q in (await ctx["store"].list_quotas()).items()}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers.api", description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = load_settings(args.data_dir)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port,
+                                           log_level="warning", access_log=False))
+
+    async def run() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            mark_ready(args.data_dir, "api")
+        await serving
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""`gpusched submit|status|list|cancel|bump|wait` and `gpusched quota set|list`: the client on the
+command line. Connection settings come from GPUSCHED_* variables or the embedded stack
+(``gpusched dev up``); see workers/settings.py.
+
+Exit codes: 0 success; 1 the job did not succeed (``wait``) or the stack is unreachable; 2 a
+refused request (bad spec, unknown team, over quota or queue cap, unknown job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from scheduler.models import JobKind, Priority, Quota, Topology
+from workers.client import ClientError, GpuschedClient, new_job_id
+from workers.settings import load_settings
+from workflows.types import JobRequest, JobView
+
+EXIT_REFUSED = 2
+EXIT_UNREACHABLE = 1
+
+
+def add_job_commands(subparsers) -> None:
+    def common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        p.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="print JSON")
+
+    submit = subparsers.add_parser("submit", help="submit a job: gpusched submit --team T --gpus N -- CMD ARGS...")
+    submit.add_argument("--team", required=True)
+    submit.add_argument("--gpus", type=int, required=True, help="number of GPUs (a gang: all or nothing)")
+    submit.add_argument("--gpu-type", default=None)
+    submit.add_argument("--priority", default="normal", choices=[p.value for p in Priority])
+    submit.add_argument("--topology", default=None, choices=[t.value for t in Topology])
+    submit.add_argument("--checkpoint-interval", type=float, default=None, help="seconds")
+    submit.add_argument("--expected-duration", type=float, default=3600.0, help="seconds (default 3600)")
+    submit.add_argument("--cluster", default=None)
+    submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
+    submit.add_argument("--job-id", default=None, help="default: a new unique id")
+    submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment for the command (repeatable)")
+    submit.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    common(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    status = subparsers.add_parser("status", help="a job's state, reason and attempts")
+    status.add_argument("job_id")
+    common(status)
+    status.set_defaults(func=cmd_status)
+
+    lst = subparsers.add_parser("list", help="list jobs")
+    lst.add_argument("--team", default=None)
+    lst.add_argument("--state", default=None)
+    common(lst)
+    lst.set_defaults(func=cmd_list)
+
+    cancel = subparsers.add_parser("cancel", help="cancel a job (a running one is stopped with its grace period)")
+    cancel.add_argument("job_id")
+    common(cancel, json_flag=False)
+    cancel.set_defaults(func=cmd_cancel)
+
+    bump = subparsers.add_parser("bump", help="change a waiting or running job's priority class")
+    bump.add_argument("job_id")
+    bump.add_argument("--priority", required=True, choices=[p.value for p in Priority])
+    common(bump, json_flag=False)
+    bump.set_defaults(func=cmd_bump)
+
+    wait = subparsers.add_parser("wait", help="wait for a job to end; exit 0 only if it succeeded")
+    wait.add_argument("job_id")
+    wait.add_argument("--timeout", type=float, default=None, help="seconds")
+    common(wait)
+    wait.set_defaults(func=cmd_wait)
+
+    quota = subparsers.add_parser("quota", help="team quotas")
+    qcmd = quota.add_subparsers(dest="quota_command", required=True, metavar="{set,list}")
+    qset = qcmd.add_parser("set", help="set a team's guaranteed and maximum GPUs and its queue cap")
+    qset.add_argument("team")
+    qset.add_argument("--guaranteed", type=int, required=True)
+    qset.add_argument("--max", type=int, default=None, help="default: no maximum")
+    qset.add_argument("--queue-cap", type=int, default=None, help="default: no cap")
+    common(qset, json_flag=False)
+    qset.set_defaults(func=cmd_quota_set)
+    qlist = qcmd.add_parser("list", help="list quotas")
+    common(qlist)
+    qlist.set_defaults(func=cmd_quota_list)
+
+
+def _run(args, body) -> int:
+    """Connect, run ``body(client)``, and turn refusals and unreachable servers into one line."""
+
+    async def go() -> int:
+        try:
+            client = await GpuschedClient.connect(load_settings(args.data_dir))
+        except (OSError, ConnectionError, RuntimeError) as e:
+            print(f"error: cannot reach the gpusched stack ({e}); start it with `gpusched dev up` "
+                  "or set GPUSCHED_* (see README)", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        async with client:
+            try:
+                return await body(client)
+            except ClientError as e:
+                field = f"{e.field}: " if e.field else ""
+                print(f"error: {field}{e}", file=sys.stderr)
+                return EXIT_REFUSED
+
+    return asyncio.run(go())
+
+
+def _request(args) -> JobRequest:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ClientError(f"--env '{item}' is not NAME=VALUE", "env")
+        env[name] = value
+    try:
+        return JobRequest(
+            job_id=args.job_id or new_job_id(), team=args.team, num_gpus=args.gpus, command=cmd,
+            gpu_type=args.gpu_type, topology=args.topology, priority=args.priority,
+            checkpoint_interval=args.checkpoint_interval, expected_duration=args.expected_duration,
+            kind=args.kind, cluster=args.cluster, env=env,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "job"
+        names = {"num_gpus": "--gpus", "command": "the command after --", "job_id": "--job-id"}
+        raise ClientError(f"{err['msg']} (give {names.get(field, '--' + field.replace('_', '-'))} a valid value)",
+                          field) from None
+
+
+def cmd_submit(args) -> int:
+    try:
+        request = _request(args)
+    except ClientError as e:
+        print(f"error: {e.field}: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+
+    async def body(client: GpuschedClient) -> int:
+        sub = await client.submit(request)
+        if args.json:
+            print(json.dumps({"job_id": sub.job_id, "position": sub.position,
+                              "estimated_start": sub.estimated_start, "cluster": sub.cluster}))
+        else:
+            where = "placed" if sub.position == 0 else f"position {sub.position} in the queue"
+            print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {sub.estimated_start or 'unknown'}")
+        return 0
+
+    return _run(args, body)
+
+
+def _print_view(view: JobView) -> None:
+    print(f"{view.job_id}  {view.state}  team={view.team}  priority={view.priority}  gpus={view.num_gpus}")
+    if view.position is not None:
+        print(f"  queue position {view.position}, estimated start {view.estimated_start or 'unknown'}")
+    if view.reason:
+        print("  reason: " + view.reason.replace("\n", "\n    "))
+    if view.exit_code is not None:
+        print(f"  exit code: {view.exit_code}")
+    for a in view.attempts:
+        print(f"  attempt {a.attempt}: {a.started_at or 'not started'} → {a.ended_at or '…'} "
+              f"{a.end_reason or ''} on {' '.join(a.gpus)}")
+
+
+def cmd_status(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        view = await client.status(args.job_id)
+        print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_list(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        views = await client.list(team=args.team, state=args.state)
+        if args.json:
+            print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
+        else:
+            for v in views:
+                pos = f"#{v.position}" if v.position is not None else ""
+                print(f"{v.job_id:<16} {v.state:<13} {v.team:<12} {v.priority:<9} {v.num_gpus:>4} GPUs {pos}")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_cancel(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        await client.cancel(args.job_id)
+        print(f"{args.job_id}: cancel requested")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_bump(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        outcome = await client.bump(args.job_id, Priority(args.priority))
+        print(f"{args.job_id}: priority {outcome.priority.value}")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_wait(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        try:
+            view = await client.wait(args.job_id, args.timeout)
+        except asyncio.TimeoutError:
+            print(f"error: {args.job_id} had not ended after {args.timeout:g} s", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
+        return 0 if view.state == "succeeded" else 1
+
+    return _run(args, body)
+
+
+def cmd_quota_set(args) -> int:
+    try:
+        quota = Quota(guaranteed=args.guaranteed, max=args.max, queue_cap=args.queue_cap)
+    except ValidationError as e:
+        print(f"error: {e.errors()[0]['msg']}", file=sys.stderr)
+        return EXIT_REFUSED
+
+    async def body(client: GpuschedClient) -> int:
+        await client.set_quota(args.team, quota)
+        print(f"{args.team}: guaranteed {quota.guaranteed}, max {quota.max}, queue cap {quota.queue_cap}")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_quota_list(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        quotas = await client.quotas()
+        if args.json:
+            print(json.dumps({t: q.model_dump() for t, q in quotas.items()}, indent=2))
+        else:
+            for team, q in quotas.items():
+                print(f"{team:<16} guaranteed {q.guaranteed:>5}  max {q.max if q.max is not None else '-':>5}  "
+                      f"queue cap {q.queue_cap if q.queue_cap is not None else '-'}")
+        return 0
+
+    return _run(args, body)

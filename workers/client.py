@@ -1,0 +1,197 @@
+"""The typed Python client for pipelines and the CLI: submit, status, list, cancel, bump, wait.
+
+    async with await GpuschedClient.connect() as gs:       # the embedded stack, or GPUSCHED_* env
+        sub = await gs.submit(JobRequest(job_id=..., team="vision", num_gpus=8, command=[...]))
+        view = await gs.wait(sub.job_id, timeout=3600)
+
+Submitting starts the job's ``JobWorkflow``; the workflow itself checks the spec, quota and queue
+cap (a pipeline that starts ``JobWorkflow`` with the Temporal SDK gets the same checks). The
+client checks first too, so that a refusal comes back at once as ``SubmitRefused``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from pydantic import BaseModel
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.rows import admission_verdict, iso
+from activities.store import Store
+from scheduler.cycle import run_cycle
+from scheduler.models import Priority, Quota
+from workers.settings import Settings, connect_temporal, load_settings
+from workflows.types import (
+    CONTROL_TASK_QUEUE,
+    JOB_WORKFLOW,
+    JobOutcome,
+    JobRequest,
+    JobView,
+    PriorityBump,
+    job_workflow_id,
+)
+
+
+class ClientError(Exception):
+    """A request gpusched refuses; the message says why and what to do."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class SubmitRefused(ClientError):
+    pass
+
+
+class UnknownJob(ClientError):
+    pass
+
+
+class Submitted(BaseModel):
+    job_id: str
+    cluster: str | None
+    position: int | None  # 1-based place in the queue; 0 when already placed
+    estimated_start: str | None  # ISO 8601, or None when it cannot start as the cluster is
+
+
+def new_job_id() -> str:
+    return "j-" + uuid.uuid4().hex[:12]
+
+
+class GpuschedClient:
+    def __init__(self, settings: Settings, temporal: Client, store: Store):
+        self.settings = settings
+        self.temporal = temporal
+        self.store = store
+
+    @classmethod
+    async def connect(cls, settings: Settings | None = None) -> "GpuschedClient":
+        settings = settings or load_settings()
+        store = await Store.connect(settings.pg_dsn, min_size=1, max_size=4)
+        try:
+            temporal = await connect_temporal(settings)
+        except Exception:
+            await store.close()
+            raise
+        return cls(settings, temporal, store)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def __aenter__(self) -> "GpuschedClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _handle(self, job_id: str):
+        return self.temporal.get_workflow_handle(self.settings.task_queue_prefix + job_workflow_id(job_id),
+                                                 result_type=JobOutcome)
+
+    # --- submit -----------------------------------------------------------------------------
+
+    async def submit(self, request: JobRequest) -> Submitted:
+        verdict = await self._check(request)
+        if not verdict.accepted:
+            raise SubmitRefused(verdict.reason, verdict.field)
+        try:
+            await self.temporal.start_workflow(
+                JOB_WORKFLOW, request,
+                id=self.settings.task_queue_prefix + job_workflow_id(request.job_id),
+                task_queue=self.settings.task_queue_prefix + CONTROL_TASK_QUEUE,
+            )
+        except RPCError as e:
+            if e.status == RPCStatusCode.ALREADY_EXISTS:
+                raise SubmitRefused(f"a job with id '{request.job_id}' already exists; choose another id",
+                                    "job_id") from None
+            raise
+        view = await self._admitted(request.job_id)
+        position, eta = await self._estimate(view)
+        return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta)
+
+    async def _check(self, request: JobRequest):
+        quotas = await self.store.list_quotas()
+        quota = quotas.get(request.team)
+        quota_row = None if quota is None else {
+            "guaranteed": quota.guaranteed, "max_gpus": quota.max, "queue_cap": quota.queue_cap}
+        waiting = sum(1 for j in await self.store.list_jobs(team=request.team, limit=100000)
+                      if j.state in ("queued", "placed"))
+        capacity = await self.store.capacity()
+        return admission_verdict(request, quota_row, capacity, waiting)
+
+    async def _admitted(self, job_id: str, timeout: float = 30.0) -> JobView:
+        """Wait for the workflow's admission step: the job row appears, or the workflow ends
+        refused (a race with another submit for the team's last queue slot, say)."""
+        handle = self._handle(job_id)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            view = await self.store.job_view(job_id)
+            if view is not None:
+                return view
+            desc = await handle.describe()
+            if desc.status != WorkflowExecutionStatus.RUNNING:
+                outcome = await handle.result()
+                raise SubmitRefused(outcome.reason or "refused")
+            if asyncio.get_running_loop().time() > deadline:
+                raise ClientError(f"job {job_id} was started but not admitted within {timeout:.0f} s; "
+                                  "is the control worker running? (gpusched dev status)")
+            await asyncio.sleep(0.05)
+
+    async def _estimate(self, view: JobView) -> tuple[int | None, str | None]:
+        if view.state != "queued":
+            return 0, view.attempts[-1].started_at if view.attempts else None
+        # The scheduler's own answer, from the same core on a fresh read-only snapshot.
+        snapshot = await self.store.snapshot(view.cluster)
+        for p in run_cycle(snapshot).pending:
+            if p.job_id == view.job_id:
+                return p.position, iso(p.estimated_start)
+        return 0, iso(snapshot.now)  # the core would place it this cycle
+
+    # --- reading ----------------------------------------------------------------------------
+
+    async def status(self, job_id: str) -> JobView:
+        view = await self.store.job_view(job_id)
+        if view is None:
+            raise UnknownJob(f"no job '{job_id}'; `gpusched list` shows the jobs")
+        return view
+
+    async def list(self, team: str | None = None, state: str | None = None) -> list[JobView]:
+        return await self.store.list_jobs(team=team, state=state)
+
+    # --- changing ---------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by request") -> JobView:
+        view = await self.status(job_id)
+        if view.state in ("succeeded", "failed", "cancelled"):
+            raise ClientError(f"job {job_id} has already ended ({view.state})")
+        await self._handle(job_id).signal("cancel", reason)
+        return view
+
+    async def bump(self, job_id: str, priority: Priority) -> JobOutcome:
+        await self.status(job_id)
+        try:
+            return await self._handle(job_id).execute_update(
+                "bump_priority", PriorityBump(priority=priority), result_type=JobOutcome)
+        except Exception as e:  # the update's validator refused it (job ended, not admitted yet)
+            cause = getattr(e, "cause", None) or e
+            raise ClientError(f"cannot change the priority of {job_id}: {getattr(cause, 'message', cause)}") from None
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobView:
+        await self.status(job_id)
+        try:
+            await asyncio.wait_for(self._handle(job_id).result(), timeout)
+        except WorkflowFailureError as e:
+            raise ClientError(f"job {job_id}'s workflow failed: {e.cause}") from None
+        return await self.status(job_id)
+
+    # --- quotas -----------------------------------------------------------------------------
+
+    async def set_quota(self, team: str, quota: Quota) -> None:
+        await self.store.set_quota(team, quota)
+
+    async def quotas(self) -> dict[str, Quota]:
+        return await self.store.list_quotas()
+

@@ -1,0 +1,80 @@
+"""The control worker: runs JobWorkflow and ClusterSchedulerWorkflow and the control-side
+activities (the Postgres store, the plan cycle, waking schedulers).
+
+    python -m workers.control [--data-dir DIR] [--tick SECONDS] [--cycles-per-run N]
+
+Any number may run: Temporal hands each workflow task to one of them, and each cluster's
+scheduler is one workflow, so killing a control worker loses nothing; another carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from temporalio.worker import Worker
+
+from activities.jobs import JobActivities, wake_scheduler
+from activities.planning import PlanningActivities
+from activities.store import Store
+from workers.settings import Settings, connect_temporal, load_settings, mark_ready
+from workflows.cluster import ClusterSchedulerWorkflow
+from workflows.job import JobWorkflow
+from workflows.types import SchedulerInput
+
+log = logging.getLogger("gpusched.control")
+
+
+async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput, stop: asyncio.Event) -> None:
+    store = await Store.connect(settings.pg_dsn)
+    try:
+        await store.migrate()
+        client = await connect_temporal(settings)
+        jobs = JobActivities(store, client, settings.task_queue_prefix, loop)
+        planning = PlanningActivities(store)
+        worker = Worker(
+            client,
+            task_queue=settings.control_task_queue,
+            workflows=[JobWorkflow, ClusterSchedulerWorkflow],
+            activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.set_job_state,
+                        jobs.set_priority, jobs.wake_scheduler, planning.plan_cycle],
+            max_concurrent_activities=64,
+        )
+        async with worker:
+            # Each cluster's loop runs even before the first job event (and after a restart).
+            for cluster in await store.cluster_names():
+                await wake_scheduler(client, cluster, settings.task_queue_prefix, "control worker started", loop)
+            mark_ready(data_dir, "control")
+            log.info("control worker serving %s", settings.control_task_queue)
+            await stop.wait()
+            log.info("shutting down")
+    finally:
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers.control", description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
+    parser.add_argument("--tick", type=float, default=2.0, help="seconds between scheduling cycles when idle")
+    parser.add_argument("--cycles-per-run", type=int, default=500,
+                        help="the scheduler loop continues as new after this many cycles")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = load_settings(args.data_dir)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop_settings = SchedulerInput(cluster="", tick_seconds=args.tick, cycles_per_run=args.cycles_per_run)
+        await serve(settings, args.data_dir, loop_settings, stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""ClusterSchedulerWorkflow: the scheduling loop of one cluster, and its leader.
+
+Its workflow id is fixed per cluster, so Temporal runs at most one: failover is another control
+worker picking up the next workflow task. Heavy state lives in Postgres, never in this history.
+
+Algorithm overview
+  1. Run one cycle as one activity: lock the cluster's cycle counter, read a consistent snapshot,
+     run the pure core, commit the decisions with the counter's check (a stale or repeated cycle
+     commits nothing), and return the orders to send: this cycle's, and older ones not yet
+     acknowledged.
+  2. Signal each order to its job workflow (placements, preemptions). Jobs take duplicates
+     idempotently, so a re-sent order is harmless.
+  3. Sleep until a job event wakes it (wakes arriving meanwhile are coalesced into one), the
+     short tick passes, or the core's next wake-up time comes.
+  4. After ``cycles_per_run`` cycles, or when Temporal suggests it, continue as new with the
+     cycle counter, so the history never grows large.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.types import CycleInput, CycleOutcome, SchedulerInput, job_workflow_id
+
+CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=60),
+                  retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
+                                           maximum_interval=timedelta(seconds=5)))
+
+
+@workflow.defn(name="ClusterSchedulerWorkflow")
+class ClusterSchedulerWorkflow:
+    def __init__(self) -> None:
+        self.woken = False
+        self.cycle_seq = 0
+        self.cycles = 0
+        self.last_outcome: CycleOutcome | None = None
+
+    @workflow.signal
+    def wake(self, reason: str = "") -> None:
+        self.woken = True
+
+    @workflow.query
+    def status(self) -> dict:
+        return {"cycle_seq": self.cycle_seq, "cycles_this_run": self.cycles}
+
+    @workflow.run
+    async def run(self, inp: SchedulerInput) -> None:
+        self.cycle_seq = inp.cycle_seq
+        prefix = inp.workflow_id_prefix
+        while True:
+            self.woken = False
+            # 1. One cycle.
+            outcome: CycleOutcome = await workflow.execute_activity(
+                "plan_cycle", CycleInput(cluster=inp.cluster, cycle_seq=self.cycle_seq + 1),
+                result_type=CycleOutcome, **CYCLE_CALL)
+            # Not committed: another run got ahead (or this one repeated); carry on from its number.
+            self.cycle_seq = outcome.cycle_seq
+            self.cycles += 1
+            # 2. Send the orders.
+            sends = [self._signal(prefix + job_workflow_id(o.job_id), "placement", o.signal)
+                     for o in outcome.placements]
+            sends += [self._signal(prefix + job_workflow_id(o.job_id), "preempt", o.signal)
+                      for o in outcome.preemptions]
+            await asyncio.gather(*sends)
+            # 4. Continue as new before the history grows large.
+            if self.cycles >= inp.cycles_per_run or workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(inp.model_copy(update={"cycle_seq": self.cycle_seq}))
+            # 3. Sleep until woken, the tick, or the core's next wake-up.
+            sleep = inp.tick_seconds
+            if outcome.next_wake_in is not None:
+                sleep = max(0.05, min(sleep, outcome.next_wake_in))
+            if not self.woken:
+                try:
+                    await workflow.wait_condition(lambda: self.woken, timeout=timedelta(seconds=sleep))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _signal(self, workflow_id: str, name: str, payload) -> None:
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal(name, payload)
+        except Exception as e:  # the job has ended or is unknown: the order is moot
+            workflow.logger.info("could not signal %s to %s: %s", name, workflow_id, e)

@@ -1,0 +1,294 @@
+"""JobWorkflow: the durable life of one job, from admission to a terminal state.
+
+    queued → placed → running ⇄ checkpointing → preempted → queued (resuming) → …
+           → succeeded | failed | cancelled
+
+Algorithm overview
+  1. Admission: validate the request and check the team's quota and queue cap in the store.
+     A refused job ends at once, failed, with the reason (never a stuck workflow).
+  2. Wait for a placement from the cluster's scheduler (or a cancel).
+  3. Acknowledge it in the store (a duplicate or stale placement is dropped there).
+  4. Run the attempt: one ``run_job`` activity per machine of the gang, on that machine's agent
+     task queue, heartbeating. Until they end, a preemption or cancel stops them with the grace
+     period.
+  5. Give the GPUs back and move on: succeeded, failed (exit code and last log lines), cancelled,
+     or queued again (preempted, or the machine stopped heartbeating) → 2.
+
+The job's state, team, class, cluster and GPU count are search attributes, kept current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair
+from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from scheduler.models import Priority
+    from workflows.types import (
+        Admission,
+        EndAttempt,
+        EndReason,
+        JobOutcome,
+        JobRequest,
+        JobState,
+        JobStateChange,
+        PlacementSignal,
+        PreemptSignal,
+        PriorityBump,
+        PriorityChange,
+        RunJobInput,
+        RunJobResult,
+        StartAttempt,
+        Wake,
+        agent_task_queue,
+    )
+
+JOB_STATE = SearchAttributeKey.for_keyword("JobState")
+TEAM = SearchAttributeKey.for_keyword("Team")
+PRIORITY_CLASS = SearchAttributeKey.for_keyword("PriorityClass")
+CLUSTER = SearchAttributeKey.for_keyword("Cluster")
+GPU_COUNT = SearchAttributeKey.for_int("GpuCount")
+
+STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=30),
+                  retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200),
+                                           maximum_interval=timedelta(seconds=5)))
+# How long a placed attempt may wait for its agent to pick it up, and how long an agent may be
+# silent while running it, before the job gives the GPUs back and queues again.
+AGENT_PICKUP = timedelta(seconds=30)
+AGENT_HEARTBEAT = timedelta(seconds=10)
+RUN_LIMIT = timedelta(days=14)
+# Infrastructure failures (not the job's own exit code) an attempt may meet before the job fails.
+MAX_INFRA_FAILURES = 5
+LOG_LINES_IN_REASON = 10
+
+
+@workflow.defn(name="JobWorkflow")
+class JobWorkflow:
+    def __init__(self) -> None:
+        self.request: JobRequest | None = None
+        self.state = JobState.queued
+        self.cluster: str | None = None
+        self.prefix = ""
+        self.reason: str | None = None
+        self.exit_code: int | None = None
+        self.attempts = 0
+        self.allocation_id: int | None = None
+        self.placements: list[PlacementSignal] = []
+        self.seen_allocations: set[int] = set()
+        self.preempts: dict[int, PreemptSignal] = {}
+        self.cancel_reason: str | None = None
+        self.infra_failures = 0
+
+    # --- handlers ---------------------------------------------------------------------------
+
+    @workflow.signal
+    def placement(self, signal: PlacementSignal) -> None:
+        # Re-sent until acknowledged: keep one copy, drop those already handled.
+        if signal.allocation_id not in self.seen_allocations and all(
+            p.allocation_id != signal.allocation_id for p in self.placements
+        ):
+            self.placements.append(signal)
+
+    @workflow.signal
+    def preempt(self, signal: PreemptSignal) -> None:
+        self.preempts.setdefault(signal.allocation_id, signal)
+
+    @workflow.signal
+    def cancel(self, reason: str = "") -> None:
+        if self.cancel_reason is None:
+            self.cancel_reason = reason or "cancelled by request"
+
+    @workflow.update
+    async def bump_priority(self, bump: PriorityBump) -> JobOutcome:
+        await workflow.execute_activity("set_priority", PriorityChange(job_id=self.job_id, priority=bump.priority),
+                                        **STORE_CALL)
+        self.request = self.request.model_copy(update={"priority": bump.priority})
+        self._publish()
+        await self._wake("priority bump")
+        return self.status()
+
+    @bump_priority.validator
+    def _validate_bump(self, bump: PriorityBump) -> None:
+        if self.request is None or self.cluster is None:
+            raise ValueError("the job has not been admitted yet")
+        if self.state.terminal:
+            raise ValueError(f"the job is already {self.state.value}")
+
+    @workflow.query
+    def status(self) -> JobOutcome:
+        return JobOutcome(
+            job_id=self.request.job_id if self.request else workflow.info().workflow_id,
+            state=self.state,
+            priority=self.request.priority if self.request else None,
+            cluster=self.cluster,
+            exit_code=self.exit_code,
+            reason=self.reason,
+            attempts=self.attempts,
+            allocation_id=self.allocation_id,
+        )
+
+    # --- the job's life ---------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> str:
+        return self.request.job_id
+
+    @workflow.run
+    async def run(self, request: JobRequest) -> JobOutcome:
+        self.request = request
+        # 1. Admission.
+        admission: Admission = await workflow.execute_activity(
+            "admit_job", request, result_type=Admission, **STORE_CALL)
+        if not admission.accepted:
+            self.state, self.reason = JobState.failed, f"refused: {admission.reason}"
+            self._publish()
+            return self.status()
+        self.cluster, self.prefix = admission.cluster, admission.task_queue_prefix
+        self._publish()
+        await self._wake("submitted")
+
+        while True:
+            # 2. Wait for a placement, or a cancel.
+            await workflow.wait_condition(lambda: bool(self.placements) or self.cancel_reason is not None)
+            if self.cancel_reason is not None:
+                await self._end(None, EndReason.cancelled, None, JobState.cancelled, self.cancel_reason)
+                return self.status()
+            placement = self.placements.pop(0)
+            self.seen_allocations.add(placement.allocation_id)
+            # 3. Acknowledge it.
+            if not await workflow.execute_activity(
+                "start_attempt", StartAttempt(job_id=self.job_id, allocation_id=placement.allocation_id),
+                result_type=bool, **STORE_CALL,
+            ):
+                continue
+            self.attempts = placement.attempt
+            self.allocation_id = placement.allocation_id
+            self.state = JobState.running
+            self._publish()
+            # 4. Run it.
+            end, exit_code, next_state, reason = await self._run_attempt(placement)
+            # 5. Give the GPUs back and move on.
+            await self._end(placement.allocation_id, end, exit_code, next_state, reason)
+            self.allocation_id = None
+            if next_state.terminal:
+                return self.status()
+            await self._wake(end.value)
+
+    async def _run_attempt(self, placement: PlacementSignal) -> tuple[EndReason, int | None, JobState, str]:
+        alloc = placement.allocation_id
+        hosts = placement.hosts
+        runs = [
+            workflow.start_activity(
+                "run_job",
+                RunJobInput(
+                    job_id=self.job_id,
+                    allocation_id=alloc,
+                    attempt=placement.attempt,
+                    command=self.request.command,
+                    gpus=host.gpus,
+                    env={**self.request.env,
+                         "GPUSCHED_NODE_RANK": str(rank), "GPUSCHED_NUM_NODES": str(len(hosts)),
+                         "GPUSCHED_NODES": " ".join(h.machine_id for h in hosts)},
+                    grace_period=placement.grace_period,
+                ),
+                result_type=RunJobResult,
+                task_queue=self.prefix + agent_task_queue(host.machine_id),
+                schedule_to_start_timeout=AGENT_PICKUP,
+                start_to_close_timeout=RUN_LIMIT,
+                heartbeat_timeout=AGENT_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            )
+            for rank, host in enumerate(hosts)
+        ]
+
+        def stop_asked() -> bool:
+            return alloc in self.preempts or self.cancel_reason is not None
+
+        def failed_run() -> bool:
+            return any(r.done() and (r.exception() is not None or r.result().exit_code != 0) for r in runs)
+
+        await workflow.wait_condition(lambda: stop_asked() or failed_run() or all(r.done() for r in runs))
+        if failed_run() or all(r.done() for r in runs):
+            return await self._ended(runs)
+        # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
+        preempt = self.preempts.get(alloc)
+        if preempt is not None and self.cancel_reason is None:
+            self.state = JobState.checkpointing
+            self._publish()
+            await workflow.execute_activity(
+                "set_job_state", JobStateChange(job_id=self.job_id, state=JobState.checkpointing), **STORE_CALL)
+        await self._stop(runs)
+        if self.cancel_reason is not None:
+            return EndReason.cancelled, None, JobState.cancelled, self.cancel_reason
+        self.state = JobState.preempted
+        self._publish()
+        return EndReason.preempted, None, JobState.queued, f"preempted: {preempt.reason}"
+
+    async def _ended(self, runs) -> tuple[EndReason, int | None, JobState, str]:
+        """How an attempt ended on its own: all processes done, or one failed (then the rest of
+        the gang is stopped, as a gang runs whole or not at all)."""
+        for r in runs:
+            if not r.done() or r.exception() is None:
+                continue
+            await self._stop(runs)
+            return self._infra_failure(r.exception())
+        failed = [r.result() for r in runs if r.done() and r.result().exit_code != 0]
+        if failed:
+            await self._stop(runs)
+            result = failed[0]
+            lines = "\n".join(result.last_log_lines[-LOG_LINES_IN_REASON:])
+            how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
+            return EndReason.failed, result.exit_code, JobState.failed, f"the command failed with {how}:\n{lines}"
+        return EndReason.completed, 0, JobState.succeeded, "completed"
+
+    def _infra_failure(self, error: BaseException) -> tuple[EndReason, int | None, JobState, str]:
+        cause = error.cause if isinstance(error, ActivityError) else error
+        if isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
+            end, why = EndReason.not_started, "its machine's agent did not pick the attempt up"
+        elif isinstance(cause, TimeoutError):
+            end, why = EndReason.machine_failure, "its machine's agent stopped heartbeating"
+        else:
+            end, why = EndReason.machine_failure, f"the agent failed: {cause}"
+        self.infra_failures += 1
+        if self.infra_failures >= MAX_INFRA_FAILURES:
+            return end, None, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures)"
+        return end, None, JobState.queued, f"requeued: {why}"
+
+    async def _stop(self, runs) -> None:
+        for r in runs:
+            if not r.done():
+                r.cancel()
+        # Each cancelled run ends once its agent has stopped the process (or its heartbeat lapses).
+        await asyncio.gather(*runs, return_exceptions=True)
+
+    async def _end(self, allocation_id: int | None, end: EndReason, exit_code: int | None,
+                   next_state: JobState, reason: str) -> None:
+        await workflow.execute_activity(
+            "end_attempt",
+            EndAttempt(job_id=self.job_id, allocation_id=allocation_id, end_reason=end, exit_code=exit_code,
+                       next_state=next_state, reason=reason),
+            **STORE_CALL,
+        )
+        self.state = next_state
+        self.exit_code = exit_code if next_state.terminal else None
+        self.reason = reason
+        self._publish()
+
+    async def _wake(self, reason: str) -> None:
+        await workflow.execute_activity("wake_scheduler", Wake(cluster=self.cluster, reason=reason), **STORE_CALL)
+
+    def _publish(self) -> None:
+        req = self.request
+        workflow.upsert_search_attributes([
+            SearchAttributePair(JOB_STATE, self.state.value),
+            SearchAttributePair(TEAM, req.team),
+            SearchAttributePair(PRIORITY_CLASS, Priority(req.priority).value),
+            SearchAttributePair(CLUSTER, self.cluster or ""),
+            SearchAttributePair(GPU_COUNT, req.num_gpus),
+        ])
+
