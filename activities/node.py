@@ -1,0 +1,450 @@
+"""What an agent does on its machine: run one attempt of a job, pinned to its GPUs, and stop it.
+
+``NodeActivities.run_job`` is the activity a ``JobWorkflow`` runs on ``agent_task_queue(M)``. It
+starts the job's command in its own process group, heartbeats while it runs, and returns how it
+ended. The instance holds the machine's live processes, so the agent can also list them and kill
+the ones whose allocation the scheduler no longer holds (orphans).
+
+The job's environment: the agent's own, less its ``GPUSCHED_*`` settings (database DSN, S3
+keys: a job has no business with them), plus ``RunJobInput.env``, plus these (which win):
+
+| variable                  | value                                                          |
+|---------------------------|----------------------------------------------------------------|
+| CUDA_VISIBLE_DEVICES      | the granted GPU indices, comma-separated, in grant order       |
+| CUDA_DEVICE_ORDER         | PCI_BUS_ID, so CUDA numbers GPUs as NVML (and the agent) does  |
+| GPUSCHED_JOB_ID           | the job id                                                     |
+| GPUSCHED_ALLOCATION_ID    | the allocation: the fencing token of a checkpoint commit      |
+| GPUSCHED_ATTEMPT          | 1 for the first run, +1 for each resume                        |
+| GPUSCHED_MACHINE_ID       | this machine, e.g. c1/b0/r0/m0                                 |
+| GPUSCHED_GPUS             | the granted GPUs' topology paths, space-separated              |
+| GPUSCHED_NUM_GPUS         | how many GPUs were granted here                                |
+| GPUSCHED_CHECKPOINT_URI   | where to write checkpoints; unset when the job has none        |
+| GPUSCHED_RESUME_FROM      | the checkpoint to resume from; unset on a fresh start          |
+| GPUSCHED_GRACE_PERIOD     | seconds between SIGTERM and SIGKILL when the job is stopped    |
+| GPUSCHED_LOG              | this attempt's log file                                        |
+
+Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
+group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
+has any processes it left behind in its group killed at once, so nothing keeps holding the GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
+
+from workflows.types import RunJobInput, RunJobResult
+
+log = logging.getLogger("gpusched.node")
+
+TAIL_LINES = 20
+_TAIL_BYTES = 64 * 1024
+_LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
+_POLL = 0.05  # how often a stop looks whether the process group is gone
+_KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we stop waiting
+AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
+
+
+def job_env(req: RunJobInput, machine_id: str, log_path: Path,
+            base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the job's process (see the module's table)."""
+    base = dict(os.environ if base is None else base)
+    env = {k: v for k, v in base.items() if not k.startswith("GPUSCHED_")}
+    env.update(req.env)
+    env.update({
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in req.gpus),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPUSCHED_JOB_ID": req.job_id,
+        "GPUSCHED_ALLOCATION_ID": str(req.allocation_id),
+        "GPUSCHED_ATTEMPT": str(req.attempt),
+        "GPUSCHED_MACHINE_ID": machine_id,
+        "GPUSCHED_GPUS": " ".join(g.path for g in req.gpus),
+        "GPUSCHED_NUM_GPUS": str(len(req.gpus)),
+        "GPUSCHED_GRACE_PERIOD": f"{req.grace_period:g}",
+        "GPUSCHED_LOG": str(log_path),
+    })
+    for var, value in (("GPUSCHED_CHECKPOINT_URI", req.checkpoint_uri),
+                       ("GPUSCHED_RESUME_FROM", req.resume_from)):
+        if value:
+            env[var] = value
+        else:
+            env.pop(var, None)  # even if req.env set it: unset means "none", documented
+    return env
+
+
+@dataclass(eq=False)
+class _Run:
+    """One allocation's process on this machine, shared by every activity attached to it."""
+
+    req: RunJobInput
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+    body_offset: int = 0  # where the job's own output starts in the log (after our header)
+    outcome: asyncio.Task | None = None  # → RunJobResult once the process group is gone
+    stop_deadline: float | None = None  # loop time of the SIGKILL, once a stop is asked
+    stopper: asyncio.Task | None = None
+    spawned: asyncio.Event = field(default_factory=asyncio.Event)  # started, or failed to
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+class NodeActivities:
+    """The node activities of one machine (``run_job``) and the state of its live processes."""
+
+    def __init__(self, machine_id: str, log_dir: Path, heartbeat_every: float = 1.0,
+                 shutdown_grace: float | None = None, remember_finished: int = 1024):
+        self.machine_id = machine_id
+        self.log_dir = Path(log_dir)
+        self.heartbeat_every = heartbeat_every
+        # The most a job's grace may be when the agent shuts down: the worker's own graceful
+        # shutdown timeout must cover it, or the job outlives its watcher.
+        self.shutdown_grace = shutdown_grace
+        self.processes: dict[int, _Run] = {}
+        # Results of recently ended allocations: a retry of an activity whose first attempt the
+        # server gave up on (agent partitioned) gets the real result instead of a second run.
+        self.finished: OrderedDict[int, RunJobResult] = OrderedDict()
+        self.remember_finished = remember_finished
+        # One directory per machine: the dev stack runs many agents over one log directory,
+        # and an agent must reap only what an earlier agent *of its machine* left.
+        self.pid_dir = self.log_dir / ".pids" / machine_id.strip("/").replace("/", "-")
+
+    # -- the activity -----------------------------------------------------------------------
+
+    @activity.defn(name="run_job")
+    async def run_job(self, req: RunJobInput) -> RunJobResult:
+        """Run the attempt, or attach to it if this allocation's process is already running.
+
+        Cancellation (the workflow preempts or cancels the job): stop with grace, then re-raise.
+        Cancellation because the server forgot this attempt (timed out, not found, paused):
+        leave the process running. A retry attaches to it; if none comes, the allocation ends and
+        the agent kills the process as an orphan. Worker shutdown: stop with grace, then fail
+        with the non-retryable ``AgentShutdown`` so the workflow requeues the job."""
+        alloc = req.allocation_id
+        if alloc in self.finished:
+            return self.finished[alloc]
+        run = self.processes.get(alloc)
+        if run is None:
+            if activity.is_worker_shutdown():
+                raise ApplicationError(f"agent of {self.machine_id} is shutting down",
+                                       type=AGENT_SHUTDOWN, non_retryable=True,
+                                       category=ApplicationErrorCategory.BENIGN)
+            # Registered before the first await, so a duplicate arriving meanwhile attaches.
+            run = _Run(req=req, log_path=self._log_path(req))
+            self.processes[alloc] = run
+            run.outcome = asyncio.create_task(self._execute(run))
+        else:
+            log.info("allocation %d: attaching to its running process (pid %s)", alloc, run.pid)
+
+        shutdown = asyncio.create_task(activity.wait_for_worker_shutdown())
+        try:
+            # The first heartbeat carries the pid; spawning takes milliseconds.
+            try:
+                await asyncio.wait_for(run.spawned.wait(), timeout=self.heartbeat_every)
+            except TimeoutError:
+                pass
+            while True:
+                activity.heartbeat({"pid": run.pid, "allocation_id": alloc})
+                done, _ = await asyncio.wait((run.outcome, shutdown), timeout=self.heartbeat_every,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if run.outcome in done:
+                    return run.outcome.result()
+                if shutdown in done:
+                    grace = req.grace_period
+                    if self.shutdown_grace is not None:
+                        grace = min(grace, self.shutdown_grace)
+                    log.info("allocation %d: agent shutting down, stopping the job (%gs grace)",
+                             alloc, grace)
+                    self._request_stop(run, grace)
+                    result = await asyncio.shield(run.outcome)
+                    raise ApplicationError(
+                        f"agent of {self.machine_id} shut down; the job was stopped",
+                        result.model_dump(mode="json"), type=AGENT_SHUTDOWN, non_retryable=True,
+                        category=ApplicationErrorCategory.BENIGN)  # expected: no traceback in logs
+        except asyncio.CancelledError:
+            details = activity.cancellation_details()
+            if _forgotten(details):
+                log.warning("allocation %d: activity dropped by the server (%s); the process "
+                            "keeps running until a retry attaches or it is an orphan",
+                            alloc, details)
+            else:
+                log.info("allocation %d: cancelled, stopping with %gs grace",
+                         alloc, req.grace_period)
+                self._request_stop(run, req.grace_period)
+                await asyncio.shield(run.outcome)
+            raise
+        finally:
+            shutdown.cancel()
+
+    # -- what the agent uses ----------------------------------------------------------------
+
+    def live_allocations(self) -> list[int]:
+        return sorted(self.processes)
+
+    async def kill_allocation(self, allocation_id: int, grace: float) -> RunJobResult | None:
+        """Stop an allocation's process (SIGTERM, ``grace``, SIGKILL); None if it has none."""
+        run = self.processes.get(allocation_id)
+        if run is None:
+            return None
+        self._request_stop(run, grace)
+        return await asyncio.shield(run.outcome)
+
+    async def stop_all(self, grace: float) -> None:
+        runs = list(self.processes.values())
+        for run in runs:
+            self._request_stop(run, grace)
+        await asyncio.gather(*(asyncio.shield(r.outcome) for r in runs), return_exceptions=True)
+
+    def kill_all_now(self) -> None:
+        """SIGKILL every live process group: the agent is exiting and nothing would watch them."""
+        for run in self.processes.values():
+            if run.pid is not None:
+                _signal_group(run.pid, signal.SIGKILL)
+
+    async def reap_leftovers(self, grace: float) -> list[int]:
+        """Stop the process groups an earlier agent of this machine left running (it was
+        killed without a chance to stop them). Call before serving. Returns their allocations."""
+        reaped = []
+        for pid_file in sorted(self.pid_dir.glob("*.json")) if self.pid_dir.exists() else []:
+            try:
+                info = json.loads(pid_file.read_text())
+                pgid, alloc = int(info["pid"]), int(info["allocation_id"])
+            except (OSError, ValueError, KeyError) as err:
+                log.warning("ignoring bad pid file %s: %s", pid_file, err)
+                pid_file.unlink(missing_ok=True)
+                continue
+            if _same_leader(pgid, info.get("start_ticks")) and _group_alive(pgid):
+                log.warning("allocation %d: stopping process group %d left by an earlier agent",
+                            alloc, pgid)
+                _signal_group(pgid, signal.SIGTERM)
+                deadline = asyncio.get_running_loop().time() + grace
+                while _group_alive(pgid) and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(_POLL)
+                _signal_group(pgid, signal.SIGKILL)
+                reaped.append(alloc)
+            pid_file.unlink(missing_ok=True)
+        return reaped
+
+    # -- one run ----------------------------------------------------------------------------
+
+    def _log_path(self, req: RunJobInput) -> Path:
+        safe_job = req.job_id.replace("/", "_").lstrip(".") or "job"
+        return self.log_dir / safe_job / f"attempt-{req.attempt}.log"
+
+    async def _execute(self, run: _Run) -> RunJobResult:
+        alloc = run.req.allocation_id
+        result: RunJobResult | None = None
+        try:
+            try:
+                run.process = await self._spawn(run)
+            except (OSError, ValueError) as err:
+                result = self._spawn_failure(run, err)
+                return result
+            finally:
+                run.spawned.set()
+            self._write_pid_file(run)
+            if run.stop_deadline is not None:  # a stop came while it was starting
+                self._request_stop(run, run.stop_deadline - asyncio.get_running_loop().time())
+            returncode = await run.process.wait()
+            if run.stopper is not None:
+                await run.stopper  # the rest of the group gets its grace too
+            elif _group_alive(run.process.pid):
+                log.info("allocation %d: killing processes the job left behind",
+                         run.req.allocation_id)
+                _signal_group(run.process.pid, signal.SIGKILL)
+                await _group_gone(run.process.pid)
+            result = RunJobResult(
+                exit_code=returncode if returncode >= 0 else None,
+                signal=-returncode if returncode < 0 else None,
+                stopped=run.stopper is not None,
+                log_path=str(run.log_path),
+                last_log_lines=_tail(run.log_path, run.body_offset),
+            )
+            _append(run.log_path, f"# gpusched {_now()} ended: exit_code={result.exit_code} "
+                                  f"signal={result.signal} stopped={result.stopped}\n")
+            log.info("allocation %d: job %s ended (exit %s, signal %s, stopped %s)", alloc,
+                     run.req.job_id, result.exit_code, result.signal, result.stopped)
+            return result
+        finally:
+            if result is None and run.pid is not None:
+                _signal_group(run.pid, signal.SIGKILL)  # the watcher itself was cancelled
+            self.processes.pop(alloc, None)
+            (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+            if result is not None:
+                self.finished[alloc] = result
+                while len(self.finished) > self.remember_finished:
+                    self.finished.popitem(last=False)
+
+    async def _spawn(self, run: _Run) -> asyncio.subprocess.Process:
+        req = run.req
+        if not req.command:
+            raise ValueError("the job has an empty command")
+        run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(run.log_path, "ab") as out:
+            devices = ",".join(str(g.index) for g in req.gpus)
+            out.write(
+                f"# gpusched {_now()} job={req.job_id} allocation={req.allocation_id} "
+                f"attempt={req.attempt} machine={self.machine_id} CUDA_VISIBLE_DEVICES={devices} "
+                f"gpus={' '.join(g.path for g in req.gpus)} command={json.dumps(req.command)}\n"
+                .encode())
+            out.flush()
+            run.body_offset = out.tell()
+            # The child gets its own copy of the log's descriptor; ours closes right after.
+            process = await asyncio.create_subprocess_exec(
+                *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=job_env(req, self.machine_id, run.log_path), start_new_session=True)
+        log.info("allocation %d: started job %s attempt %d as pid %d on GPUs [%s]",
+                 req.allocation_id, req.job_id, req.attempt, process.pid, devices)
+        return process
+
+    def _spawn_failure(self, run: _Run, err: Exception) -> RunJobResult:
+        # 127/126 as a shell says: not found / found but cannot be run. Returned, not raised:
+        # retrying a command that does not exist only delays the job's failure.
+        code = 127 if isinstance(err, (FileNotFoundError, ValueError)) else 126
+        line = f"gpusched: cannot start {json.dumps(run.req.command)}: {err}"
+        log.warning("allocation %d: %s", run.req.allocation_id, line)
+        try:
+            _append(run.log_path, line + "\n")
+        except OSError:
+            pass
+        return RunJobResult(exit_code=code, log_path=str(run.log_path), last_log_lines=[line])
+
+    def _request_stop(self, run: _Run, grace: float) -> None:
+        """SIGTERM now and SIGKILL ``grace`` seconds later; a later request may only shorten the
+        grace (an orphan kill after a preemption)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, grace)
+        if run.stop_deadline is None or deadline < run.stop_deadline:
+            run.stop_deadline = deadline
+        if run.process is None or run.process.returncode is not None or run.stopper is not None:
+            return  # not started yet (_execute stops it when it is), already ended, or stopping
+        _signal_group(run.process.pid, signal.SIGTERM)
+        run.stopper = asyncio.create_task(self._finish_stop(run))
+
+    async def _finish_stop(self, run: _Run) -> None:
+        loop = asyncio.get_running_loop()
+        pgid = run.process.pid
+        while run.process.returncode is None or _group_alive(pgid):
+            if loop.time() >= run.stop_deadline:
+                log.warning("allocation %d: still running after its grace, SIGKILL",
+                            run.req.allocation_id)
+                _signal_group(pgid, signal.SIGKILL)
+                break
+            await asyncio.sleep(_POLL)
+        await run.process.wait()
+        await _group_gone(pgid)
+
+    def _write_pid_file(self, run: _Run) -> None:
+        # Lets the next agent stop this process group if this agent dies without doing so.
+        try:
+            self.pid_dir.mkdir(parents=True, exist_ok=True)
+            (self.pid_dir / f"{run.req.allocation_id}.json").write_text(json.dumps({
+                "pid": run.pid, "allocation_id": run.req.allocation_id, "job_id": run.req.job_id,
+                "start_ticks": _start_ticks(run.pid)}))
+        except OSError as err:
+            log.warning("cannot write pid file: %s", err)
+
+
+def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:
+    """The server stopped tracking this attempt, but nobody asked for the job to stop."""
+    if details is None or details.cancel_requested or details.worker_shutdown or details.reset:
+        return False
+    return details.timed_out or details.not_found or details.paused
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone (or the pid now belongs to someone else's group)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies do not count: where nothing reaps
+    orphans (a container whose PID 1 does not), they would hold every stop for its full grace."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if fields[2] == str(pgid) and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
+async def _group_gone(pgid: int) -> None:
+    """Wait (a while) for a SIGKILLed group to disappear. Dying takes a moment (uninterruptible
+    I/O, GPU memory being released): a run ends only once its group is gone, so its GPUs are
+    free when the result says so."""
+    deadline = asyncio.get_running_loop().time() + _KILL_WAIT
+    while _group_alive(pgid) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(_POLL)
+
+
+def _start_ticks(pid: int | None) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), which tells a live process
+    from a later one that reused its pid; None where /proc is missing."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _same_leader(pgid: int, start_ticks: int | None) -> bool:
+    """Whether signalling group ``pgid`` reaches the group the pid file describes. While a
+    group has members its id cannot be reused, so if no process has the leader's pid, any
+    process in the group is the old job's. If one does, it must be the leader that was recorded."""
+    try:
+        os.kill(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    now = _start_ticks(pgid)
+    return now is not None and now == start_ticks
+
+
+def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            start = max(offset, end - _TAIL_BYTES)
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    out = text.splitlines()
+    if start > offset and out:
+        out = out[1:]  # began mid-line
+    return [line[-_LINE_CHARS:] for line in out[-lines:]]
+
+
+def _append(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

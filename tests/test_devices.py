@@ -1,0 +1,342 @@
+"""The machine's GPUs: the fake backend with injected faults, and NVML read through a stand-in
+``pynvml`` that plays each fault a real driver reports."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pynvml  # its error classes and constants need no driver
+import pytest
+
+from workers.devices import (
+    FakeDevices,
+    GpuHealth,
+    NvmlDevices,
+    clear_faults,
+    detect_devices,
+    inject_fault,
+    nominal_memory_gb,
+    short_gpu_type,
+)
+
+# -- the fake backend ---------------------------------------------------------------------------
+
+
+def test_fake_devices_list_identical_gpus(tmp_path):
+    devices = FakeDevices(2, gpu_type="H200", memory_gb=141, fault_file=tmp_path / "f.json")
+    assert [(g.index, g.gpu_type, g.memory_gb) for g in devices.inventory()] == [
+        (0, "H200", 141.0), (1, "H200", 141.0)]
+    assert len({g.uuid for g in devices.inventory()}) == 2
+
+
+def test_fake_faults_come_and_go_with_the_fault_file(tmp_path):
+    faults = tmp_path / "faults" / "agent-c1-b0-r0-m0.json"
+    devices = FakeDevices(3, fault_file=faults)
+    assert all(h.healthy for h in devices.health())  # no file: all healthy
+
+    inject_fault(faults, 1, "ecc_uncorrectable")
+    inject_fault(faults, 1, "xid:79")
+    inject_fault(faults, 1, "xid:79")  # twice is once
+    inject_fault(faults, 2, "lost")
+    assert devices.health() == [
+        GpuHealth(index=0, healthy=True, faults=[]),
+        GpuHealth(index=1, healthy=False, faults=["ecc_uncorrectable", "xid:79"]),
+        GpuHealth(index=2, healthy=False, faults=["lost"]),
+    ]
+
+    clear_faults(faults, 1)
+    assert [h.healthy for h in devices.health()] == [True, True, False]
+    clear_faults(faults)
+    assert all(h.healthy for h in devices.health())
+
+
+def test_a_broken_fault_file_keeps_the_last_reading(tmp_path):
+    faults = tmp_path / "f.json"
+    devices = FakeDevices(1, fault_file=faults)
+    inject_fault(faults, 0, "lost")
+    assert not devices.health()[0].healthy
+    faults.write_text("{not json")
+    assert devices.health()[0].faults == ["lost"]
+
+
+# -- names and sizes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, reported, expected", [
+    ("an H100 drops vendor and variant", "NVIDIA H100 80GB HBM3", "H100"),
+    ("an H200 is its model", "NVIDIA H200", "H200"),
+    ("an A100 drops its form factor", "NVIDIA A100-SXM4-80GB", "A100"),
+    ("an old Tesla drops the brand", "Tesla V100-SXM2-32GB", "V100"),
+    ("a GeForce keeps its number", "NVIDIA GeForce RTX 4090", "RTX4090"),
+])
+def test_short_gpu_type(name, reported, expected):
+    assert short_gpu_type(reported) == expected
+
+
+@pytest.mark.parametrize("name, gpu_type, mib, expected", [
+    ("an H100 80GB reports its marketed size", "H100", 81559, 80.0),
+    ("an H200 reports its marketed size", "H200", 143771, 141.0),
+    ("an A100 40GB is not the common SKU: its GiB", "A100", 40960, 40.0),
+    ("an unknown type reports its GiB", "X9", 24564, 24.0),
+])
+def test_nominal_memory(name, gpu_type, mib, expected):
+    assert nominal_memory_gb(gpu_type, mib * 2**20) == expected
+
+
+# -- NVML through a stand-in --------------------------------------------------------------------
+
+HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
+XID = pynvml.nvmlEventTypeXidCriticalError
+NOT_SUPPORTED = pynvml.NVMLError_NotSupported()
+
+
+@dataclass
+class Gpu:
+    name: str = "NVIDIA H100 80GB HBM3"
+    mib: int = 81559
+    ecc: int | Exception = 0
+    reasons: int | Exception = 0
+    events: int | Exception = XID  # supported event types
+    lost: bool = False
+    lost_at_start: bool = False
+
+
+@dataclass
+class FakeNvml:
+    """Stands in for the pynvml module: the functions NvmlDevices calls, over ``gpus``.
+    Handles are GPU indices; pending XIDs are (index, code) pairs."""
+
+    gpus: list[Gpu]
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)
+    event_sets: bool = True
+    new_reason_names: bool = True
+    init_error: Exception | None = None
+
+    def __getattr__(self, name):  # constants and error classes: the real module's
+        return getattr(pynvml, name)
+
+    def _gpu(self, handle):
+        gpu = self.gpus[handle]
+        if gpu.lost:
+            raise pynvml.NVMLError_GpuIsLost()
+        return gpu
+
+    def nvmlInit(self):
+        if self.init_error:
+            raise self.init_error
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if self.gpus[i].lost_at_start:
+            raise pynvml.NVMLError_GpuIsLost()
+        return i
+
+    def nvmlDeviceGetIndex(self, handle):
+        return handle
+
+    def nvmlDeviceGetName(self, h):
+        return self._gpu(h).name
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:04d}"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=self._gpu(h).mib * 2**20)
+
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+        assert (error_type, counter_type) == (
+            pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+        return _answer(self._gpu(h).ecc)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        if not self.new_reason_names:
+            raise pynvml.NVMLError_FunctionNotFound()
+        return _answer(self._gpu(h).reasons)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return _answer(self._gpu(h).reasons)
+
+    def nvmlEventSetCreate(self):
+        if not self.event_sets:
+            raise pynvml.NVMLError_NotSupported()
+        return "event-set"
+
+    def nvmlEventSetFree(self, event_set):
+        pass
+
+    def nvmlDeviceGetSupportedEventTypes(self, h):
+        return _answer(self._gpu(h).events)
+
+    def nvmlDeviceRegisterEvents(self, h, event_types, event_set):
+        assert event_types == XID and event_set == "event-set"
+        self.registered.append(h)
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms):
+        assert timeout_ms == 0  # a poll must never block the heartbeat
+        # Only GPUs registered on the set deliver their events.
+        waiting = [e for e in self.pending if e[0] in self.registered]
+        if not waiting:
+            raise pynvml.NVMLError_Timeout()
+        self.pending.remove(waiting[0])
+        index, code = waiting[0]
+        return SimpleNamespace(device=index, eventType=XID, eventData=code)
+
+
+def _answer(value):
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def test_nvml_inventory_reads_type_memory_and_uuid():
+    devices = NvmlDevices(FakeNvml([Gpu(), Gpu(name="NVIDIA H200", mib=143771)]))
+    assert [(g.index, g.gpu_type, g.memory_gb, g.uuid) for g in devices.inventory()] == [
+        (0, "H100", 80.0, "GPU-0000"), (1, "H200", 141.0, "GPU-0001")]
+    assert NvmlDevices(FakeNvml([Gpu()]), gpu_type="H100-SXM").inventory()[0].gpu_type == "H100-SXM"
+
+
+@pytest.mark.parametrize("name, gpu, xids, polls, faults", [
+    ("a quiet GPU is healthy", Gpu(), [], 1, []),
+    ("uncorrectable ECC errors make a GPU unhealthy", Gpu(ecc=2), [], 1, ["ecc_uncorrectable"]),
+    ("ECC counters not supported are skipped", Gpu(ecc=NOT_SUPPORTED), [], 1, []),
+    ("sustained HW thermal slowdown is a thermal throttle",
+     Gpu(reasons=HW_THERMAL | HW_SLOWDOWN), [], 3, ["thermal_throttle"]),
+    ("sustained SW thermal slowdown is a thermal throttle too",
+     Gpu(reasons=SW_THERMAL), [], 3, ["thermal_throttle"]),
+    ("a throttle seen on fewer polls than needed is not yet a fault",
+     Gpu(reasons=HW_THERMAL), [], 2, []),
+    ("a sustained HW power brake is a power throttle",
+     Gpu(reasons=POWER_BRAKE | HW_SLOWDOWN), [], 3, ["power_throttle"]),
+    ("SW power capping is what busy GPUs do, not a fault", Gpu(reasons=SW_POWER_CAP), [], 3, []),
+    ("throttle reasons not supported are skipped", Gpu(reasons=NOT_SUPPORTED), [], 3, []),
+    ("a critical XID makes a GPU unhealthy", Gpu(), [(0, 79)], 1, ["xid:79"]),
+    ("a critical XID sticks after later quiet polls", Gpu(), [(0, 48)], 4, ["xid:48"]),
+    ("an application XID is the job's fault, not the GPU's", Gpu(), [(0, 13)], 1, []),
+    ("an XID on another GPU leaves this one alone", Gpu(), [(1, 79)], 1, []),
+    ("a GPU that falls off the bus is lost", Gpu(lost=True), [], 1, ["lost"]),
+    ("a GPU lost before the agent started is lost", Gpu(lost_at_start=True), [], 1, ["lost"]),
+    ("a GPU that cannot report XIDs is still checked otherwise",
+     Gpu(events=0, ecc=1), [(0, 79)], 1, ["ecc_uncorrectable"]),
+    ("faults add up", Gpu(ecc=1, reasons=POWER_BRAKE | HW_THERMAL), [(0, 94)], 3,
+     ["ecc_uncorrectable", "power_throttle", "thermal_throttle", "xid:94"]),
+])
+def test_nvml_health(name, gpu, xids, polls, faults):
+    nvml = FakeNvml([gpu, Gpu()])
+    devices = NvmlDevices(nvml, throttle_after=3)
+    nvml.pending.extend(xids)
+    for _ in range(polls):
+        health = devices.health()
+    assert health[0] == GpuHealth(index=0, healthy=not faults, faults=faults)
+
+
+def test_a_throttle_that_stops_stops_counting():
+    nvml = FakeNvml([Gpu(reasons=HW_THERMAL)])
+    devices = NvmlDevices(nvml, throttle_after=2)
+    assert [devices.health()[0].healthy for _ in range(2)] == [True, False]
+    nvml.gpus[0].reasons = 0
+    assert devices.health()[0].healthy
+
+
+def test_a_gpu_that_is_lost_later_stays_lost():
+    nvml = FakeNvml([Gpu()])
+    devices = NvmlDevices(nvml)
+    assert devices.health()[0].healthy
+    nvml.gpus[0].lost = True
+    assert devices.health()[0].faults == ["lost"]
+    nvml.gpus[0].lost = False  # a lost GPU needs a reset, which restarts the agent
+    assert devices.health()[0].faults == ["lost"]
+
+
+def test_old_drivers_read_the_throttle_reasons_under_their_old_name():
+    nvml = FakeNvml([Gpu(reasons=POWER_BRAKE)], new_reason_names=False)
+    devices = NvmlDevices(nvml, throttle_after=1)
+    assert devices.health()[0].faults == ["power_throttle"]
+
+
+def test_without_event_sets_xids_are_not_watched_and_the_rest_works():
+    nvml = FakeNvml([Gpu(ecc=1)], event_sets=False)
+    devices = NvmlDevices(nvml)
+    nvml.pending.append((0, 79))
+    assert devices.health()[0].faults == ["ecc_uncorrectable"]
+    assert nvml.pending == [(0, 79)]  # never polled
+
+
+def test_xid_events_are_registered_only_where_supported():
+    nvml = FakeNvml([Gpu(), Gpu(events=0), Gpu(events=NOT_SUPPORTED)])
+    NvmlDevices(nvml)
+    assert nvml.registered == [0, 2]  # "not supported" to ask: try registering anyway
+
+
+# -- choosing a backend -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, nvml, fake, expected", [
+    ("NVML with GPUs is used", FakeNvml([Gpu()]), None, "nvml"),
+    ("NVML finding no GPUs falls back to the fake", FakeNvml([]), None, "fake"),
+    ("NVML that cannot load falls back to the fake",
+     FakeNvml([Gpu()], init_error=pynvml.NVMLError_LibraryNotFound()), None, "fake"),
+    ("asking for the fake never touches NVML", FakeNvml([Gpu()]), True, "fake"),
+])
+def test_detect_devices(monkeypatch, tmp_path, name, nvml, fake, expected):
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    devices = detect_devices(fake, count=4, gpu_type=None, fault_file=tmp_path / "f.json")
+    assert devices.kind == expected
+    if expected == "fake":
+        assert [g.gpu_type for g in devices.inventory()] == ["H100"] * 4
+
+
+def test_detect_devices_without_fallback_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([]))
+    with pytest.raises(RuntimeError, match="no GPUs"):
+        detect_devices(False, count=4)
+
+
+# -- what the agent reports ---------------------------------------------------------------------
+
+
+def test_the_heartbeat_reports_each_gpu_and_the_running_allocations(tmp_path):
+    from workers.agent import heartbeat_payload
+
+    devices = FakeDevices(2, gpu_type="H200", memory_gb=141, fault_file=tmp_path / "f.json")
+    inject_fault(tmp_path / "f.json", 1, "ecc_uncorrectable")
+    assert heartbeat_payload(123, devices.inventory(), devices.health(), [9, 4]) == {
+        "pid": 123,
+        "gpus": [
+            {"index": 0, "gpu_type": "H200", "memory_gb": 141.0, "healthy": True, "faults": []},
+            {"index": 1, "gpu_type": "H200", "memory_gb": 141.0, "healthy": False,
+             "faults": ["ecc_uncorrectable"]},
+        ],
+        "running_allocations": [4, 9],
+    }
+
+
+@pytest.mark.parametrize("name, api_url, expected", [
+    ("the machine id's slashes stay path segments", "http://127.0.0.1:8080",
+     "http://127.0.0.1:8080/machines/c1/b0/r0/m0/heartbeat"),
+    ("a trailing slash on the API URL is not doubled", "http://api:80/",
+     "http://api:80/machines/c1/b0/r0/m0/heartbeat"),
+])
+def test_heartbeat_url(name, api_url, expected):
+    from workers.agent import heartbeat_url
+
+    assert heartbeat_url(api_url, "c1/b0/r0/m0") == expected
+
+
+def test_the_agent_command_explains_itself():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "workers.agent", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--machine-id" in out and "--fake-devices" in out

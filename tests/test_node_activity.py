@@ -1,0 +1,392 @@
+"""The node activity: a job runs pinned to its GPUs, is watched, and is stopped with grace.
+
+Jobs are small Python programs (``sys.executable -c``); the activity runs in Temporal's
+``ActivityEnvironment``, which needs no server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from temporalio.activity import ActivityCancellationDetails
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import NodeActivities, job_env
+from workflows.types import GpuGrant, RunJobInput
+
+MACHINE = "c1/b0/r0/m0"
+
+
+def job(code: str, allocation_id: int = 1, **fields) -> RunJobInput:
+    fields.setdefault("gpus", [GpuGrant(index=i, path=f"{MACHINE}/{i}") for i in (3, 1)])
+    fields.setdefault("command", [sys.executable, "-c", textwrap.dedent(code)])
+    return RunJobInput(job_id=fields.pop("job_id", "train-1"), allocation_id=allocation_id,
+                       attempt=fields.pop("attempt", 1), **fields)
+
+
+def node_in(tmp_path: Path, heartbeat_every: float = 0.1) -> NodeActivities:
+    return NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=heartbeat_every)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purpose.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+PRINT_ENV = """
+    import json, os
+    print(json.dumps({k: v for k, v in os.environ.items()
+                      if k.startswith(("GPUSCHED_", "CUDA_", "MY_"))}))
+"""
+
+
+# -- the environment ----------------------------------------------------------------------------
+
+
+def test_the_job_sees_its_gpus_and_its_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://secret@db/gpusched")
+    req = job(PRINT_ENV, allocation_id=42, attempt=3, env={"MY_FLAG": "1"}, grace_period=30,
+              checkpoint_uri="s3://ckpt/train-1", resume_from="s3://ckpt/train-1/00007")
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
+
+    assert result.exit_code == 0
+    env = json.loads(result.last_log_lines[-1])
+    log_path = str(tmp_path / "jobs" / "train-1" / "attempt-3.log")
+    assert env == {
+        "CUDA_VISIBLE_DEVICES": "3,1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPUSCHED_JOB_ID": "train-1",
+        "GPUSCHED_ALLOCATION_ID": "42",
+        "GPUSCHED_ATTEMPT": "3",
+        "GPUSCHED_MACHINE_ID": MACHINE,
+        "GPUSCHED_GPUS": f"{MACHINE}/3 {MACHINE}/1",
+        "GPUSCHED_NUM_GPUS": "2",
+        "GPUSCHED_CHECKPOINT_URI": "s3://ckpt/train-1",
+        "GPUSCHED_RESUME_FROM": "s3://ckpt/train-1/00007",
+        "GPUSCHED_GRACE_PERIOD": "30",
+        "GPUSCHED_LOG": log_path,
+        "MY_FLAG": "1",
+    }
+    assert result.log_path == log_path
+    header = Path(log_path).read_text().splitlines()[0]
+    assert "allocation=42" in header and "CUDA_VISIBLE_DEVICES=3,1" in header
+
+
+@pytest.mark.parametrize("name, fields, expected", [
+    ("a fresh start has no resume variable",
+     {}, {"GPUSCHED_RESUME_FROM": None, "GPUSCHED_CHECKPOINT_URI": None}),
+    ("the job's own env cannot override the pinning",
+     {"env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "GPUSCHED_RESUME_FROM": "x"}},
+     {"CUDA_VISIBLE_DEVICES": "3,1", "GPUSCHED_RESUME_FROM": None}),
+    ("no GPUs hides every GPU",
+     {"gpus": []}, {"CUDA_VISIBLE_DEVICES": "", "GPUSCHED_GPUS": "", "GPUSCHED_NUM_GPUS": "0"}),
+    ("the agent's settings do not leak, the rest of its environment does",
+     {}, {"GPUSCHED_S3_SECRET_KEY": None, "PATH": "/usr/bin"}),
+])
+def test_job_env(name, fields, expected):
+    env = job_env(job("pass", **fields), MACHINE, Path("/l/a.log"),
+                  base={"GPUSCHED_S3_SECRET_KEY": "k", "PATH": "/usr/bin"})
+    assert {k: env.get(k) for k in expected} == expected
+
+
+# -- how it ends --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, code, exit_code, last_line", [
+    ("a job that succeeds exits 0", "print('step 1'); print('done')", 0, "done"),
+    ("a job that fails keeps its exit code and last words",
+     "import sys\nfor i in range(30): print(f'line {i}')\nsys.exit(3)", 3, "line 29"),
+])
+def test_a_finished_job_reports_its_exit_and_last_lines(tmp_path, name, code, exit_code, last_line):
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, job(code)))
+    assert (result.exit_code, result.signal, result.stopped) == (exit_code, None, False)
+    assert result.last_log_lines[-1] == last_line
+    assert len(result.last_log_lines) <= 20
+    assert not any(line.startswith("# gpusched") for line in result.last_log_lines)
+
+
+@pytest.mark.parametrize("name, command, exit_code", [
+    ("a command that does not exist fails with 127", ["/no/such/trainer", "--lr", "1"], 127),
+    ("a file that cannot be executed fails with 126", ["{tmp}"], 126),
+    ("an empty command fails with 127", [], 127),
+])
+def test_a_job_that_cannot_start_fails_with_a_reason(tmp_path, name, command, exit_code):
+    req = job("", command=[c.format(tmp=tmp_path) for c in command])
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
+    assert result.exit_code == exit_code
+    assert "cannot start" in result.last_log_lines[0]
+
+
+def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
+    beats = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = lambda *details: beats.append(details[0])
+    run(env.run(node_in(tmp_path, heartbeat_every=0.05).run_job,
+                job("import time; time.sleep(0.4)", allocation_id=9)))
+    assert len(beats) >= 3
+    assert all(b["allocation_id"] == 9 and isinstance(b["pid"], int) for b in beats)
+
+
+def test_processes_left_behind_by_a_finished_job_are_killed(tmp_path):
+    code = """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        print(child.pid, flush=True)
+    """
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, job(code)))
+    assert not alive(int(result.last_log_lines[-1]))  # gone by the time the result says so
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+TRAPS_TERM = """
+    import signal, sys, time
+    def stop(*_):
+        print("checkpointing", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print("running", flush=True)
+    time.sleep(30)
+"""
+IGNORES_TERM = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("running", flush=True)
+    time.sleep(30)
+"""
+
+
+async def printed(node: NodeActivities, req: RunJobInput, line: str = "running") -> None:
+    """Wait until the job of ``req`` has printed ``line``."""
+    log = node._log_path(req)
+    while not (log.exists() and line in log.read_text().splitlines()):
+        await asyncio.sleep(0.02)
+
+
+async def cancel_after_start(node, req, details=None):
+    """Run ``req``, cancel it once it printed "running"; returns (raised, seconds to end)."""
+    env = ActivityEnvironment()
+    task = asyncio.create_task(env.run(node.run_job, req))
+    await printed(node, req)
+    start = time.monotonic()
+    env.cancel(details) if details else env.cancel()
+    try:
+        await task
+    except BaseException as err:  # noqa: BLE001 - the test looks at what was raised
+        return err, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_cancelled_job_gets_sigterm_and_exits_within_its_grace(tmp_path):
+    node = node_in(tmp_path)
+
+    async def scenario():
+        return await cancel_after_start(node, job(TRAPS_TERM, allocation_id=5, grace_period=5))
+
+    raised, took = run(scenario())
+    assert isinstance(raised, asyncio.CancelledError)
+    assert took < 2
+    result = node.finished[5]
+    assert (result.exit_code, result.stopped) == (0, True)
+    assert result.last_log_lines[-1] == "checkpointing"
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_its_grace(tmp_path):
+    node = node_in(tmp_path)
+
+    async def scenario():
+        return await cancel_after_start(node, job(IGNORES_TERM, allocation_id=6, grace_period=0.5))
+
+    raised, took = run(scenario())
+    assert isinstance(raised, asyncio.CancelledError)
+    assert 0.5 <= took < 2.5
+    assert (node.finished[6].signal, node.finished[6].stopped) == (signal.SIGKILL, True)
+
+
+def test_a_stop_gives_the_whole_process_group_its_grace_then_kills_it(tmp_path):
+    node = node_in(tmp_path)
+    code = """
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher leaves at once
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('running', flush=True); "
+            "time.sleep(30)"])
+        print(child.pid, flush=True)
+        time.sleep(30)
+    """
+
+    async def scenario():
+        return await cancel_after_start(node, job(code, allocation_id=14, grace_period=0.5))
+
+    _, took = run(scenario())
+    result = node.finished[14]
+    assert took >= 0.5  # the worker that ignored SIGTERM held the stop until the grace ran out
+    assert (result.exit_code, result.stopped) == (0, True)
+    assert not alive(int(result.last_log_lines[0]))
+
+
+def test_an_attempt_the_server_forgot_keeps_running_until_killed_as_an_orphan(tmp_path):
+    node = node_in(tmp_path)
+
+    async def scenario():
+        raised, _ = await cancel_after_start(
+            node, job(TRAPS_TERM, allocation_id=7),
+            ActivityCancellationDetails(timed_out=True))
+        assert isinstance(raised, asyncio.CancelledError)
+        assert node.live_allocations() == [7]
+        return await node.kill_allocation(7, grace=2)
+
+    result = run(scenario())
+    assert (result.exit_code, result.stopped) == (0, True)
+    assert node.live_allocations() == []
+
+
+def test_worker_shutdown_stops_the_job_and_fails_the_attempt(tmp_path):
+    node = node_in(tmp_path)
+
+    async def scenario():
+        env = ActivityEnvironment()
+        req = job(TRAPS_TERM, allocation_id=8)
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        env.worker_shutdown()
+        with pytest.raises(ApplicationError) as raised:
+            await task
+        return raised.value
+
+    err = run(scenario())
+    assert (err.type, err.non_retryable) == ("AgentShutdown", True)
+    assert node.finished[8].stopped
+
+
+# -- idempotency ------------------------------------------------------------------------------
+
+
+def test_a_duplicate_run_of_an_allocation_attaches_to_its_process(tmp_path):
+    node = node_in(tmp_path)
+    code = "import time; print('started', flush=True); time.sleep(0.5); print('done')"
+
+    async def scenario():
+        req = job(code, allocation_id=11)
+        first = asyncio.create_task(ActivityEnvironment().run(node.run_job, req))
+        await asyncio.sleep(0.1)
+        second = asyncio.create_task(ActivityEnvironment().run(node.run_job, req))
+        results = await asyncio.gather(first, second)
+        # A retry after the end gets the same result, without running the job again.
+        return results + [await ActivityEnvironment().run(node.run_job, req)]
+
+    a, b, c = run(scenario())
+    assert a == b == c
+    assert a.exit_code == 0
+    assert Path(a.log_path).read_text().splitlines().count("started") == 1
+
+
+def test_duplicates_arriving_together_start_one_process(tmp_path):
+    node = node_in(tmp_path)
+    req = job("print('started')", allocation_id=12)
+
+    async def scenario():
+        runs = [ActivityEnvironment().run(node.run_job, req) for _ in range(3)]
+        return await asyncio.gather(*runs)
+
+    results = run(scenario())
+    assert len({r.model_dump_json() for r in results}) == 1
+    assert Path(results[0].log_path).read_text().splitlines().count("started") == 1
+
+
+def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                start_new_session=True)
+    from activities.node import _start_ticks
+
+    (node.pid_dir / "13.json").write_text(json.dumps(
+        {"pid": leftover.pid, "allocation_id": 13, "job_id": "old",
+         "start_ticks": _start_ticks(leftover.pid)}))
+    try:
+        assert run(node.reap_leftovers(grace=1)) == [13]
+        assert leftover.wait(timeout=2) == -signal.SIGTERM
+        assert not list(node.pid_dir.iterdir())
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+
+
+# -- orphans, as the agent finds them -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, answers, killed", [
+    ("an allocation the API still holds is never an orphan", [([5], [5]), ([5], [5])], []),
+    ("one answer without it is not enough", [([5], [])], []),
+    ("two answers in a row without it make it an orphan", [([5], []), ([5], [])], [5]),
+    ("a miss that is not repeated is forgotten", [([5], []), ([5], [5]), ([5], [])], []),
+    ("an allocation started after the heartbeat was sent is spared", [([], []), ([], [])], []),
+    ("an answer that does not list live allocations condemns nothing",
+     [([5], None), ([5], None)], []),
+])
+def test_orphan_watch(name, answers, killed):
+    from workers.agent import OrphanWatch
+
+    watch = OrphanWatch(confirm=2)
+    result = []
+    for sent, live in answers:
+        result = watch.update(sent, live)
+    assert result == killed
+
+
+def test_the_agent_stops_a_job_whose_allocation_the_api_dropped(tmp_path):
+    import httpx
+
+    from workers.agent import Agent
+    from workers.devices import FakeDevices
+    from workers.settings import Settings
+
+    node = node_in(tmp_path)
+    live = {"live_allocations": [21]}
+    beats = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        beats.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json=live)
+
+    async def scenario():
+        agent = Agent(MACHINE, Settings(api_url="http://api"), FakeDevices(4), node,
+                      interval=0.05, orphan_grace=1.0)
+        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(api))
+        req = job(TRAPS_TERM, allocation_id=21)
+        task = asyncio.create_task(ActivityEnvironment().run(node.run_job, req))
+        await printed(node, req)
+        await agent.heartbeat()
+        assert node.live_allocations() == [21]  # still held
+        live["live_allocations"] = []
+        await agent.heartbeat()
+        await agent.heartbeat()  # second miss: stopped
+        result = await task
+        await agent.close()
+        return result
+
+    result = run(scenario())
+    assert (result.exit_code, result.stopped) == (0, True)
+    path, body = beats[0]
+    assert path == f"/machines/{MACHINE}/heartbeat"
+    assert body["running_allocations"] == [21] and len(body["gpus"]) == 4

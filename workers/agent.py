@@ -1,0 +1,351 @@
+"""The machine agent: one process per machine that runs the jobs placed there.
+
+    python -m workers.agent --machine-id c1/b0/r0/m0 [--data-dir DIR] [--gpus 8]
+        [--gpu-type H100] [--fake-devices | --nvml] [--heartbeat-interval 2.0]
+        [--grace-period 120] [--orphan-grace 5]
+
+What it does, in order:
+1. Reads the settings (flags over ``GPUSCHED_*`` over ``DIR/stack.json``) and finds the GPUs:
+   NVML, or fake GPUs when NVML is missing or ``--fake-devices`` is given (their faults are
+   injected through ``DIR/faults/agent-<machine>.json``).
+2. Stops job processes an earlier agent of this machine left behind (it died without stopping
+   them).
+3. Registers the machine: heartbeats the HTTP API until it answers (about 30 s at most), so the
+   machine is in the fleet before the worker takes work.
+4. Serves ``run_job`` on the machine's task queue (``NodeActivities``; logs under ``DIR/jobs``),
+   and writes its ready file once the worker polls.
+5. Heartbeats every interval: ``POST {api}/machines/{machine_id}/heartbeat`` with the body of
+   ``heartbeat_payload``. The answer's ``live_allocations``, when present, lists the
+   allocations the scheduler holds here; a local process of any other is an orphan and is
+   stopped (it is confirmed over two heartbeats first, so one odd answer kills nothing).
+6. On SIGTERM/SIGINT: shuts the worker down, which stops each job with its grace (capped by
+   ``--grace-period``) and fails its attempt with ``AgentShutdown``; heartbeats continue until
+   the jobs are gone. A second signal kills the jobs at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+
+from activities.node import NodeActivities
+from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices
+from workers.settings import (
+    Settings,
+    connect_temporal,
+    default_data_dir,
+    load_settings,
+    machine_component,
+    mark_ready,
+    ready_path,
+)
+
+log = logging.getLogger("gpusched.agent")
+
+REGISTER_WITHIN = 30.0  # seconds to wait for the API before serving anyway
+HEARTBEAT_THROTTLE = 2.0  # seconds between activity heartbeats sent to Temporal, at most: a stop
+# (preemption, cancel) reaches the job with the next one, so this bounds how late it learns of it
+CONNECT_WITHIN = 60.0  # seconds to wait for Temporal before giving up (the supervisor restarts us)
+
+
+def heartbeat_payload(pid: int, inventory: list[GpuInfo], health: list[GpuHealth],
+                      running_allocations: list[int]) -> dict:
+    """The body of a machine heartbeat: each GPU as it is and how it is, and the allocations
+    with a live process here."""
+    by_index = {h.index: h for h in health}
+    gpus = []
+    for info in inventory:
+        h = by_index.get(info.index, GpuHealth(index=info.index, healthy=True, faults=[]))
+        gpus.append({"index": info.index, "gpu_type": info.gpu_type, "memory_gb": info.memory_gb,
+                     "healthy": h.healthy, "faults": list(h.faults)})
+    return {"pid": pid, "gpus": gpus, "running_allocations": sorted(running_allocations)}
+
+
+def heartbeat_url(api_url: str, machine_id: str) -> str:
+    # The machine id's slashes stay path segments: the API routes /machines/{id:path}/heartbeat.
+    return f"{api_url.rstrip('/')}/machines/{machine_id.strip('/')}/heartbeat"
+
+
+class OrphanWatch:
+    """Which local allocations the scheduler no longer holds. An allocation is an orphan once
+    ``confirm`` consecutive answers leave it out while it was in the heartbeat they answered."""
+
+    def __init__(self, confirm: int = 2):
+        self.confirm = confirm
+        self.misses: dict[int, int] = {}
+
+    def update(self, sent_running: list[int], live: list[int] | None) -> list[int]:
+        if live is None:
+            return []  # an API that does not say which are live condemns nothing
+        live_set = set(live)
+        misses = {a: self.misses.get(a, 0) + 1 for a in sent_running if a not in live_set}
+        self.misses = misses
+        return sorted(a for a, n in misses.items() if n >= self.confirm)
+
+
+class Agent:
+    """The agent's own duties around the worker: heartbeats, registration, orphans."""
+
+    def __init__(self, machine_id: str, settings: Settings, devices: DeviceBackend,
+                 node: NodeActivities, interval: float, orphan_grace: float):
+        self.machine_id = machine_id
+        self.settings = settings
+        self.devices = devices
+        self.node = node
+        self.interval = interval
+        self.orphan_grace = orphan_grace
+        self.inventory = devices.inventory()
+        self.orphans = OrphanWatch()
+        self.url = heartbeat_url(settings.api_url, machine_id)
+        self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2))
+        self._api_ok: bool | None = None
+        self._kills: set[asyncio.Task] = set()  # references, so the tasks are not collected
+        self._killing: set[int] = set()
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    async def health(self) -> list[GpuHealth]:
+        try:
+            return await asyncio.to_thread(self.devices.health)  # NVML calls block
+        except Exception:
+            log.exception("GPU health check failed; reporting every GPU unhealthy")
+            return [GpuHealth(index=g.index, healthy=False, faults=[NVML_ERROR])
+                    for g in self.inventory]
+
+    async def heartbeat(self) -> httpx.Response | None:
+        """One heartbeat; the response, or None when the API could not be reached."""
+        running = self.node.live_allocations()
+        payload = heartbeat_payload(os.getpid(), self.inventory, await self.health(), running)
+        try:
+            response = await self.http.post(self.url, json=payload)
+        except httpx.HTTPError as err:
+            self._api_state(False, f"API unreachable at {self.url}: {err!r}")
+            return None
+        if response.is_success:
+            self._api_state(True, "API answers heartbeats")
+            self._reap_orphans(running, response)
+        else:
+            self._api_state(False, f"heartbeat refused: HTTP {response.status_code} "
+                                   f"{response.text[:200]}")
+        return response
+
+    def _api_state(self, ok: bool, message: str) -> None:
+        # Log changes, not every beat: a down API would otherwise fill the log every interval.
+        if ok != self._api_ok:
+            (log.info if ok else log.warning)(message)
+        self._api_ok = ok
+
+    def _reap_orphans(self, sent: list[int], response: httpx.Response) -> None:
+        try:
+            body = response.json()
+        except ValueError:
+            return
+        live = body.get("live_allocations") if isinstance(body, dict) else None
+        for alloc in self.orphans.update(sent, live if isinstance(live, list) else None):
+            if alloc in self.node.processes and alloc not in self._killing:
+                self._killing.add(alloc)
+                task = asyncio.create_task(self._kill_orphan(alloc))
+                self._kills.add(task)
+                task.add_done_callback(self._kills.discard)
+
+    async def _kill_orphan(self, alloc: int) -> None:
+        log.warning("allocation %d is no longer held by the scheduler: stopping its process "
+                    "(%gs grace)", alloc, self.orphan_grace)
+        try:
+            result = await self.node.kill_allocation(alloc, self.orphan_grace)
+            log.warning("orphan allocation %d stopped: %s", alloc, result)
+        finally:
+            self._killing.discard(alloc)
+
+    async def register(self, stop: asyncio.Event) -> bool:
+        """Heartbeat until the API answers (a 5xx is not an answer), backing off, for at most
+        ``REGISTER_WITHIN`` seconds. Serving without it works once the API is back."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + REGISTER_WITHIN, 0.25
+        while not stop.is_set():
+            response = await self.heartbeat()
+            if response is not None and response.status_code < 500:
+                return response.is_success
+            if loop.time() + delay > deadline:
+                log.warning("API did not answer within %gs; serving anyway", REGISTER_WITHIN)
+                return False
+            await _sleep_or_stop(stop, delay)
+            delay = min(delay * 2, 4.0)
+        return False
+
+    async def heartbeat_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.heartbeat()
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        self.devices.close()
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+async def connect(settings: Settings, stop: asyncio.Event):
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + CONNECT_WITHIN, 0.5
+    while True:
+        try:
+            return await connect_temporal(settings)
+        except Exception as err:  # the SDK raises RuntimeError for a refused connection
+            if stop.is_set():
+                return None
+            if loop.time() + delay > deadline:
+                raise
+            log.warning("Temporal at %s not reachable (%s); retrying",
+                        settings.temporal_address, err)
+            await _sleep_or_stop(stop, delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from temporalio.worker import Worker
+
+    data_dir = Path(args.data_dir).expanduser()
+    component = machine_component(args.machine_id)
+    settings = load_settings(data_dir)
+    fake = True if args.fake_devices else (False if args.nvml else None)
+    try:
+        devices = detect_devices(fake, args.gpus, args.gpu_type,
+                                 fault_file=data_dir / "faults" / f"{component}.json")
+    except Exception as err:  # --nvml on a machine whose NVML is missing or finds no GPU
+        log.error("no GPUs: %s", err)
+        return 2
+    # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
+    node = NodeActivities(args.machine_id, data_dir / "jobs" / machine_component(args.machine_id),
+                          shutdown_grace=args.grace_period)
+    agent = Agent(args.machine_id, settings, devices, node, args.heartbeat_interval,
+                  args.orphan_grace)
+    log.info("agent of %s: %d %s GPUs (%s), API %s, Temporal %s, queue %s", args.machine_id,
+             len(agent.inventory), ",".join(sorted({g.gpu_type for g in agent.inventory})),
+             devices.kind, settings.api_url, settings.temporal_address,
+             settings.agent_task_queue(args.machine_id))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: killing every job now", signal.Signals(signum).name)
+            node.kill_all_now()
+            os._exit(1)
+        log.info("%s: shutting down (jobs get their grace)", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    beats: asyncio.Task | None = None
+    worker_task: asyncio.Task | None = None
+    code = 0
+    try:
+        for alloc in await node.reap_leftovers(grace=args.orphan_grace):
+            log.warning("stopped allocation %d, left running by an earlier agent", alloc)
+        await agent.register(stop)
+        if stop.is_set():
+            return 0
+        beats = asyncio.create_task(agent.heartbeat_forever())
+        client = await connect(settings, stop)
+        if client is None:
+            return 0
+        worker = Worker(
+            client,
+            task_queue=settings.agent_task_queue(args.machine_id),
+            activities=[node.run_job],
+            max_concurrent_activities=64,
+            # A cancel reaches a job only with a heartbeat's answer, and the SDK sends them at
+            # most every 0.8 x heartbeat timeout (30 s without one): cap it so a preemption's
+            # SIGTERM goes out within seconds, at ~1 heartbeat RPC per job per 5 s.
+            max_heartbeat_throttle_interval=timedelta(seconds=HEARTBEAT_THROTTLE),
+            default_heartbeat_throttle_interval=timedelta(seconds=HEARTBEAT_THROTTLE),
+            # Jobs stop on the shutdown event with at most --grace-period; a margin for SIGKILL.
+            graceful_shutdown_timeout=timedelta(seconds=args.grace_period + 10),
+        )
+        worker_task = asyncio.create_task(worker.run())
+        while not worker.is_running and not worker_task.done():
+            await asyncio.sleep(0.05)
+        if worker.is_running:
+            mark_ready(data_dir, component)
+            log.info("serving %s", settings.agent_task_queue(args.machine_id))
+        stop_wait = asyncio.create_task(stop.wait())
+        await asyncio.wait((worker_task, stop_wait), return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if worker_task.done():
+            worker_task.result()  # the worker failed: raise it here
+        await worker.shutdown()
+        await worker_task
+    except Exception:
+        log.exception("agent failed")
+        code = 1
+    finally:
+        # Processes no activity watches any more (a forgotten attempt) go too.
+        await node.stop_all(args.orphan_grace)
+        node.kill_all_now()
+        if beats is not None:
+            beats.cancel()
+        ready_path(data_dir, component).unlink(missing_ok=True)
+        await agent.close()
+        log.info("agent of %s stopped", args.machine_id)
+    return code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workers.agent",
+                                description="The gpusched machine agent: runs the jobs placed "
+                                            "on this machine, pinned to their GPUs.")
+    p.add_argument("--machine-id", required=True, help="topology path, e.g. c1/b0/r0/m0")
+    p.add_argument("--data-dir", default=str(default_data_dir()),
+                   help="stack directory: stack.json, job logs (jobs/), fake faults (faults/)")
+    p.add_argument("--gpus", type=int, default=8,
+                   help="number of fake GPUs (NVML counts the real ones)")
+    p.add_argument("--gpu-type", default=None,
+                   help="GPU type to report (fake: H100 by default; NVML: overrides the "
+                        "detected type)")
+    devices = p.add_mutually_exclusive_group()
+    devices.add_argument("--fake-devices", action="store_true", help="use fake GPUs, never NVML")
+    devices.add_argument("--nvml", action="store_true", help="require NVML (no fake fallback)")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds (2.0)")
+    p.add_argument("--grace-period", type=float, default=120.0,
+                   help="the most grace a job gets when the agent shuts down (120 s)")
+    p.add_argument("--orphan-grace", type=float, default=5.0,
+                   help="grace of a process whose allocation is gone (5 s)")
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error("--gpus must be at least 1")
+    if args.heartbeat_interval <= 0:
+        p.error("--heartbeat-interval must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
