@@ -1,0 +1,232 @@
+"""Jobs end to end on the real stack: Temporal, Postgres and SeaweedFS started by the fixtures,
+the control worker, the API and machine agents as processes, jobs as real local processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scheduler.models import Priority, Quota
+from workers import devstack
+from workers.client import GpuschedClient, SubmitRefused
+from workers.settings import machine_component
+from workflows.types import JobRequest, job_workflow_id, scheduler_workflow_id
+
+pytestmark = pytest.mark.live
+
+# Prints when it ran and where, so the tests can check pinning and overlap from the processes' side.
+REPORT = ("import os, sys, time; print('RAN', time.time(), os.environ['CUDA_VISIBLE_DEVICES'], "
+          "os.environ['GPUSCHED_GPUS'], flush=True); time.sleep(float(sys.argv[1])); "
+          "print('DONE', time.time(), flush=True)")
+
+
+def sleeper(seconds: float) -> list[str]:
+    return [sys.executable, "-c", REPORT, str(seconds)]
+
+
+class Stack:
+    """One test's stack and a client on it, with the helpers the tests share."""
+
+    def __init__(self, up: devstack.UpResult):
+        self.up = up
+        self.data_dir = Path(up.data_dir)
+        self.loop = asyncio.new_event_loop()
+        self.client = self.run(GpuschedClient.connect(up.settings))
+        self.run(self.client.set_quota("vision", Quota(guaranteed=8, max=64)))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def submit(self, job_id: str, gpus: int, command: list[str], **kw) -> None:
+        self.run(self.client.submit(JobRequest(job_id=job_id, team="vision", num_gpus=gpus, command=command, **kw)))
+
+    def wait(self, job_id: str, timeout: float = 60):
+        return self.run(self.client.wait(job_id, timeout))
+
+    def status(self, job_id: str):
+        return self.run(self.client.status(job_id))
+
+    def until(self, what, timeout: float = 30, every: float = 0.1):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = what()
+            if value:
+                return value
+            time.sleep(every)
+        raise AssertionError(f"not within {timeout} s: {what.__doc__ or what}")
+
+    def log(self, job_id: str, attempt: int = 1) -> str:
+        logs = sorted(self.data_dir.glob(f"jobs/*/{job_id}/attempt-{attempt}.log"))
+        return "".join(p.read_text() for p in logs)
+
+    def sql(self, query: str, *args):
+        return self.run(self.client.store.pool.fetch(query, *args))
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def stack(live_stack):
+    made = []
+
+    def start(machines: int = 2, gpus: int = 4, control_args: list[str] | None = None) -> Stack:
+        made.append(Stack(live_stack(machines=machines, gpus_per_machine=gpus, ui=False,
+                                     control_args=["--tick", "0.5", *(control_args or [])])))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.close()
+
+
+def test_a_job_runs_pinned_to_the_gpus_it_was_allocated_and_succeeds(stack):
+    s = stack()
+    s.submit("pinned", 2, sleeper(0.2))
+    view = s.wait("pinned")
+    assert view.state == "succeeded" and view.exit_code == 0
+    [attempt] = view.attempts
+    assert attempt.end_reason == "completed" and attempt.started_at and attempt.ended_at
+    ran = next(line for line in s.log("pinned").splitlines() if line.startswith("RAN"))
+    _, _, visible, *paths = ran.split()
+    assert paths == attempt.gpus
+    assert visible.split(",") == [p.rsplit("/", 1)[1] for p in attempt.gpus]
+    assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
+
+
+def test_a_command_that_exits_3_fails_the_job_with_code_3_and_its_last_log_lines(stack):
+    s = stack()
+    s.submit("three", 1, [sys.executable, "-c", "import sys; print('loss went NaN'); sys.exit(3)"])
+    view = s.wait("three")
+    assert view.state == "failed" and view.exit_code == 3
+    assert "exit code 3" in view.reason and "loss went NaN" in view.reason
+
+
+def test_a_queued_job_is_cancelled_without_ever_running(stack):
+    s = stack(machines=1)
+    s.submit("blocker", 4, sleeper(30))
+    s.until(lambda: s.status("blocker").state == "running")
+    s.submit("waiting", 4, sleeper(0))
+    assert s.status("waiting").state == "queued"
+    s.run(s.client.cancel("waiting"))
+    view = s.wait("waiting")
+    assert view.state == "cancelled" and view.attempts == []
+    s.run(s.client.cancel("blocker"))
+
+
+def test_a_running_job_is_cancelled_its_process_stopped_and_its_gpus_freed(stack):
+    s = stack(machines=1)
+    pid_file = s.data_dir / "victim.pid"
+    s.submit("victim", 4, [sys.executable, "-c",
+                           f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"])
+    s.until(lambda: pid_file.exists() and pid_file.read_text())
+    pid = int(pid_file.read_text())
+    s.run(s.client.cancel("victim"))
+    view = s.wait("victim", timeout=30)
+    assert view.state == "cancelled" and view.attempts[0].end_reason == "cancelled"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
+    s.submit("next", 4, sleeper(0))
+    assert s.wait("next").state == "succeeded"
+
+
+def test_a_priority_bump_moves_a_job_ahead_in_the_queue(stack):
+    s = stack(machines=2)
+    s.submit("short", 4, sleeper(3))
+    s.submit("long", 4, sleeper(60))
+    s.until(lambda: {s.status("short").state, s.status("long").state} == {"running"})
+    s.submit("first-low", 4, sleeper(0), priority="low")
+    s.submit("second-low", 4, sleeper(0), priority="low")
+    s.until(lambda: s.status("second-low").position == 2)
+    s.run(s.client.bump("second-low", Priority.high))
+    s.until(lambda: s.status("second-low").position == 1 or s.status("second-low").state != "queued")
+    assert s.wait("second-low").state == "succeeded"
+    assert s.status("first-low").state == "queued"  # "long" still holds the other machine
+    s.run(s.client.cancel("long"))
+    assert s.wait("first-low").state == "succeeded"
+
+
+def test_twenty_jobs_on_two_machines_all_succeed_and_never_share_a_gpu(stack):
+    s = stack(machines=2, gpus=4)
+    sizes = [1, 2, 4, 3, 1, 2, 2, 4, 1, 3, 2, 1, 4, 2, 3, 1, 2, 4, 1, 2]
+    for i, gpus in enumerate(sizes):
+        s.submit(f"j{i:02d}", gpus, sleeper(0.3 + (i % 3) * 0.2))
+    views = [s.wait(f"j{i:02d}", timeout=120) for i in range(len(sizes))]
+    assert [v.state for v in views] == ["succeeded"] * len(sizes)
+    overlaps = s.sql("""SELECT count(*) AS n FROM gpu_holds a JOIN gpu_holds b
+                        ON a.machine_id = b.machine_id AND a.idx = b.idx
+                        AND a.allocation_id < b.allocation_id AND a.held && b.held""")
+    assert overlaps[0]["n"] == 0
+    # The same from the processes' side: per GPU, the intervals the commands really ran.
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for v in views:
+        lines = s.log(v.job_id).splitlines()
+        ran = next(line.split() for line in lines if line.startswith("RAN"))
+        done = next(line.split() for line in lines if line.startswith("DONE"))
+        for path in ran[3:]:
+            spans.setdefault(path, []).append((float(ran[1]), float(done[1])))
+    for path, intervals in spans.items():
+        intervals.sort()
+        assert all(a[1] <= b[0] for a, b in zip(intervals, intervals[1:])), path
+
+
+def test_killing_the_control_worker_mid_run_loses_nothing_and_runs_nothing_twice(stack):
+    s = stack(machines=2, gpus=4)
+    for i in range(2):
+        s.submit(f"running{i}", 4, sleeper(6))
+    s.until(lambda: all(s.status(f"running{i}").state == "running" for i in range(2)))
+    for i in range(2):
+        s.submit(f"queued{i}", 4, sleeper(0.5))
+    devstack.stop_component(s.data_dir, "control", signal.SIGKILL)
+    time.sleep(1)
+    devstack.start_component(s.data_dir, "control")
+    views = [s.wait(j, timeout=90) for j in ("running0", "running1", "queued0", "queued1")]
+    assert [v.state for v in views] == ["succeeded"] * 4
+    assert [len(v.attempts) for v in views] == [1] * 4
+    for v in views:
+        assert s.log(v.job_id).count("RAN ") == 1
+        assert not s.log(v.job_id, attempt=2)
+
+
+def test_the_scheduler_loop_continues_as_new_while_jobs_flow(stack):
+    s = stack(machines=1, gpus=4, control_args=["--cycles-per-run", "3"])
+    for i in range(6):
+        s.submit(f"flow{i}", 4, sleeper(0.3))
+    views = [s.wait(f"flow{i}", timeout=90) for i in range(6)]
+    assert [v.state for v in views] == ["succeeded"] * 6
+    prefix = s.up.settings.task_queue_prefix
+    scheduler_id = prefix + scheduler_workflow_id("c1")
+
+    async def runs() -> list:
+        return [w async for w in s.client.temporal.list_workflows(f"WorkflowId = '{scheduler_id}'")]
+
+    executions = s.until(lambda: (lambda r: r if len(r) >= 3 else None)(s.run(runs())))
+    assert sum(1 for e in executions if e.status.name == "CONTINUED_AS_NEW") >= 2
+    assert sum(1 for e in executions if e.status.name == "RUNNING") == 1
+
+
+def test_a_submit_for_a_team_without_a_quota_is_refused_and_starts_no_workflow(stack):
+    s = stack(machines=1)
+    with pytest.raises(SubmitRefused, match="has no quota"):
+        s.run(s.client.submit(JobRequest(job_id="orphan", team="nobody", num_gpus=1, command=["true"])))
+    handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("orphan"))
+    with pytest.raises(Exception):
+        s.run(handle.describe())
+
+
+def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_reason(stack):
+    s = stack(machines=1)
+    prefix = s.up.settings.task_queue_prefix
+    bad = JobRequest(job_id="direct", team="vision", num_gpus=64, command=["true"])  # 64 > 4 per machine
+    handle = s.run(s.client.temporal.start_workflow(
+        "JobWorkflow", bad, id=prefix + job_workflow_id("direct"), task_queue=prefix + "gpusched-control"))
+    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    assert outcome["state"] == "failed" and "refused" in outcome["reason"]
