@@ -163,7 +163,7 @@ UPDATE jobs SET state = 'placed', position = NULL, estimated_start = NULL, pendi
 WHERE id = $1 AND state = 'queued'"""
 ORDER_PREEMPTION = """
 UPDATE allocations SET state = 'draining', draining_until = $2, preempt_ordered_at = $3,
-    preempt_reason = $4, preempted_for = $5, version = version + 1
+    preempt_reason = $4, preempted_for = $5, preempt_end = $6, version = version + 1
 WHERE id = $1 AND state IN ('placed', 'running')"""
 WRITE_PENDING = """
 UPDATE jobs SET position = p.position, estimated_start = p.estimated_start,
@@ -177,7 +177,7 @@ UNACKED_PLACEMENTS = """
 SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'placed' AND a.placed_at <= $2"""
 UNACKED_PREEMPTIONS = """
-SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at
+SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at, a.preempt_end
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'draining' AND a.preempt_ordered_at <= $2"""
 
 # --- audit --------------------------------------------------------------------------------------

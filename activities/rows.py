@@ -26,6 +26,7 @@ from scheduler.models import (
 from workflows.types import (
     Admission,
     AttemptView,
+    EndReason,
     GpuGrant,
     HostGrant,
     JobRequest,
@@ -138,7 +139,8 @@ def preempt_order(row: Row, now: float) -> PreemptOrder:
     return PreemptOrder(
         job_id=row["job_id"],
         signal=PreemptSignal(allocation_id=row["id"], grace_period=max(0.0, row["draining_until"] - now),
-                             reason=row["preempt_reason"] or "preempted"),
+                             reason=row["preempt_reason"] or "preempted",
+                             end_reason=EndReason(row["preempt_end"] or EndReason.preempted.value)),
     )
 
 

@@ -286,14 +286,16 @@ class Store:
             await conn.executemany(q.INSERT_HOLD, [(alloc, m, i) for m, i in p.gpus])
             await conn.execute(q.MARK_JOB_PLACED, p.job_id, now)
             events.append((p.job_id, "placed", p.reason, json.dumps({"allocation_id": alloc, "gpus": paths})))
-        orders = [(v.job_id, v.grace_period, v.reason, v.for_job) for v in result.preemptions]
-        orders += [(r.job_id, snapshot.config.grace_period if r.graceful else 0.0, r.reason, None)
-                   for r in result.requeues]
-        for job_id, grace, reason, for_job in orders:
+        # A preemption makes room for another job; a requeue leaves GPUs that can no longer be
+        # used (a sick GPU: with grace to checkpoint; a machine gone: none), and is no preemption.
+        orders = [(v.job_id, v.grace_period, v.reason, v.for_job, EndReason.preempted) for v in result.preemptions]
+        orders += [(r.job_id, snapshot.config.grace_period if r.graceful else 0.0, r.reason, None,
+                    EndReason.machine_failure) for r in result.requeues]
+        for job_id, grace, reason, for_job, end in orders:
             alloc = await conn.fetchval(q.LIVE_ALLOCATIONS_OF_JOB, job_id)
             if alloc is None:
                 continue
-            await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job)
+            await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job, end.value)
             events.append((job_id, "preempt_ordered", reason,
                            json.dumps({"allocation_id": alloc, "for_job": for_job})))
         pend = result.pending

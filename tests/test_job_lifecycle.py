@@ -230,3 +230,36 @@ def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_r
         "JobWorkflow", bad, id=prefix + job_workflow_id("direct"), task_queue=prefix + "gpusched-control"))
     outcome = s.run(asyncio.wait_for(handle.result(), 30))
     assert outcome["state"] == "failed" and "refused" in outcome["reason"]
+
+
+def test_a_job_whose_agent_dies_is_requeued_when_its_heartbeat_lapses_and_runs_elsewhere(stack):
+    s = stack(machines=2, gpus=4)
+    s.run(s.client.store.configure_cluster("c1", machine_timeout=3))
+    s.submit("survivor", 4, sleeper(4))
+    s.until(lambda: s.status("survivor").state == "running")
+    first_machine = s.status("survivor").attempts[0].gpus[0].rsplit("/", 1)[0]
+    devstack.stop_component(s.data_dir, machine_component(first_machine), signal.SIGKILL)
+    view = s.wait("survivor", timeout=90)
+    assert view.state == "succeeded"
+    assert [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
+    assert view.attempts[1].gpus[0].rsplit("/", 1)[0] != first_machine
+
+
+def test_the_workflows_histories_replay_deterministically(stack):
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.worker import Replayer
+
+    from workflows.cluster import ClusterSchedulerWorkflow
+    from workflows.job import JobWorkflow
+
+    s = stack(machines=1)
+    s.submit("replayed", 2, sleeper(0.2))
+    s.submit("cancelled", 4, sleeper(30))
+    assert s.wait("replayed").state == "succeeded"
+    s.run(s.client.cancel("cancelled"))
+    s.wait("cancelled")
+    prefix = s.up.settings.task_queue_prefix
+    replayer = Replayer(workflows=[JobWorkflow, ClusterSchedulerWorkflow], data_converter=pydantic_data_converter)
+    for workflow_id in (job_workflow_id("replayed"), job_workflow_id("cancelled"), scheduler_workflow_id("c1")):
+        history = s.run(s.client.temporal.get_workflow_handle(prefix + workflow_id).fetch_history())
+        s.run(replayer.replay_workflow(history))

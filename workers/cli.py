@@ -17,6 +17,7 @@ from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
 from scheduler.sim.report import write_comparison, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
+from workers.cli_dev import add_dev_commands
 from workers.cli_jobs import add_job_commands
 from workers.cli_trace import add_trace_commands
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace_commands(commands)
     add_job_commands(commands)
+    add_dev_commands(commands)
     return parser
 
 

@@ -95,6 +95,11 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     return Settings(**values)
 
 
+def env_overrides() -> dict[str, str]:
+    """The settings that ``GPUSCHED_*`` variables set in this process's environment."""
+    return {field: os.environ[var] for field, var in _ENV.items() if os.environ.get(var)}
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment variables that hand these settings to a child process."""
     env = {}

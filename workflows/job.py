@@ -217,7 +217,7 @@ class JobWorkflow:
             return await self._ended(runs)
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
         preempt = self.preempts.get(alloc)
-        if preempt is not None and self.cancel_reason is None:
+        if preempt is not None and preempt.end_reason is EndReason.preempted and self.cancel_reason is None:
             self.state = JobState.checkpointing
             self._publish()
             await workflow.execute_activity(
@@ -225,6 +225,8 @@ class JobWorkflow:
         await self._stop(runs)
         if self.cancel_reason is not None:
             return EndReason.cancelled, None, JobState.cancelled, self.cancel_reason
+        if preempt.end_reason is not EndReason.preempted:
+            return preempt.end_reason, None, JobState.queued, f"requeued: {preempt.reason}"
         self.state = JobState.preempted
         self._publish()
         return EndReason.preempted, None, JobState.queued, f"preempted: {preempt.reason}"

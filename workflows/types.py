@@ -109,9 +109,13 @@ class PlacementSignal(Model):
 
 
 class PreemptSignal(Model):
+    """Stop this attempt and queue the job again: to make room for another job (``preempted``),
+    or because its GPUs can no longer be used (``machine_failure``: not counted as a preemption)."""
+
     allocation_id: int  # only this allocation is stopped; a stale signal for an older one is ignored
     grace_period: float
     reason: str
+    end_reason: EndReason = EndReason.preempted
 
 
 class PriorityBump(Model):

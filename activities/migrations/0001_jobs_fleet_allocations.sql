@@ -83,6 +83,7 @@ CREATE TABLE allocations (
     draining_until   double precision,               -- preempted: the end of its grace period
     preempt_ordered_at double precision,
     preempt_reason   text,
+    preempt_end      text,                           -- how the attempt will be recorded: preempted, machine_failure
     preempted_for    text,
     end_reason       text,
     exit_code        integer,

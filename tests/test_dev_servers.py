@@ -1,0 +1,204 @@
+"""The embedded servers of the dev stack and the live tests: real Postgres, Temporal and SeaweedFS
+processes on 127.0.0.1, their restarts on the same data, and stopping by recorded pid only.
+``live_servers`` comes from tests/conftest.py (defined in tests/live/servers.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import asyncpg
+import pytest
+from botocore.exceptions import ClientError
+
+from workers import devstack
+from workers import servers as srv
+from workers.cli_dev import add_dev_commands
+
+
+def fetch(dsn: str, sql: str, *args):
+    """Rows of a query, or the status of statements (several at once when there are no args)."""
+    async def go():
+        conn = await asyncpg.connect(dsn)
+        try:
+            return await (conn.fetch(sql, *args) if args or sql.lstrip().upper().startswith("SELECT")
+                          else conn.execute(sql))
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+# --- Postgres ---------------------------------------------------------------------------------
+
+def test_postgres_accepts_connections_and_can_create_the_btree_gist_extension(live_servers):
+    dsn = live_servers.new_database("btree_gist")
+    assert dsn.startswith("postgresql://postgres@127.0.0.1:")
+    fetch(dsn, "CREATE EXTENSION IF NOT EXISTS btree_gist")
+    assert fetch(dsn, "SELECT extname FROM pg_extension WHERE extname = 'btree_gist'")
+
+
+def test_a_new_database_made_from_a_template_has_the_template_tables(live_servers):
+    template_dsn = live_servers.new_database("template")
+    fetch(template_dsn, "CREATE TABLE marker (v int); INSERT INTO marker VALUES (7)")
+    template = template_dsn.rsplit("/", 1)[1]
+    copy = live_servers.new_database("copy", template=template)
+    assert copy != template_dsn
+    assert [r["v"] for r in fetch(copy, "SELECT v FROM marker")] == [7]
+
+
+def test_postgres_restarts_on_its_data_directory_keeping_data_also_after_being_killed(tmp_path):
+    pg = srv.start_postgres(tmp_path / "pg", fast=True, log_path=tmp_path / "pg.log")
+    try:
+        fetch(pg.dsn, "CREATE TABLE kept (v text); INSERT INTO kept VALUES ('before')")
+        assert pg.stop() and not pg.running()
+        initialised = (tmp_path / "pg" / "PG_VERSION").stat().st_mtime_ns
+
+        pg = srv.start_postgres(tmp_path / "pg", port=pg.port, fast=True, log_path=tmp_path / "pg.log")
+        assert (tmp_path / "pg" / "PG_VERSION").stat().st_mtime_ns == initialised  # no new initdb
+        fetch(pg.dsn, "INSERT INTO kept VALUES ('after restart')")
+
+        # A crash leaves postmaster.pid behind; the next start must not be refused for it.
+        assert srv.stop(pg.pid, pg.cmd, signal.SIGKILL)
+        pg = srv.start_postgres(tmp_path / "pg", fast=True, log_path=tmp_path / "pg.log")
+        assert sorted(r["v"] for r in fetch(pg.dsn, "SELECT v FROM kept")) == ["after restart", "before"]
+    finally:
+        pg.stop()
+
+
+# --- Temporal ---------------------------------------------------------------------------------
+
+def list_search_attributes(address: str) -> dict[str, int]:
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+    from temporalio.client import Client
+
+    async def go():
+        client = await Client.connect(address)
+        listed = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace="default"))
+        return dict(listed.custom_attributes), await srv.register_search_attributes(client)
+
+    return asyncio.run(go())
+
+
+def test_temporal_serves_with_gpusched_search_attributes_registered(live_servers):
+    from temporalio.api.enums.v1 import IndexedValueType
+
+    attributes, added = list_search_attributes(live_servers.temporal_address)
+    for name, kind in srv.SEARCH_ATTRIBUTES.items():
+        assert attributes[name] == IndexedValueType.Value(f"INDEXED_VALUE_TYPE_{kind.upper()}")
+    assert added == []  # registering again is a no-op
+
+
+def test_temporal_restarts_on_its_database_file_with_the_attributes_still_there(tmp_path):
+    temporal = srv.start_temporal(tmp_path / "temporal", ui=False)
+    try:
+        assert temporal.stop()
+        temporal = srv.start_temporal(tmp_path / "temporal", port=temporal.port, ui=False)
+        attributes, added = list_search_attributes(temporal.address)
+        assert set(srv.SEARCH_ATTRIBUTES) <= set(attributes) and added == []
+    finally:
+        temporal.stop()
+
+
+# --- SeaweedFS S3 -----------------------------------------------------------------------------
+
+def test_s3_has_the_bucket_and_refuses_a_conditional_write_to_an_existing_key(live_servers):
+    s3 = live_servers.s3_client()
+    s3.head_bucket(Bucket=live_servers.s3_bucket)
+    key = f"tests/{time.time_ns()}/seq-1"
+    s3.put_object(Bucket=live_servers.s3_bucket, Key=key, Body=b"first", IfNoneMatch="*")
+    with pytest.raises(ClientError) as refused:
+        s3.put_object(Bucket=live_servers.s3_bucket, Key=key, Body=b"second", IfNoneMatch="*")
+    assert refused.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert s3.get_object(Bucket=live_servers.s3_bucket, Key=key)["Body"].read() == b"first"
+
+
+def test_s3_credentials_are_made_once_per_data_directory(tmp_path):
+    first = srv.s3_credentials(tmp_path)
+    assert srv.s3_credentials(tmp_path) == first
+    assert srv.s3_credentials(tmp_path / "other") != first
+    assert (tmp_path / "credentials.json").stat().st_mode & 0o077 == 0
+
+
+# --- processes and ports ----------------------------------------------------------------------
+
+def sleeper(tmp_path, name: str, ignore_term: bool = False) -> tuple[subprocess.Popen, list[str]]:
+    code = "import signal, sys, time\n"
+    if ignore_term:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += f"print('up and', 'running', flush=True)\ntime.sleep(60)  # {name}\n"
+    cmd = [sys.executable, "-c", code]
+    log = tmp_path / f"{name}.log"
+    proc = srv.spawn(cmd, log)
+    deadline = time.monotonic() + 10  # (the log's first line is the command itself)
+    while "up and running" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc, cmd
+
+
+def test_stop_signals_only_the_recorded_process_and_only_while_it_runs_the_recorded_command(tmp_path):
+    a, cmd_a = sleeper(tmp_path, "a")
+    b, cmd_b = sleeper(tmp_path, "b")
+    try:
+        # a pid whose command line is not the recorded one (a recycled pid) is left alone
+        assert not srv.stop(a.pid, cmd_b)
+        assert srv.is_running(a.pid, cmd_a)
+        assert srv.stop(a.pid, cmd_a, grace=5)
+        assert not srv.pid_alive(a.pid)
+        assert srv.is_running(b.pid, cmd_b)
+        assert not srv.stop(a.pid, cmd_a)  # already stopped: nothing to do
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
+
+
+def test_stop_kills_a_process_that_ignores_sigterm_after_the_grace_period(tmp_path):
+    proc, cmd = sleeper(tmp_path, "stubborn", ignore_term=True)
+    began = time.monotonic()
+    assert srv.stop(proc.pid, cmd, grace=0.5)
+    assert not srv.pid_alive(proc.pid)
+    assert 0.5 <= time.monotonic() - began < 5
+
+
+def test_free_port_pairs_have_their_grpc_port_free_too_and_are_never_handed_out_twice():
+    pairs = [srv.free_port_pair() for _ in range(5)]
+    assert len(set(pairs)) == 5
+    assert all(srv.port_is_free(p) and srv.port_is_free(p + srv.GRPC_OFFSET) for p in pairs)
+    singles = [srv.free_port() for _ in range(5)]
+    assert len(set(singles) | set(pairs)) == 10
+
+
+# --- the dev stack, without workers -----------------------------------------------------------
+
+def test_the_dev_fleet_names_machines_by_racks_of_16():
+    fleet = devstack.fleet_machines("c2", 18, 4, "A100")
+    assert [m.id for m in fleet][:2] == ["c2/b0/r0/m0", "c2/b0/r0/m1"]
+    assert fleet[16].id == "c2/b0/r1/m0" and fleet[16].rack == "r1"
+    assert {(m.cluster, m.block, m.gpus, m.gpu_type) for m in fleet} == {("c2", "b0", 4, "A100")}
+
+
+def test_dev_status_and_down_of_a_folder_without_a_stack_do_nothing(tmp_path):
+    assert devstack.status(tmp_path / "none") == []
+    assert devstack.down(tmp_path / "none") == []
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "file").write_text("keep me")
+    with pytest.raises(devstack.StackError, match="not a gpusched stack"):
+        devstack.down(tmp_path / "precious", purge=True)
+    assert (tmp_path / "precious" / "file").exists()
+
+
+@pytest.mark.parametrize("argv", [["dev", "up", "--machines", "-1"], ["dev", "up", "--gpus-per-machine", "0"],
+                                  ["dev", "up", "--timeout", "x"], ["dev"]])
+def test_dev_commands_refuse_bad_arguments_with_exit_code_2(argv, capsys):
+    parser = argparse.ArgumentParser(prog="gpusched")
+    add_dev_commands(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""`gpusched dev …`: the whole stack on this machine, for trying gpusched and for tests.
+
+    gpusched dev up [--machines N] [--gpus-per-machine G] [--data-dir DIR] [--cluster C]
+                    [--gpu-type T] [--timeout S]
+    gpusched dev status [--json] [--data-dir DIR]
+    gpusched dev down [--purge] [--data-dir DIR]
+
+Exit codes: 0 done (for `status`: every component healthy), 1 a component failed or is
+unhealthy, 2 bad input. The stack itself lives in ``workers.devstack``; it is imported only when
+a `dev` command runs, so the other commands do not load Temporal, asyncpg or boto3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_dev_commands(subparsers) -> None:
+    """Add ``dev up``, ``dev status`` and ``dev down`` to a top-level argparse subparsers object."""
+    dev = subparsers.add_parser(
+        "dev", help="run the whole stack on this machine: Postgres, Temporal, S3 and the workers"
+    )
+    commands = dev.add_subparsers(dest="dev_command", required=True, metavar="{up,status,down}")
+    data_dir_help = "the stack's folder (default $GPUSCHED_DATA_DIR or ~/.gpusched)"
+
+    up = commands.add_parser("up", help="start what is not running and wait until all is healthy")
+    up.add_argument("--machines", type=_count, default=None,
+                    help="machines, one agent each (default: as before, else 2)")
+    up.add_argument("--gpus-per-machine", type=_positive_int, default=None,
+                    help="GPUs per machine (default: as before, else 8)")
+    up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")
+    up.add_argument("--gpu-type", default=None, help="GPU type (default: as before, else H100)")
+    up.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
+    up.add_argument("--timeout", type=_positive_float, default=90.0,
+                    help="seconds to wait for every component to be healthy (default 90)")
+    up.set_defaults(func=run_up)
+
+    status = commands.add_parser("status", help="show each component: pid, port, health")
+    status.add_argument("--json", action="store_true", help="print the statuses as JSON")
+    status.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
+    status.set_defaults(func=run_status)
+
+    down = commands.add_parser("down", help="stop the workers, then the servers; data is kept")
+    down.add_argument("--purge", action="store_true", help="also delete the data directory")
+    down.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
+    down.set_defaults(func=run_down)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from workers import devstack
+
+    try:
+        devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
+                    cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
+                    timeout=args.timeout, out=sys.stdout)
+    except devstack.StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        print("the components that did start keep running: see `gpusched dev status`, "
+              "stop them with `gpusched dev down`", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {_os_error(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from workers import devstack
+
+    try:
+        statuses = devstack.status(args.data_dir)
+    except devstack.StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(devstack.status_json(statuses))
+    elif not statuses:
+        print(f"no stack in {devstack.resolve_data_dir(args.data_dir)} (start one with `gpusched dev up`)")
+    else:
+        print(f"{'component':<28} {'pid':>8} {'port':>6}  {'health':<9} machine")
+        for s in statuses:
+            down = s.pid is None and s.kind != "external"
+            health = "healthy" if s.healthy else ("down" if down else "unhealthy")
+            pid = "external" if s.kind == "external" else (s.pid or "-")
+            print(f"{s.name:<28} {pid!s:>8} {s.port or '-'!s:>6}  {health:<9} {s.machine_id or ''}")
+    return 0 if statuses and all(s.healthy for s in statuses) else 1
+
+
+def run_down(args: argparse.Namespace) -> int:
+    from workers import devstack
+
+    try:
+        stopped = devstack.down(args.data_dir, purge=args.purge)
+    except devstack.StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {_os_error(e)}", file=sys.stderr)
+        return 1
+    where = devstack.resolve_data_dir(args.data_dir)
+    print(f"stopped {len(stopped)} component(s)" + (f": {', '.join(stopped)}" if stopped else ""))
+    print(f"deleted {where}" if args.purge else f"data kept in {where}; `gpusched dev up` resumes on it")
+    return 0
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def _count(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value

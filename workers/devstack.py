@@ -1,0 +1,534 @@
+"""The embedded dev stack behind ``gpusched dev up|status|down``: every gpusched process on one
+machine, in one data directory.
+
+``DATA_DIR/stack.json`` records the connection settings (what ``load_settings`` reads, so every
+gpusched command finds the stack) and each component's pid, ports and command line; logs go to
+``DATA_DIR/logs/<component>.log``. Servers (Postgres, Temporal, SeaweedFS S3) are started only
+where the settings do not point at external ones; workers are the control worker, the HTTP API
+and one agent per machine. Every operation is idempotent and acts on recorded pids only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field
+
+from scheduler.models import Machine
+from workers import servers
+from workers.settings import (
+    STACK_FILE,
+    Settings,
+    default_data_dir,
+    env_overrides,
+    machine_component,
+    ready_path,
+    settings_env,
+)
+
+SERVERS = ("postgres", "temporal", "s3")
+# The setting that, given from outside, means "use that server, do not start ours".
+SERVER_SETTING = {"postgres": "pg_dsn", "temporal": "temporal_address", "s3": "s3_endpoint"}
+# Ports `gpusched dev up` takes when free, so the stack is where people expect it.
+STANDARD_PORTS = {"postgres": {"port": 5432}, "temporal": {"port": 7233, "ui": 8233},
+                  "s3": {"s3": 8333, "master": 9333, "volume": 9340, "filer": 8888},
+                  "api": {"port": 8080}}
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+class StackError(Exception):
+    """The stack could not be brought to the asked state; the message says which component and
+    ends with the tail of its log."""
+
+
+class Component(BaseModel):
+    kind: Literal["server", "worker"]
+    pid: int | None = None
+    port: int | None = None
+    ports: dict[str, int] = Field(default_factory=dict)
+    machine_id: str | None = None
+    cmd: list[str] = Field(default_factory=list)
+    log: str = ""
+    stop_signal: int = signal.SIGTERM
+    stop_grace: float = 10.0
+
+    def running(self) -> bool:
+        return servers.is_running(self.pid, self.cmd)
+
+
+class StackState(BaseModel):
+    settings: dict = Field(default_factory=dict)
+    components: dict[str, Component] = Field(default_factory=dict)
+    cluster: str = "c1"
+    machines: list[Machine] = Field(default_factory=list)
+    gpus_per_machine: int = 8
+    gpu_type: str = "H100"
+    external: list[str] = Field(default_factory=list)  # servers we use but did not start
+    temporal_ui_url: str | None = None
+    fast: bool = False  # Postgres without fsync (tests)
+    worker_args: dict[str, list[str]] = Field(default_factory=dict)  # extra argv by role
+
+
+class ComponentStatus(BaseModel):
+    name: str
+    kind: Literal["server", "worker", "external"]
+    pid: int | None
+    port: int | None
+    healthy: bool
+    machine_id: str | None = None
+
+
+class UpResult(BaseModel):
+    data_dir: str
+    settings: Settings
+    temporal_ui_url: str | None
+    components: list[ComponentStatus]
+
+
+def fleet_machines(cluster: str, count: int, gpus: int, gpu_type: str) -> list[Machine]:
+    """The dev fleet: one block, racks of 16 machines."""
+    return [Machine(id=f"{cluster}/b0/r{i // 16}/m{i % 16}", cluster=cluster, block="b0",
+                    rack=f"r{i // 16}", gpus=gpus, gpu_type=gpu_type) for i in range(count)]
+
+
+# --- state ---------------------------------------------------------------------------------
+
+def resolve_data_dir(data_dir: Path | str | None) -> Path:
+    return Path(data_dir or default_data_dir()).expanduser().absolute()
+
+
+def load_state(data_dir: Path | str | None = None) -> StackState | None:
+    path = resolve_data_dir(data_dir) / STACK_FILE
+    if not path.exists():
+        return None
+    try:
+        return StackState.model_validate_json(path.read_text())
+    except ValueError as e:
+        raise StackError(f"{path} is not a gpusched stack file: {e}") from None
+
+
+def _save(data_dir: Path, state: StackState) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / (STACK_FILE + ".tmp")
+    tmp.write_text(state.model_dump_json(indent=2))
+    tmp.replace(data_dir / STACK_FILE)
+
+
+@contextmanager
+def _locked(data_dir: Path) -> Iterator[None]:
+    """One stack operation at a time per data directory (two `up`s would start everything twice)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "stack.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _log(data_dir: Path, name: str) -> Path:
+    return data_dir / "logs" / f"{name}.log"
+
+
+# --- up -------------------------------------------------------------------------------------
+
+def up(data_dir: Path | str | None = None, *, machines: int | None = None,
+       gpus_per_machine: int | None = None, cluster: str | None = None,
+       gpu_type: str | None = None, settings: dict[str, object] | None = None,
+       agent_args: list[str] | None = None, control_args: list[str] | None = None,
+       api_args: list[str] | None = None, fast: bool | None = None, ui: bool = True,
+       standard_ports: bool = False, workers: bool = True, timeout: float = 60.0,
+       out: IO[str] | None = None) -> UpResult:
+    """Start whatever of the stack is not running, wait until all of it is healthy, and say where
+    it is. ``settings`` (Settings fields) and ``GPUSCHED_*`` variables naming a Postgres DSN,
+    Temporal address or S3 endpoint make the stack use that server instead of starting one;
+    tests use this to share servers and give each test its own database and
+    ``task_queue_prefix``. Arguments left None keep what the stack had (or the defaults)."""
+    data_dir = resolve_data_dir(data_dir)
+    with _locked(data_dir):
+        state = load_state(data_dir) or StackState()
+        state.cluster = cluster or state.cluster
+        state.gpus_per_machine = gpus_per_machine or state.gpus_per_machine
+        state.gpu_type = gpu_type or state.gpu_type
+        state.fast = state.fast if fast is None else fast
+        count = machines if machines is not None else (len(state.machines) or 2)
+        state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
+        for role, extra in (("agent", agent_args), ("control", control_args), ("api", api_args)):
+            if extra is not None:
+                state.worker_args[role] = list(extra)
+
+        explicit = {**env_overrides(), **{k: v for k, v in (settings or {}).items() if v is not None}}
+        _start_servers(data_dir, state, explicit, ui=ui, standard_ports=standard_ports, timeout=timeout)
+        state.settings = {**state.settings, **explicit}
+        settings_now = Settings(**state.settings)
+        _save(data_dir, state)
+        _prepare_database(settings_now, state)
+        if workers:
+            _start_workers(data_dir, state, standard_ports=standard_ports, timeout=timeout)
+        result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
+                          temporal_ui_url=state.temporal_ui_url, components=_statuses(data_dir, state))
+    if out is not None:
+        _print_summary(result, out)
+    return result
+
+
+def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: bool,
+                   standard_ports: bool, timeout: float, only: tuple[str, ...] = SERVERS) -> None:
+    todo = []
+    for name in only:
+        field = SERVER_SETTING[name]
+        ours = state.components.get(name)
+        if field in explicit:
+            # A value equal to what our own server had is ours (e.g. the shell exported the
+            # lines `dev up` printed), not an external server.
+            external = ours is None or state.settings.get(field) != explicit[field]
+        else:
+            external = name in state.external
+        if external:
+            state.external = sorted(set(state.external) | {name})
+            if ours is not None and not ours.running():
+                del state.components[name]
+            continue
+        state.external = [n for n in state.external if n != name]
+        if ours is None or not ours.running():
+            todo.append(name)
+
+    def start(name: str) -> servers.ServerProcess:
+        ours = state.components.get(name)
+        prefer = dict(ours.ports) if ours else (STANDARD_PORTS[name] if standard_ports else {})
+        if ours:
+            servers.wait_ports_free(prefer, paired=name == "s3")
+        log = _log(data_dir, name)
+        if name == "postgres":
+            return servers.start_postgres(data_dir / "postgres", port=prefer.get("port"),
+                                          fast=state.fast, log_path=log, timeout=timeout)
+        if name == "temporal":
+            return servers.start_temporal(data_dir / "temporal", port=prefer.get("port"),
+                                          ui_port=prefer.get("ui"), ui=ui, log_path=log, timeout=timeout)
+        bucket = str(explicit.get("s3_bucket") or state.settings.get("s3_bucket") or servers.BUCKET)
+        return servers.start_s3(data_dir / "s3", ports=prefer or None, bucket=bucket, log_path=log,
+                                timeout=timeout)
+
+    with ThreadPoolExecutor(max(1, len(todo))) as pool:  # together: ~2.5 s instead of ~4
+        futures = {name: pool.submit(start, name) for name in todo}
+    errors = []
+    for name, future in futures.items():
+        try:
+            server = future.result()
+        except servers.ServerError as e:
+            errors.append(str(e))
+            continue
+        state.components[name] = Component(
+            kind="server", pid=server.pid, port=server.port, ports=server.ports, cmd=server.cmd,
+            log=server.log_path, stop_signal=server.stop_signal, stop_grace=server.stop_grace)
+        if isinstance(server, servers.PostgresServer):
+            state.settings["pg_dsn"] = server.dsn
+        elif isinstance(server, servers.TemporalServer):
+            state.settings["temporal_address"] = server.address
+            state.temporal_ui_url = server.ui_url
+        elif isinstance(server, servers.S3Server):
+            state.settings.update(s3_endpoint=server.endpoint, s3_access_key=server.access_key,
+                                  s3_secret_key=server.secret_key, s3_bucket=server.bucket,
+                                  s3_region=server.region)
+    if "temporal" in state.external:
+        state.temporal_ui_url = None
+    if errors:
+        _save(data_dir, state)  # what did start stays recorded, so `down` can stop it
+        raise StackError("\n".join(errors))
+
+
+def _prepare_database(settings: Settings, state: StackState) -> None:
+    """Apply the migrations and register the fleet: both idempotent, so done on every `up`."""
+    from activities.store import Store
+
+    async def prepare() -> None:
+        store = await Store.connect(settings.pg_dsn)
+        try:
+            await store.migrate()
+            await store.register_fleet(state.cluster, state.machines)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(prepare())
+    except Exception as e:  # a boundary: the CLI prints one line, not a traceback
+        raise StackError(f"migrating and registering the fleet in {settings.pg_dsn} failed: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _worker_commands(data_dir: Path, state: StackState,
+                     api_port: int) -> dict[str, tuple[list[str], str | None]]:
+    """Each worker's argv and machine id, by component name."""
+    base = [sys.executable, "-m"]
+    d = str(data_dir)
+    cmds: dict[str, tuple[list[str], str | None]] = {
+        "control": (base + ["workers.control", "--data-dir", d] + state.worker_args.get("control", []), None),
+        "api": (base + ["workers.api", "--data-dir", d, "--port", str(api_port)]
+                + state.worker_args.get("api", []), None),
+    }
+    fake = ["--fake-devices"] if _nvml_gpu_count() == 0 else []
+    for m in state.machines:
+        cmds[machine_component(m.id)] = (
+            base + ["workers.agent", "--data-dir", d, "--machine-id", m.id, "--gpus", str(m.gpus),
+                    "--gpu-type", m.gpu_type] + fake + state.worker_args.get("agent", []),
+            m.id,
+        )
+    return cmds
+
+
+def _nvml_gpu_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, no GPU: the agents fake their devices
+        return 0
+
+
+def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, timeout: float) -> None:
+    api = state.components.get("api")
+    if api is not None and api.running():
+        api_port = api.port
+    else:
+        prefer = (api.ports if api else None) or (STANDARD_PORTS["api"] if standard_ports else {})
+        api_port = servers.choose_ports(["port"], prefer)["port"]
+    state.settings["api_url"] = f"http://{servers.HOST}:{api_port}"
+    wanted = _worker_commands(data_dir, state, api_port)
+    # Agents of machines no longer in the fleet go.
+    for name, comp in list(state.components.items()):
+        if comp.kind == "worker" and name not in wanted:
+            _stop(data_dir, name, comp)
+            del state.components[name]
+    _save(data_dir, state)  # the workers read their settings from here
+    env = _worker_env(data_dir, Settings(**state.settings))
+    for name, (cmd, machine_id) in wanted.items():
+        comp = state.components.get(name)
+        if comp is not None and comp.running():
+            continue
+        ready_path(data_dir, name).unlink(missing_ok=True)
+        log = _log(data_dir, name)
+        proc = servers.spawn(cmd, log, env=env, cwd=PROJECT_ROOT)
+        state.components[name] = Component(
+            kind="worker", pid=proc.pid, port=api_port if name == "api" else None,
+            ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
+            cmd=[str(c) for c in cmd], log=str(log))
+    _save(data_dir, state)
+    # All of them, not only those just started: one that runs but hangs is reported too.
+    ours = [n for n, c in state.components.items() if c.kind == "server"]
+    _wait_healthy(data_dir, state, ours + list(wanted), timeout)
+
+
+def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:
+    # Variables of another stack in our own environment must not leak into this one's workers.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
+    env.update(settings_env(settings))
+    env["GPUSCHED_DATA_DIR"] = str(data_dir)
+    # Run this checkout's code, whatever the current directory or the installed copy.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _wait_healthy(data_dir: Path, state: StackState, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    failed: dict[str, str] = {}
+    while pending and time.monotonic() < deadline:
+        for name in sorted(pending):
+            comp = state.components[name]
+            if not comp.running():
+                failed[name] = "exited"
+                pending.discard(name)
+            elif _healthy(data_dir, name, comp):
+                pending.discard(name)
+        if pending:
+            time.sleep(0.1)
+    failed.update({name: f"not healthy after {timeout:.0f} s" for name in pending})
+    if failed:
+        raise StackError("\n".join(
+            f"{name} {why}; log {state.components[name].log}:\n{servers.log_tail(state.components[name].log)}"
+            for name, why in sorted(failed.items())))
+
+
+def _healthy(data_dir: Path, name: str, comp: Component) -> bool:
+    if not comp.running():
+        return False
+    if comp.kind == "server":
+        return _port_open(servers.HOST, comp.port)
+    try:
+        ready = ready_path(data_dir, name).read_text().strip() == str(comp.pid)
+    except OSError:
+        ready = False
+    if not ready or name != "api":
+        return ready
+    import httpx
+
+    try:
+        return httpx.get(f"http://{servers.HOST}:{comp.port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _port_open(host: str, port: int | None) -> bool:
+    if not port:
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _print_summary(result: UpResult, out: IO[str]) -> None:
+    s = result.settings
+    names = [c.name + (" (external)" if c.kind == "external" else "")
+             for c in result.components if not c.machine_id]
+    agents = sum(1 for c in result.components if c.machine_id)
+    print(f"gpusched dev stack is up in {result.data_dir}: {', '.join(names)}, {agents} agent(s)",
+          file=out)
+    if result.temporal_ui_url:
+        print(f"  Temporal UI: {result.temporal_ui_url}", file=out)
+    print(f"  HTTP API:    {s.api_url}", file=out)
+    print(f"  logs:        {Path(result.data_dir) / 'logs'}", file=out)
+    print("Connection settings (gpusched commands find them in the data directory too):", file=out)
+    env = {"GPUSCHED_DATA_DIR": result.data_dir, **settings_env(s)}
+    for var, value in env.items():
+        if value:
+            print(f"export {var}={shlex.quote(value)}", file=out)
+
+
+# --- status, down, single components --------------------------------------------------------
+
+def status(data_dir: Path | str | None = None) -> list[ComponentStatus]:
+    data_dir = resolve_data_dir(data_dir)
+    state = load_state(data_dir)
+    return [] if state is None else _statuses(data_dir, state)
+
+
+def _statuses(data_dir: Path, state: StackState) -> list[ComponentStatus]:
+    result = []
+    settings = Settings(**state.settings)
+    for name in state.external:
+        host, port = _address_of(name, settings)
+        result.append(ComponentStatus(name=name, kind="external", pid=None, port=port,
+                                      healthy=_port_open(host, port)))
+    for name, comp in sorted(state.components.items(), key=lambda kv: _order(kv[0], kv[1])):
+        result.append(ComponentStatus(
+            name=name, kind=comp.kind, pid=comp.pid if comp.running() else None, port=comp.port,
+            healthy=_healthy(data_dir, name, comp), machine_id=comp.machine_id))
+    return result
+
+
+def _order(name: str, comp: Component) -> tuple:
+    """Servers first (in start order), then control, api, agents."""
+    if comp.kind == "server":
+        return (0, SERVERS.index(name) if name in SERVERS else 9, name)
+    return (1, {"control": 0, "api": 1}.get(name, 2), name)
+
+
+def _address_of(name: str, settings: Settings) -> tuple[str, int | None]:
+    if name == "temporal":
+        host, _, port = settings.temporal_address.rpartition(":")
+        return host, int(port) if port.isdigit() else None
+    url = urlsplit(settings.pg_dsn if name == "postgres" else settings.s3_endpoint or "")
+    default = {"postgres": 5432, "s3": 443 if url.scheme == "https" else 80}[name]
+    return url.hostname or "", url.port or default
+
+
+def down(data_dir: Path | str | None = None, *, purge: bool = False) -> list[str]:
+    """Stop the workers (agents, then the API, then the control worker), then our servers, by
+    recorded pid; returns the names stopped. The data stays (a later `up` resumes on it) unless
+    ``purge``, which deletes the data directory."""
+    data_dir = resolve_data_dir(data_dir)
+    if not (data_dir / STACK_FILE).exists():
+        if purge and data_dir.exists() and any(p.name != "stack.lock" for p in data_dir.iterdir()):
+            raise StackError(f"{data_dir} has no {STACK_FILE}: not a gpusched stack, not deleting it")
+        if purge:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        return []
+    stopped = []
+    with _locked(data_dir):
+        state = load_state(data_dir)
+        names = sorted(state.components, key=lambda n: _order(n, state.components[n]))
+        agents = [n for n in names if state.components[n].machine_id]
+        groups = [agents, ["api"], ["control"], [n for n in names if state.components[n].kind == "server"]]
+        for group in groups:
+            group = [n for n in group if n in state.components]
+            with ThreadPoolExecutor(max(1, len(group))) as pool:
+                done = list(pool.map(lambda n: _stop(data_dir, n, state.components[n]), group))
+            stopped += [n for n, was in zip(group, done, strict=True) if was]
+        _save(data_dir, state)
+    if purge:
+        shutil.rmtree(data_dir)
+    return stopped
+
+
+def _stop(data_dir: Path, name: str, comp: Component, sig: int | None = None) -> bool:
+    sig = comp.stop_signal if sig is None else sig
+    was = servers.stop(comp.pid, comp.cmd, sig, comp.stop_grace)
+    if was and name == "s3" and comp.kind == "server":
+        servers.remove_weed_sockets(comp.ports)
+    comp.pid = comp.pid if comp.running() else None
+    ready_path(data_dir, name).unlink(missing_ok=True)
+    return was
+
+
+def stop_component(data_dir: Path | str | None, name: str, sig: int = signal.SIGTERM) -> bool:
+    """Stop one component (``sig`` SIGKILL: kill it at once, as a crash would); returns whether
+    it was running. Its record stays, so `start_component` or `up` brings it back."""
+    data_dir = resolve_data_dir(data_dir)
+    with _locked(data_dir):
+        state = _require(data_dir, name)
+        was = _stop(data_dir, name, state.components[name], sig)
+        _save(data_dir, state)
+    return was
+
+
+def start_component(data_dir: Path | str | None, name: str, timeout: float = 60.0) -> ComponentStatus:
+    """Start one recorded component again (a no-op if it runs) and wait until it is healthy."""
+    data_dir = resolve_data_dir(data_dir)
+    with _locked(data_dir):
+        state = _require(data_dir, name)
+        comp = state.components[name]
+        if comp.kind == "server":
+            _start_servers(data_dir, state, {}, ui=bool(state.temporal_ui_url), standard_ports=False,
+                           timeout=timeout, only=(name,))
+        elif not comp.running():
+            ready_path(data_dir, name).unlink(missing_ok=True)
+            proc = servers.spawn(comp.cmd, Path(comp.log),
+                                 env=_worker_env(data_dir, Settings(**state.settings)), cwd=PROJECT_ROOT)
+            comp.pid = proc.pid
+            _save(data_dir, state)
+            _wait_healthy(data_dir, state, [name], timeout)
+        _save(data_dir, state)
+        return next(s for s in _statuses(data_dir, state) if s.name == name)
+
+
+def _require(data_dir: Path, name: str) -> StackState:
+    state = load_state(data_dir)
+    if state is None:
+        raise StackError(f"no stack in {data_dir} (run `gpusched dev up` first)")
+    if name not in state.components:
+        known = ", ".join(sorted(state.components)) or "none"
+        raise StackError(f"no component '{name}' in the stack in {data_dir} (components: {known})")
+    return state
+
+
+def status_json(statuses: list[ComponentStatus]) -> str:
+    return json.dumps([s.model_dump() for s in statuses], indent=2)
