@@ -174,9 +174,9 @@ class JobWorkflow:
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)
             self.allocation_id = None
+            await self._wake(end.value)  # its GPUs are free for the next job
             if next_state.terminal:
                 return self.status()
-            await self._wake(end.value)
 
     async def _run_attempt(self, placement: PlacementSignal) -> tuple[EndReason, int | None, JobState, str]:
         alloc = placement.allocation_id
