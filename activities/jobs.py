@@ -7,9 +7,11 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
+from activities.checkpoints import checkpoint_uri, object_uri
 from activities.store import Store
 from workflows.types import (
     Admission,
+    AttemptGrant,
     EndAttempt,
     JobRequest,
     JobStateChange,
@@ -23,8 +25,9 @@ from workflows.types import (
 
 class JobActivities:
     def __init__(self, store: Store, client: Client, task_queue_prefix: str = "",
-                 loop: SchedulerInput | None = None):
+                 loop: SchedulerInput | None = None, bucket: str = "gpusched-checkpoints"):
         self.store = store
+        self.bucket = bucket
         self.client = client
         self.prefix = task_queue_prefix
         self.loop = loop or SchedulerInput(cluster="")
@@ -35,8 +38,21 @@ class JobActivities:
         return admission.model_copy(update={"task_queue_prefix": self.prefix})
 
     @activity.defn(name="start_attempt")
-    async def start_attempt(self, inp: StartAttempt) -> bool:
-        return await self.store.start_attempt(inp.job_id, inp.allocation_id)
+    async def start_attempt(self, inp: StartAttempt) -> AttemptGrant:
+        launch, resume = await self.store.start_attempt(inp.job_id, inp.allocation_id)
+        if not launch:
+            return AttemptGrant(launch=False)
+        request = await self.store.request_of(inp.job_id)
+        # Every job gets a place to checkpoint: one without an interval may still save on SIGTERM
+        # (the policy just cannot count on it).
+        return AttemptGrant(
+            launch=True,
+            checkpoint_uri=checkpoint_uri(self.bucket, inp.job_id),
+            resume_from=object_uri(self.bucket, resume["key"]) if resume else None,
+            resume_seq=resume["seq"] if resume else None,
+            checkpoint_interval=request.checkpoint_interval,
+            checkpoint_phase=await self.store.checkpoint_phase(inp.allocation_id),
+        )
 
     @activity.defn(name="end_attempt")
     async def end_attempt(self, inp: EndAttempt) -> None:

@@ -18,10 +18,21 @@ keys: a job has no business with them), plus ``RunJobInput.env``, plus these (wh
 | GPUSCHED_MACHINE_ID       | this machine, e.g. c1/b0/r0/m0                                 |
 | GPUSCHED_GPUS             | the granted GPUs' topology paths, space-separated              |
 | GPUSCHED_NUM_GPUS         | how many GPUs were granted here                                |
-| GPUSCHED_CHECKPOINT_URI   | where to write checkpoints; unset when the job has none        |
-| GPUSCHED_RESUME_FROM      | the checkpoint to resume from; unset on a fresh start          |
+| GPUSCHED_CHECKPOINT_URI   | where to write checkpoints (a prefix); unset when none         |
+| GPUSCHED_RESUME_FROM      | the complete checkpoint to resume from; unset on a fresh start |
+| GPUSCHED_RESUME_SEQ       | its sequence number                                            |
+| GPUSCHED_CHECKPOINT_INTERVAL, GPUSCHED_CHECKPOINT_PHASE | when to checkpoint (staggered)   |
+| GPUSCHED_REPORT_DIR       | where the job reports checkpoints it wrote (see below)         |
+| GPUSCHED_S3_*             | the checkpoint store's endpoint and credentials, when it has a checkpoint URI |
 | GPUSCHED_GRACE_PERIOD     | seconds between SIGTERM and SIGKILL when the job is stopped    |
 | GPUSCHED_LOG              | this attempt's log file                                        |
+
+Checkpoint reports: the job (through ``jobkit``) writes ``checkpoint-<seq>.json`` into its report
+directory after writing the bytes; the agent forwards each report to the control plane with the
+attempt's allocation id (the fencing token: the job cannot choose it) and writes the answer to
+``checkpoint-<seq>.ack.json``. Reports are forwarded while the job runs and once more after it
+exits, before the activity returns, so a checkpoint taken in the grace period is committed before
+the allocation ends.
 
 Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
 group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
@@ -40,6 +51,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
@@ -47,6 +59,10 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from workflows.types import RunJobInput, RunJobResult
 
 log = logging.getLogger("gpusched.node")
+
+# (job id, allocation id, report) → the control plane's answer {"committed": bool, "reason": str}
+ReportSink = Callable[[str, int, dict], Awaitable[dict]]
+REPORT_EVERY = 0.2  # seconds between looks into a running job's report directory
 
 TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
@@ -57,7 +73,8 @@ AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent sto
 
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
-            base: dict[str, str] | None = None) -> dict[str, str]:
+            base: dict[str, str] | None = None, checkpoint_env: dict[str, str] | None = None,
+            report_dir: Path | None = None) -> dict[str, str]:
     """The environment of the job's process (see the module's table)."""
     base = dict(os.environ if base is None else base)
     env = {k: v for k, v in base.items() if not k.startswith("GPUSCHED_")}
@@ -74,8 +91,17 @@ def job_env(req: RunJobInput, machine_id: str, log_path: Path,
         "GPUSCHED_GRACE_PERIOD": f"{req.grace_period:g}",
         "GPUSCHED_LOG": str(log_path),
     })
-    for var, value in (("GPUSCHED_CHECKPOINT_URI", req.checkpoint_uri),
-                       ("GPUSCHED_RESUME_FROM", req.resume_from)):
+    if req.checkpoint_uri:
+        env.update(checkpoint_env or {})
+    optional = {
+        "GPUSCHED_CHECKPOINT_URI": req.checkpoint_uri,
+        "GPUSCHED_RESUME_FROM": req.resume_from,
+        "GPUSCHED_RESUME_SEQ": None if req.resume_seq is None else str(req.resume_seq),
+        "GPUSCHED_CHECKPOINT_INTERVAL": f"{req.checkpoint_interval:g}" if req.checkpoint_interval else None,
+        "GPUSCHED_CHECKPOINT_PHASE": None if req.checkpoint_phase is None else f"{req.checkpoint_phase:g}",
+        "GPUSCHED_REPORT_DIR": str(report_dir) if report_dir is not None else None,
+    }
+    for var, value in optional.items():
         if value:
             env[var] = value
         else:
@@ -105,8 +131,13 @@ class NodeActivities:
     """The node activities of one machine (``run_job``) and the state of its live processes."""
 
     def __init__(self, machine_id: str, log_dir: Path, heartbeat_every: float = 1.0,
-                 shutdown_grace: float | None = None, remember_finished: int = 1024):
+                 shutdown_grace: float | None = None, remember_finished: int = 1024,
+                 report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None):
         self.machine_id = machine_id
+        # Where checkpoint reports go (the control plane), and what a job needs to write to the
+        # checkpoint store (endpoint and credentials), given to jobs that checkpoint.
+        self.report_sink = report_sink
+        self.checkpoint_env = checkpoint_env or {}
         self.log_dir = Path(log_dir)
         self.heartbeat_every = heartbeat_every
         # The most a job's grace may be when the agent shuts down: the worker's own graceful
@@ -234,6 +265,10 @@ class NodeActivities:
                     await asyncio.sleep(_POLL)
                 _signal_group(pgid, signal.SIGKILL)
                 reaped.append(alloc)
+            if info.get("report_dir") and info.get("job_id"):
+                # What the orphan reported while nobody listened: the control plane decides (a
+                # revoked allocation's checkpoints are refused: a zombie writer).
+                await self.forward_reports(info["job_id"], alloc, Path(info["report_dir"]))
             pid_file.unlink(missing_ok=True)
         return reaped
 
@@ -242,6 +277,47 @@ class NodeActivities:
     def _log_path(self, req: RunJobInput) -> Path:
         safe_job = req.job_id.replace("/", "_").lstrip(".") or "job"
         return self.log_dir / safe_job / f"attempt-{req.attempt}.log"
+
+    def _report_dir(self, req: RunJobInput) -> Path:
+        return self._log_path(req).parent / f"reports-{req.attempt}"
+
+    # -- checkpoint reports -----------------------------------------------------------------
+
+    async def forward_reports(self, job_id: str, allocation_id: int, report_dir: Path) -> int:
+        """Forward each report not answered yet; returns how many were answered."""
+        if self.report_sink is None or not report_dir.is_dir():
+            return 0
+        answered = 0
+        for report_file in sorted(report_dir.glob("checkpoint-*.json")):
+            if report_file.name.endswith(".ack.json"):
+                continue
+            ack_file = report_file.with_name(report_file.name[:-len(".json")] + ".ack.json")
+            if ack_file.exists():
+                continue
+            try:
+                report = json.loads(report_file.read_text())
+            except (OSError, ValueError) as err:
+                log.warning("allocation %d: unreadable report %s: %s", allocation_id, report_file, err)
+                continue
+            try:
+                answer = await self.report_sink(job_id, allocation_id, report)
+            except Exception as err:  # the control plane is unreachable: try again next time
+                log.warning("allocation %d: cannot forward %s: %s", allocation_id, report_file.name, err)
+                continue
+            tmp = ack_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(answer))
+            tmp.replace(ack_file)
+            answered += 1
+            log.info("allocation %d: checkpoint %s %s%s", allocation_id, report.get("seq"),
+                     "committed" if answer.get("committed") else "refused",
+                     "" if answer.get("committed") else f": {answer.get('reason')}")
+        return answered
+
+    async def _forward_while_running(self, run: _Run) -> None:
+        report_dir = self._report_dir(run.req)
+        while True:
+            await self.forward_reports(run.req.job_id, run.req.allocation_id, report_dir)
+            await asyncio.sleep(REPORT_EVERY)
 
     async def _execute(self, run: _Run) -> RunJobResult:
         alloc = run.req.allocation_id
@@ -257,7 +333,11 @@ class NodeActivities:
             self._write_pid_file(run)
             if run.stop_deadline is not None:  # a stop came while it was starting
                 self._request_stop(run, run.stop_deadline - asyncio.get_running_loop().time())
-            returncode = await run.process.wait()
+            forwarder = asyncio.create_task(self._forward_while_running(run))
+            try:
+                returncode = await run.process.wait()
+            finally:
+                forwarder.cancel()
             if run.stopper is not None:
                 await run.stopper  # the rest of the group gets its grace too
             elif _group_alive(run.process.pid):
@@ -265,6 +345,9 @@ class NodeActivities:
                          run.req.allocation_id)
                 _signal_group(run.process.pid, signal.SIGKILL)
                 await _group_gone(run.process.pid)
+            # Checkpoints written up to the exit (a stop's included) are committed before the
+            # activity returns, and so before the workflow ends the allocation.
+            await self.forward_reports(run.req.job_id, alloc, self._report_dir(run.req))
             result = RunJobResult(
                 exit_code=returncode if returncode >= 0 else None,
                 signal=-returncode if returncode < 0 else None,
@@ -292,6 +375,7 @@ class NodeActivities:
         if not req.command:
             raise ValueError("the job has an empty command")
         run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._report_dir(req).mkdir(exist_ok=True)
         with open(run.log_path, "ab") as out:
             devices = ",".join(str(g.index) for g in req.gpus)
             out.write(
@@ -304,7 +388,9 @@ class NodeActivities:
             # The child gets its own copy of the log's descriptor; ours closes right after.
             process = await asyncio.create_subprocess_exec(
                 *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=job_env(req, self.machine_id, run.log_path), start_new_session=True)
+                env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
+                            report_dir=self._report_dir(req)),
+                start_new_session=True)
         log.info("allocation %d: started job %s attempt %d as pid %d on GPUs [%s]",
                  req.allocation_id, req.job_id, req.attempt, process.pid, devices)
         return process
@@ -352,7 +438,7 @@ class NodeActivities:
             self.pid_dir.mkdir(parents=True, exist_ok=True)
             (self.pid_dir / f"{run.req.allocation_id}.json").write_text(json.dumps({
                 "pid": run.pid, "allocation_id": run.req.allocation_id, "job_id": run.req.job_id,
-                "start_ticks": _start_ticks(run.pid)}))
+                "report_dir": str(self._report_dir(run.req)), "start_ticks": _start_ticks(run.pid)}))
         except OSError as err:
             log.warning("cannot write pid file: %s", err)
 

@@ -83,7 +83,7 @@ SELECT * FROM jobs
 WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
 ORDER BY submit_time, id LIMIT $3"""
 JOB_ATTEMPTS = """
-SELECT id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state
+SELECT id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
 FROM allocations WHERE job_id = $1 ORDER BY attempt"""
 SET_PRIORITY = f"""
 UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),
@@ -138,7 +138,7 @@ WHERE m.cluster = $1
 GROUP BY m.id ORDER BY m.id"""
 SNAPSHOT_RUNNING = """
 SELECT a.id AS allocation_id, a.job_id, a.gpus, a.placed_at, a.started_at, a.progress_at_start,
-       a.checkpoint_phase, a.draining_until, a.preempted_for, a.state,
+       a.checkpoint_phase, a.draining_until, a.preempted_for, a.state, a.last_checkpoint_at,
        j.request, j.submit_time, j.preemptions, j.priority
 FROM allocations a JOIN jobs j ON j.id = a.job_id
 WHERE a.cluster = $1 AND a.state <> 'ended'
@@ -179,6 +179,39 @@ FROM allocations a WHERE a.cluster = $1 AND a.state = 'placed' AND a.placed_at <
 UNACKED_PREEMPTIONS = """
 SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at, a.preempt_end
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'draining' AND a.preempt_ordered_at <= $2"""
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+# The fence: the reporting allocation must be the job's current one, and running (or draining:
+# a preempted job checkpoints in its grace period).
+ALLOCATION_FOR_FENCE = "SELECT * FROM allocations WHERE id = $1 FOR UPDATE"
+INSERT_CHECKPOINT = f"""
+INSERT INTO checkpoints (job_id, seq, allocation_id, key, size, sha256, progress, work_seconds,
+                         complete, reason, written_at, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {NOW_EPOCH})
+ON CONFLICT (job_id, seq) DO NOTHING"""
+CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
+RECORD_PROGRESS = f"""
+UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""
+RECORD_CHECKPOINT_TIME = f"UPDATE allocations SET last_checkpoint_at = {NOW_EPOCH} WHERE id = $1"
+# Superseded: every complete checkpoint but the two newest, and incomplete ones older than the
+# newest complete (abandoned or refused writes). Their bytes can go.
+SUPERSEDED_CHECKPOINTS = """
+WITH keep AS (
+    SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
+    ORDER BY seq DESC LIMIT 2)
+SELECT seq, key FROM checkpoints
+WHERE job_id = $1 AND deleted_at IS NULL AND seq NOT IN (SELECT seq FROM keep)
+  AND seq < (SELECT coalesce(min(seq), 0) FROM keep)
+  AND (SELECT count(*) FROM keep) = 2
+ORDER BY seq"""
+MARK_CHECKPOINT_DELETED = f"""
+UPDATE checkpoints SET deleted_at = {NOW_EPOCH} WHERE job_id = $1 AND seq = $2"""
+LATEST_COMPLETE_CHECKPOINT = """
+SELECT seq, key, work_seconds FROM checkpoints
+WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq DESC LIMIT 1"""
+JOB_CHECKPOINTS = "SELECT * FROM checkpoints WHERE job_id = $1 ORDER BY seq"
+SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"
 
 # --- audit --------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from scheduler.models import (
 from workflows.types import (
     Admission,
     AttemptView,
+    CheckpointView,
     EndReason,
     GpuGrant,
     HostGrant,
@@ -103,6 +104,7 @@ def snapshot(*, cluster: str, now: float, lock: Row, machines: Iterable[Row], ru
                 checkpoint_phase=r["checkpoint_phase"],
                 draining_until=r["draining_until"],
                 preempted_for=r["preempted_for"],
+                last_checkpoint_at=r["last_checkpoint_at"],
             )
             for r in running
         ),
@@ -166,10 +168,18 @@ def attempt_view(row: Row) -> AttemptView:
         started_at=iso(row["started_at"]),
         ended_at=iso(row["ended_at"]),
         end_reason=row["end_reason"],
+        resumed_from=row["resumed_from"],
     )
 
 
-def job_view(job: Row, attempts: Iterable[Row]) -> JobView:
+def checkpoint_view(row: Row) -> CheckpointView:
+    return CheckpointView(seq=row["seq"], complete=row["complete"], size=row["size"],
+                          created_at=iso(row["created_at"]), key=row["key"], progress=row["progress"],
+                          allocation_id=row["allocation_id"], reason=row["reason"],
+                          deleted=row["deleted_at"] is not None)
+
+
+def job_view(job: Row, attempts: Iterable[Row], checkpoints: Iterable[Row] = ()) -> JobView:
     request = JobRequest.model_validate(json_value(job["request"]))
     return JobView(
         job_id=job["id"],
@@ -185,6 +195,7 @@ def job_view(job: Row, attempts: Iterable[Row]) -> JobView:
         position=job["position"],
         estimated_start=iso(job["estimated_start"]),
         attempts=[attempt_view(a) for a in attempts],
+        checkpoints=[checkpoint_view(c) for c in checkpoints],
     )
 
 

@@ -19,6 +19,9 @@ from scheduler.models import CycleResult, Machine, PolicyConfig, Quota, Snapshot
 from workflows.types import (
     Admission,
     AttemptView,
+    CheckpointAck,
+    CheckpointReport,
+    CheckpointView,
     CycleOutcome,
     EndReason,
     JobRequest,
@@ -167,7 +170,8 @@ class Store:
             job = await conn.fetchrow(q.JOB, job_id)
             if job is None:
                 return None
-            return rows.job_view(job, await conn.fetch(q.JOB_ATTEMPTS, job_id))
+            return rows.job_view(job, await conn.fetch(q.JOB_ATTEMPTS, job_id),
+                                 await conn.fetch(q.JOB_CHECKPOINTS, job_id))
 
     async def list_jobs(self, team: str | None = None, state: str | None = None,
                         limit: int = 1000) -> list[JobView]:
@@ -193,19 +197,86 @@ class Store:
 
     # --- attempts ---------------------------------------------------------------------------
 
-    async def start_attempt(self, job_id: str, allocation_id: int) -> bool:
-        """The job acknowledges a placement and is about to launch it. False: the allocation is
-        not this job's live placement (a duplicate or stale signal), so nothing is launched."""
+    async def start_attempt(self, job_id: str, allocation_id: int) -> tuple[bool, dict | None]:
+        """The job acknowledges a placement and is about to launch it: (launch, the newest
+        complete checkpoint to resume from or None). Launch is False when the allocation is not
+        this job's live placement (a duplicate or stale signal): nothing is launched."""
         async with self.pool.acquire() as conn, conn.transaction():
             if await conn.execute(q.START_ATTEMPT, allocation_id, job_id) != "UPDATE 1":
                 row = await conn.fetchrow(q.ALLOCATION, allocation_id)
-                # Acknowledged before (the activity ran twice): still the job's to run.
-                return row is not None and row["job_id"] == job_id and row["state"] == "running"
+                # Acknowledged before (the activity ran twice): still the job's to run, from the
+                # checkpoint chosen the first time.
+                if row is None or row["job_id"] != job_id or row["state"] != "running":
+                    return False, None
+                if row["resumed_from"] is None:
+                    return True, None
+                return True, dict(await conn.fetchrow(q.CHECKPOINT, job_id, row["resumed_from"]))
             attempt = (await conn.fetchrow(q.ALLOCATION, allocation_id))["attempt"]
+            latest = await conn.fetchrow(q.LATEST_COMPLETE_CHECKPOINT, job_id)
+            if latest is not None:
+                await conn.execute(q.SET_RESUMED_FROM, allocation_id, latest["seq"], latest["work_seconds"] or 0.0)
             await conn.execute(q.MARK_JOB_RUNNING, job_id, attempt)
-            await conn.execute(q.AUDIT, None, job_id, "started", f"attempt {attempt} launched",
-                               json.dumps({"allocation_id": allocation_id}))
-            return True
+            how = f"from checkpoint {latest['seq']}" if latest is not None else "from the start"
+            await conn.execute(q.AUDIT, None, job_id, "started", f"attempt {attempt} launched {how}",
+                               json.dumps({"allocation_id": allocation_id,
+                                           "resumed_from": latest["seq"] if latest else None}))
+            return True, dict(latest) if latest is not None else None
+
+    async def request_of(self, job_id: str) -> JobRequest | None:
+        row = await self.pool.fetchrow(q.JOB, job_id)
+        return None if row is None else JobRequest.model_validate(rows.json_value(row["request"]))
+
+    async def checkpoint_phase(self, allocation_id: int) -> float | None:
+        row = await self.pool.fetchrow(q.ALLOCATION, allocation_id)
+        return None if row is None else row["checkpoint_phase"]
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    async def commit_checkpoint(self, job_id: str, allocation_id: int, report: CheckpointReport,
+                                refusal: str | None) -> tuple[CheckpointAck, list[tuple[int, str]]]:
+        """Record a reported checkpoint: complete only if its bytes checked out (``refusal`` is
+        None) and ``allocation_id`` is the job's current allocation, running or draining (the
+        fence against zombie writers). Returns the answer and the superseded checkpoints whose
+        bytes may now be deleted."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            alloc = await conn.fetchrow(q.ALLOCATION_FOR_FENCE, allocation_id)
+            if refusal is None and (alloc is None or alloc["job_id"] != job_id):
+                refusal = f"allocation {allocation_id} is not job {job_id}'s"
+            elif refusal is None and alloc["state"] not in ("running", "draining"):
+                refusal = (f"allocation {allocation_id} is no longer the job's current one "
+                           f"({alloc['state']}): a zombie writer's checkpoint is never committed")
+            work = None
+            if refusal is None:
+                now = await conn.fetchval(q.NOW)
+                work = alloc["progress_at_start"] + max(0.0, now - (alloc["started_at"] or now))
+            done = await conn.execute(q.INSERT_CHECKPOINT, job_id, report.seq, allocation_id, report.key,
+                                      report.size, report.sha256, report.progress, work, refusal is None,
+                                      refusal, report.written_at)
+            if done != "INSERT 0 1":
+                existing = await conn.fetchrow(q.CHECKPOINT, job_id, report.seq)
+                same = existing["allocation_id"] == allocation_id and existing["sha256"] == report.sha256
+                if same:  # the same report again (the agent retried): the same answer
+                    return CheckpointAck(committed=existing["complete"], reason=existing["reason"] or "committed"), []
+                refusal = f"checkpoint {report.seq} of job {job_id} was already reported by another writer"
+                await conn.execute(q.AUDIT, None, job_id, "checkpoint_refused", refusal,
+                                   json.dumps({"seq": report.seq, "allocation_id": allocation_id}))
+                return CheckpointAck(committed=False, reason=refusal), []
+            if refusal is not None:
+                await conn.execute(q.AUDIT, None, job_id, "checkpoint_refused", refusal,
+                                   json.dumps({"seq": report.seq, "allocation_id": allocation_id}))
+                return CheckpointAck(committed=False, reason=refusal), []
+            await conn.execute(q.RECORD_PROGRESS, job_id, work)
+            await conn.execute(q.RECORD_CHECKPOINT_TIME, allocation_id)
+            await conn.execute(q.AUDIT, None, job_id, "checkpoint_committed", f"checkpoint {report.seq}",
+                               json.dumps({"seq": report.seq, "size": report.size, "allocation_id": allocation_id}))
+            superseded = [(r["seq"], r["key"]) for r in await conn.fetch(q.SUPERSEDED_CHECKPOINTS, job_id)]
+            return CheckpointAck(committed=True, reason="committed"), superseded
+
+    async def mark_checkpoint_deleted(self, job_id: str, seq: int) -> None:
+        await self.pool.execute(q.MARK_CHECKPOINT_DELETED, job_id, seq)
+
+    async def checkpoints(self, job_id: str) -> list[CheckpointView]:
+        return [rows.checkpoint_view(r) for r in await self.pool.fetch(q.JOB_CHECKPOINTS, job_id)]
 
     async def end_attempt(self, job_id: str, allocation_id: int | None, end: EndReason,
                           exit_code: int | None, next_state: JobState, reason: str) -> None:

@@ -84,6 +84,7 @@ def test_the_job_sees_its_gpus_and_its_identity(tmp_path, monkeypatch):
         "GPUSCHED_RESUME_FROM": "s3://ckpt/train-1/00007",
         "GPUSCHED_GRACE_PERIOD": "30",
         "GPUSCHED_LOG": log_path,
+        "GPUSCHED_REPORT_DIR": str(tmp_path / "jobs" / "train-1" / "reports-3"),
         "MY_FLAG": "1",
     }
     assert result.log_path == log_path

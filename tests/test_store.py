@@ -51,8 +51,8 @@ def store_env(live_servers):
 def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []
-    versions = run(store.pool.fetch("SELECT version FROM schema_migrations"))
-    assert [r["version"] for r in versions] == [1]
+    versions = run(store.pool.fetch("SELECT version FROM schema_migrations ORDER BY version"))
+    assert [r["version"] for r in versions] == [1, 2]
 
 
 @pytest.mark.parametrize("request_, field, words", [
@@ -123,9 +123,9 @@ def test_an_attempt_is_acknowledged_once_and_its_end_frees_the_gpus_for_the_next
     placed = run(store.plan_cycle("c1", 1, run_cycle)).placements
     assert sorted(p.job_id for p in placed) == ["a", "b"]
     alloc = next(p.signal.allocation_id for p in placed if p.job_id == "a")
-    assert run(store.start_attempt("a", alloc)) is True
-    assert run(store.start_attempt("a", alloc)) is True  # the same acknowledgement again
-    assert run(store.start_attempt("b", alloc)) is False  # not b's allocation
+    assert run(store.start_attempt("a", alloc)) == (True, None)
+    assert run(store.start_attempt("a", alloc)) == (True, None)  # the same acknowledgement again
+    assert run(store.start_attempt("b", alloc)) == (False, None)  # not b's allocation
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     view = run(store.job_view("a"))

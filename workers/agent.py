@@ -69,6 +69,27 @@ def heartbeat_payload(pid: int, inventory: list[GpuInfo], health: list[GpuHealth
     return {"pid": pid, "gpus": gpus, "running_allocations": sorted(running_allocations)}
 
 
+def checkpoint_env(settings: Settings) -> dict[str, str]:
+    """What a job needs to write its checkpoints: the store's endpoint and credentials (and
+    nothing else of the agent's settings)."""
+    values = {"GPUSCHED_S3_ENDPOINT": settings.s3_endpoint, "GPUSCHED_S3_ACCESS_KEY": settings.s3_access_key,
+              "GPUSCHED_S3_SECRET_KEY": settings.s3_secret_key, "GPUSCHED_S3_REGION": settings.s3_region}
+    return {k: v for k, v in values.items() if v}
+
+
+async def forward_checkpoint(http: httpx.AsyncClient, api_url: str, job_id: str, allocation_id: int,
+                             report: dict) -> dict:
+    """Hand a job's checkpoint report to the control plane with the attempt's allocation id.
+    Connection errors raise (the report is tried again); a refusal is an answer."""
+    response = await http.post(f"{api_url.rstrip('/')}/jobs/{job_id}/checkpoints",
+                               json={"allocation_id": allocation_id, "report": report})
+    if response.status_code >= 500:
+        response.raise_for_status()
+    if not response.is_success:
+        return {"committed": False, "reason": f"HTTP {response.status_code}: {response.text[:300]}"}
+    return response.json()
+
+
 def heartbeat_url(api_url: str, machine_id: str) -> str:
     # The machine id's slashes stay path segments: the API routes /machines/{id:path}/heartbeat.
     return f"{api_url.rstrip('/')}/machines/{machine_id.strip('/')}/heartbeat"
@@ -234,8 +255,12 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("no GPUs: %s", err)
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
+    reports = httpx.AsyncClient(timeout=30.0)
     node = NodeActivities(args.machine_id, data_dir / "jobs" / machine_component(args.machine_id),
-                          shutdown_grace=args.grace_period)
+                          shutdown_grace=args.grace_period,
+                          report_sink=lambda job, alloc, report: forward_checkpoint(reports, settings.api_url,
+                                                                                    job, alloc, report),
+                          checkpoint_env=checkpoint_env(settings))
     agent = Agent(args.machine_id, settings, devices, node, args.heartbeat_interval,
                   args.orphan_grace)
     log.info("agent of %s: %d %s GPUs (%s), API %s, Temporal %s, queue %s", args.machine_id,

@@ -11,6 +11,8 @@
 | GET  /jobs?team=&state=                | jobs (JobView)                                    |
 | GET  /jobs/{job_id}                    | one job (JobView), 404 when unknown               |
 | GET  /quotas                           | team quotas                                       |
+| POST /jobs/{job_id}/checkpoints        | an agent forwards a job's checkpoint report with  |
+|                                        | its allocation id; answers committed or refused   |
 
 Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the URL.
 """
@@ -27,9 +29,10 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
+from activities.checkpoints import CheckpointCommitter, s3_client
 from activities.store import GpuReport, Store
 from workers.settings import Settings, load_settings, mark_ready
-from workflows.types import JobView
+from workflows.types import CheckpointAck, CheckpointReport, JobView
 
 
 class Heartbeat(BaseModel):
@@ -42,12 +45,19 @@ class HeartbeatReply(BaseModel):
     live_allocations: list[int]
 
 
+class CheckpointSubmission(BaseModel):
+    allocation_id: int  # the fencing token: the attempt the agent ran the job for
+    report: CheckpointReport
+
+
 def create_app(settings: Settings) -> FastAPI:
-    ctx: dict[str, Store] = {}
+    ctx: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx["store"] = await Store.connect(settings.pg_dsn)
+        s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+        ctx["checkpoints"] = CheckpointCommitter(ctx["store"], s3, settings.s3_bucket)
         yield
         await ctx["store"].close()
 
@@ -80,6 +90,12 @@ def create_app(settings: Settings) -> FastAPI:
         if view is None:
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
         return view
+
+    @app.post("/jobs/{job_id}/checkpoints")
+    async def checkpoint(job_id: str, submission: CheckpointSubmission) -> CheckpointAck:
+        if await ctx["store"].request_of(job_id) is None:
+            raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
+        return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
 
     @app.get("/quotas")
     async def quotas() -> dict:

@@ -22,7 +22,7 @@ def add_dev_commands(subparsers) -> None:
     dev = subparsers.add_parser(
         "dev", help="run the whole stack on this machine: Postgres, Temporal, S3 and the workers"
     )
-    commands = dev.add_subparsers(dest="dev_command", required=True, metavar="{up,status,down}")
+    commands = dev.add_subparsers(dest="dev_command", required=True, metavar="{up,status,down,fault}")
     data_dir_help = "the stack's folder (default $GPUSCHED_DATA_DIR or ~/.gpusched)"
 
     up = commands.add_parser("up", help="start what is not running and wait until all is healthy")
@@ -46,6 +46,21 @@ def add_dev_commands(subparsers) -> None:
     down.add_argument("--purge", action="store_true", help="also delete the data directory")
     down.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
     down.set_defaults(func=run_down)
+
+    fault = commands.add_parser("fault", help="inject a fault into a fake device (agents without NVML)")
+    what = fault.add_subparsers(dest="fault_target", required=True, metavar="{gpu}")
+    gpu = what.add_parser("gpu", help="make one GPU of a machine report a fault (or clear it)")
+    gpu.add_argument("machine", help="machine id, e.g. c1/b0/r0/m0")
+    gpu.add_argument("gpu", type=_count, help="GPU index on the machine")
+    kind = gpu.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--ecc", action="store_true", help="volatile uncorrectable ECC errors")
+    kind.add_argument("--thermal", action="store_true", help="thermal throttling")
+    kind.add_argument("--power", action="store_true", help="hardware power brake")
+    kind.add_argument("--xid", type=int, metavar="CODE", help="a critical XID event, e.g. 79")
+    kind.add_argument("--lost", action="store_true", help="the GPU fell off the bus")
+    kind.add_argument("--clear", action="store_true", help="clear this GPU's injected faults")
+    gpu.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
+    gpu.set_defaults(func=run_fault_gpu)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -138,3 +153,36 @@ def _positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
     return value
+
+
+def run_fault_gpu(args: argparse.Namespace) -> int:
+    """Write the fault into the machine's fault file, which its agent's fake devices read at every
+    health check: the next heartbeat reports the GPU unhealthy, the scheduler stops using it, and
+    a job running on it is moved (with its grace period to checkpoint)."""
+    from workers import devices, devstack
+    from workers.settings import machine_component
+
+    data_dir = devstack.resolve_data_dir(args.data_dir)
+    state = devstack.load_state(data_dir)
+    if state is None:
+        print(f"error: no stack in {data_dir}; start one with `gpusched dev up`", file=sys.stderr)
+        return 2
+    machine = next((m for m in state.machines if m.id == args.machine.strip("/")), None)
+    if machine is None:
+        known = ", ".join(m.id for m in state.machines)
+        print(f"error: machine: no machine '{args.machine}' in the stack (machines: {known})", file=sys.stderr)
+        return 2
+    if args.gpu >= machine.gpus:
+        print(f"error: gpu: {machine.id} has GPUs 0-{machine.gpus - 1}", file=sys.stderr)
+        return 2
+    fault_file = data_dir / "faults" / f"{machine_component(machine.id)}.json"
+    if args.clear:
+        devices.clear_faults(fault_file, args.gpu)
+        print(f"{machine.id}/{args.gpu}: faults cleared")
+        return 0
+    fault = (devices.ECC_UNCORRECTABLE if args.ecc else devices.THERMAL_THROTTLE if args.thermal
+             else devices.POWER_THROTTLE if args.power else devices.LOST if args.lost
+             else devices.xid_fault(args.xid))
+    devices.inject_fault(fault_file, args.gpu, fault)
+    print(f"{machine.id}/{args.gpu}: {fault} injected; its agent reports it with the next heartbeat")
+    return 0

@@ -163,8 +163,17 @@ def _print_view(view: JobView) -> None:
     if view.exit_code is not None:
         print(f"  exit code: {view.exit_code}")
     for a in view.attempts:
+        resumed = f", resumed from checkpoint {a.resumed_from}" if a.resumed_from is not None else ""
         print(f"  attempt {a.attempt}: {a.started_at or 'not started'} → {a.ended_at or '…'} "
-              f"{a.end_reason or ''} on {' '.join(a.gpus)}")
+              f"{a.end_reason or ''} on {' '.join(a.gpus)}{resumed}")
+    complete = [c for c in view.checkpoints if c.complete]
+    if view.checkpoints:
+        last = complete[-1] if complete else None
+        print(f"  checkpoints: {len(complete)} complete of {len(view.checkpoints)} reported"
+              + (f"; newest complete: {last.seq} ({last.size} bytes, {last.created_at})" if last else ""))
+    for c in view.checkpoints:
+        if not c.complete:
+            print(f"    checkpoint {c.seq} refused: {c.reason}")
 
 
 def cmd_status(args) -> int:

@@ -33,7 +33,7 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
     try:
         await store.migrate()
         client = await connect_temporal(settings)
-        jobs = JobActivities(store, client, settings.task_queue_prefix, loop)
+        jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket)
         planning = PlanningActivities(store)
         worker = Worker(
             client,

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from scheduler.models import Priority
     from workflows.types import (
         Admission,
+        AttemptGrant,
         EndAttempt,
         EndReason,
         JobOutcome,
@@ -159,18 +160,19 @@ class JobWorkflow:
                 return self.status()
             placement = self.placements.pop(0)
             self.seen_allocations.add(placement.allocation_id)
-            # 3. Acknowledge it.
-            if not await workflow.execute_activity(
+            # 3. Acknowledge it, and learn the newest complete checkpoint to resume from.
+            grant: AttemptGrant = await workflow.execute_activity(
                 "start_attempt", StartAttempt(job_id=self.job_id, allocation_id=placement.allocation_id),
-                result_type=bool, **STORE_CALL,
-            ):
+                result_type=AttemptGrant, **STORE_CALL,
+            )
+            if not grant.launch:
                 continue
             self.attempts = placement.attempt
             self.allocation_id = placement.allocation_id
             self.state = JobState.running
             self._publish()
             # 4. Run it.
-            end, exit_code, next_state, reason = await self._run_attempt(placement)
+            end, exit_code, next_state, reason = await self._run_attempt(placement, grant)
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)
             self.allocation_id = None
@@ -178,7 +180,8 @@ class JobWorkflow:
             if next_state.terminal:
                 return self.status()
 
-    async def _run_attempt(self, placement: PlacementSignal) -> tuple[EndReason, int | None, JobState, str]:
+    async def _run_attempt(self, placement: PlacementSignal,
+                           grant: AttemptGrant) -> tuple[EndReason, int | None, JobState, str]:
         alloc = placement.allocation_id
         hosts = placement.hosts
         runs = [
@@ -194,6 +197,11 @@ class JobWorkflow:
                          "GPUSCHED_NODE_RANK": str(rank), "GPUSCHED_NUM_NODES": str(len(hosts)),
                          "GPUSCHED_NODES": " ".join(h.machine_id for h in hosts)},
                     grace_period=placement.grace_period,
+                    checkpoint_uri=grant.checkpoint_uri,
+                    resume_from=grant.resume_from,
+                    resume_seq=grant.resume_seq,
+                    checkpoint_interval=grant.checkpoint_interval,
+                    checkpoint_phase=grant.checkpoint_phase,
                 ),
                 result_type=RunJobResult,
                 task_queue=self.prefix + agent_task_queue(host.machine_id),

@@ -133,8 +133,11 @@ class RunJobInput(Model):
     gpus: list[GpuGrant]
     env: dict[str, str] = Field(default_factory=dict)
     grace_period: float = 120.0
-    checkpoint_uri: str | None = None  # where this job writes checkpoints (issue 4)
-    resume_from: str | None = None  # the checkpoint to resume from, or None
+    checkpoint_uri: str | None = None  # where this job writes checkpoints (a prefix)
+    resume_from: str | None = None  # the complete checkpoint to resume from, or None
+    resume_seq: int | None = None  # its sequence number
+    checkpoint_interval: float | None = None  # seconds; None or 0: only when stopped
+    checkpoint_phase: float | None = None  # staggering: checkpoints at epoch times ≡ phase (mod interval)
 
 
 class RunJobResult(Model):
@@ -152,6 +155,48 @@ class AttemptView(Model):
     started_at: str | None  # ISO 8601
     ended_at: str | None
     end_reason: str | None
+    resumed_from: int | None = None  # the checkpoint sequence it started from; None: from scratch
+
+
+class CheckpointView(Model):
+    seq: int
+    complete: bool
+    size: int
+    created_at: str
+    key: str
+    progress: float | None = None
+    allocation_id: int
+    reason: str | None = None  # why it was refused
+    deleted: bool = False  # superseded: its bytes are gone
+
+
+class CheckpointReport(Model):
+    """What a job reports (through its agent) after writing checkpoint ``seq``; see jobkit."""
+
+    seq: int = Field(ge=1)
+    key: str = Field(min_length=1)  # the object's key in the checkpoint bucket
+    size: int = Field(ge=0)
+    sha256: str
+    md5: str | None = None
+    progress: float | None = None
+    written_at: float | None = None
+    uri: str | None = None
+
+
+class CheckpointAck(Model):
+    committed: bool
+    reason: str
+
+
+class AttemptGrant(Model):
+    """start_attempt's answer: whether to launch, and from which complete checkpoint."""
+
+    launch: bool
+    checkpoint_uri: str | None = None
+    resume_from: str | None = None  # URI of the newest complete checkpoint
+    resume_seq: int | None = None
+    checkpoint_interval: float | None = None
+    checkpoint_phase: float | None = None
 
 
 class JobView(Model):
@@ -170,6 +215,7 @@ class JobView(Model):
     position: int | None = None
     estimated_start: str | None = None
     attempts: list[AttemptView] = Field(default_factory=list)
+    checkpoints: list[CheckpointView] = Field(default_factory=list)
 
 
 class SchedulerInput(Model):
