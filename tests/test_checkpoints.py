@@ -1,0 +1,164 @@
+"""The checkpoint protocol on real Postgres and real S3: write-once keys, verification, the fence
+against zombie writers, resuming only from complete checkpoints, and deleting superseded ones."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+
+import botocore.exceptions
+import pytest
+
+from activities.checkpoints import CheckpointCommitter, checkpoint_prefix
+from activities.store import GpuReport, Store
+from scheduler.cycle import run_cycle
+from scheduler.models import Machine, Quota
+from workflows.types import CheckpointReport, EndReason, JobRequest, JobState
+
+pytestmark = pytest.mark.live
+_jobs = itertools.count()
+
+
+class Env:
+    """A migrated database with one 4-GPU machine, the real S3 bucket, and one job running."""
+
+    def __init__(self, live_servers):
+        self.loop = asyncio.new_event_loop()
+        self.s3 = live_servers.s3_client()
+        self.bucket = live_servers.s3_bucket
+        self.store = self.run(Store.connect(live_servers.migrated_database("ckpt")))
+        self.committer = CheckpointCommitter(self.store, self.s3, self.bucket)
+        self.job = f"ckpt-{next(_jobs)}"
+        machine = Machine(id="c1/b0/r0/m0", cluster="c1", block="b0", rack="r0", gpus=4, gpu_type="H100")
+        self.run(self.store.register_fleet("c1", [machine]))
+        self.run(self.store.machine_heartbeat(machine.id, 1, [GpuReport(index=i) for i in range(4)]))
+        self.run(self.store.set_quota("t", Quota(guaranteed=4)))
+        self.run(self.store.admit(JobRequest(job_id=self.job, team="t", num_gpus=4, command=["true"])))
+        self.cycle = 0
+        self.allocation = self.start()
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def start(self) -> int:
+        self.cycle += 1
+        alloc = self.run(self.store.plan_cycle("c1", self.cycle, run_cycle)).placements[0].signal.allocation_id
+        launch, self.resumed = self.run(self.store.start_attempt(self.job, alloc))
+        assert launch
+        return alloc
+
+    def requeue(self) -> None:
+        self.run(self.store.end_attempt(self.job, self.allocation, EndReason.preempted, None, JobState.queued, "test"))
+
+    def write(self, seq: int, data: bytes, sha256: str | None = None) -> CheckpointReport:
+        key = f"{checkpoint_prefix(self.job)}{seq:010d}"
+        digest = hashlib.sha256(data).hexdigest()
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
+                           Metadata={"sha256": sha256 or digest})
+        return CheckpointReport(seq=seq, key=key, size=len(data), sha256=digest,
+                                md5=hashlib.md5(data).hexdigest(), progress=float(seq))
+
+    def commit(self, report: CheckpointReport, allocation: int | None = None):
+        return self.run(self.committer.commit(self.job, allocation or self.allocation, report))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except botocore.exceptions.ClientError:
+            return False
+
+    def close(self):
+        self.run(self.store.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def env(live_servers):
+    e = Env(live_servers)
+    yield e
+    e.close()
+
+
+def test_a_verified_checkpoint_from_the_current_allocation_is_committed_and_resumed_from(env):
+    ack = env.commit(env.write(1, b"step=1"))
+    assert ack.committed
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 1
+    view = env.run(env.store.job_view(env.job))
+    assert view.attempts[1].resumed_from == 1 and view.attempts[0].resumed_from is None
+    assert [(c.seq, c.complete, c.size) for c in view.checkpoints] == [(1, True, 6)]
+
+
+@pytest.mark.parametrize("tamper, words", [
+    (lambda r: r.model_copy(update={"size": r.size + 1}), "size mismatch"),
+    (lambda r: r.model_copy(update={"md5": "0" * 32}), "MD5 mismatch"),
+    (lambda r: r.model_copy(update={"sha256": "0" * 64}), "SHA-256 mismatch"),
+    (lambda r: r.model_copy(update={"key": "checkpoints/someone-else/0000000001"}), "outside the job's"),
+    (lambda r: r.model_copy(update={"key": r.key + "-missing"}), "no object"),
+])
+def test_a_report_that_does_not_match_the_bytes_is_refused_and_never_resumed_from(env, tamper, words):
+    ack = env.commit(tamper(env.write(1, b"step=1")))
+    assert not ack.committed and words in ack.reason
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed is None
+
+
+def test_a_zombie_writers_checkpoint_is_refused_once_its_allocation_is_revoked(env):
+    zombie = env.allocation
+    env.requeue()  # the attempt ended (its machine was declared dead, say); its process lives on
+    env.allocation = env.start()
+    ack = env.commit(env.write(1, b"from the zombie"), allocation=zombie)
+    assert not ack.committed and "no longer the job's current one" in ack.reason
+    assert env.commit(env.write(2, b"from the live attempt")).committed
+    events = [e["event"] for e in env.run(env.store.audit_trail(env.job))]
+    assert "checkpoint_refused" in events and "checkpoint_committed" in events
+
+
+def test_a_checkpoint_written_but_never_committed_is_never_resumed_from(env):
+    assert env.commit(env.write(1, b"one")).committed
+    env.write(2, b"two, never reported")
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 1
+
+
+def test_a_second_writer_to_the_same_sequence_number_is_refused(env):
+    report = env.write(1, b"first writer")
+    with pytest.raises(botocore.exceptions.ClientError) as refused:
+        env.write(1, b"second writer")
+    assert refused.value.response["Error"]["Code"] in ("PreconditionFailed", "412")
+    assert env.s3.get_object(Bucket=env.bucket, Key=report.key)["Body"].read() == b"first writer"
+    assert env.commit(report).committed
+
+
+def test_the_same_report_twice_gets_the_same_answer(env):
+    report = env.write(1, b"once")
+    assert env.commit(report).committed
+    assert env.commit(report).committed
+    assert len(env.run(env.store.checkpoints(env.job))) == 1
+
+
+def test_older_checkpoints_are_deleted_once_two_newer_ones_are_complete(env):
+    reports = [env.write(seq, f"step={seq}".encode()) for seq in (1, 2, 3, 4)]
+    for report in reports[:2]:
+        assert env.commit(report).committed
+    assert all(env.exists(r.key) for r in reports[:2])
+    assert env.commit(reports[2]).committed
+    assert not env.exists(reports[0].key) and env.exists(reports[1].key)
+    assert env.commit(reports[3]).committed
+    assert [env.exists(r.key) for r in reports] == [False, False, True, True]
+    views = env.run(env.store.checkpoints(env.job))
+    assert [(c.seq, c.deleted) for c in views] == [(1, True), (2, True), (3, False), (4, False)]
+
+
+def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
+    env.run(asyncio.sleep(0.3))
+    assert env.commit(env.write(1, b"x")).committed
+    progress = env.run(env.store.pool.fetchval("SELECT progress FROM jobs WHERE id = $1", env.job))
+    assert progress >= 0.3
+    snapshot = env.run(env.store.snapshot("c1"))
+    assert snapshot.running[0].last_checkpoint_at is not None
