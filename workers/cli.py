@@ -19,6 +19,7 @@ from scheduler.sim.report import write_comparison, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
 from workers.cli_dev import add_dev_commands
 from workers.cli_jobs import add_job_commands
+from workers.example_job import add_example_job_command
 from workers.cli_trace import add_trace_commands
 
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_commands(commands)
     add_job_commands(commands)
     add_dev_commands(commands)
+    add_example_job_command(commands)
     return parser
 
 

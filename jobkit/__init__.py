@@ -1,0 +1,639 @@
+"""jobkit: checkpoints for job code run by gpusched (and anywhere else).
+
+A job that gpusched may stop (preemption, a sick GPU, a cancel) gets SIGTERM, then
+``GPUSCHED_GRACE_PERIOD`` seconds, then SIGKILL. With this module it saves its state when that
+happens, and on schedule, and resumes from its last *committed* checkpoint when started again::
+
+    import sys
+    from jobkit import Checkpointer, EXIT_STOPPED
+
+    ck = Checkpointer.from_env()          # reads GPUSCHED_* (all optional)
+    ck.handle_sigterm()                   # SIGTERM sets ck.stop_requested; nothing else
+    state = ck.restore()                  # bytes of the checkpoint to resume from, or None
+    step = 0 if state is None else decode(state)["step"]
+    while step < total:
+        step = train_one_step(step)
+        if ck.due() or ck.stop_requested:
+            result = ck.save(encode(step), progress=step)  # SaveResult, or None (no checkpoints)
+        if ck.stop_requested:
+            sys.exit(EXIT_STOPPED)        # 0: stopped after its checkpoint
+
+It needs only the standard library; boto3 is imported only for ``s3://`` checkpoints. Nothing else
+of gpusched is imported, so a job's environment may install just this package (or copy this file).
+Python 3.9+.
+
+Environment (set by the gpusched agent; all may be absent, and then the job runs locally)
+------------------------------------------------------------------------------------------
+======================================  ==========================================================
+``GPUSCHED_JOB_ID``                     the job; written into each object's metadata
+``GPUSCHED_ALLOCATION_ID``              the allocation (the commit's fencing token); metadata
+``GPUSCHED_ATTEMPT``                    1, 2, ...; metadata
+``GPUSCHED_GRACE_PERIOD``               seconds from SIGTERM to SIGKILL (unset: no deadline known)
+``GPUSCHED_CHECKPOINT_URI``             ``s3://<bucket>/checkpoints/<job_id>/`` (a prefix), or a
+                                        local ``file:///abs/dir/`` (or a plain absolute path).
+                                        Unset: checkpointing is off (``save`` returns None).
+``GPUSCHED_RESUME_FROM``                the full URI of the object to resume from, e.g.
+                                        ``s3://b/checkpoints/job-1/0000000003``; unset: fresh start
+``GPUSCHED_RESUME_SEQ``                 its sequence number (unset: parsed from the URI's last part)
+``GPUSCHED_CHECKPOINT_INTERVAL``        seconds between scheduled checkpoints; unset or 0: the job
+                                        checkpoints only when asked to stop (``due()`` is False)
+``GPUSCHED_CHECKPOINT_PHASE``           scheduled checkpoints fall at epoch times t with
+                                        t = phase (mod interval). Unset: the phase of the job's
+                                        start, i.e. at start + k * interval.
+``GPUSCHED_S3_ENDPOINT``, ``..._REGION`` the S3 endpoint (path-style addressing) and region
+``GPUSCHED_S3_ACCESS_KEY``, ``..._SECRET_KEY`` S3 credentials (unset: boto3's default chain)
+``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
+                                        reports, nothing is committed: a local run)
+======================================  ==========================================================
+
+Protocol (S3 has no rename: write-once keys, then a commit in the control plane's database)
+------------------------------------------------------------------------------------------
+1. Checkpoint N's bytes go to ``<prefix>/<N:010d>`` (``checkpoints/job-1/0000000004``) with one
+   single-part ``put_object(IfNoneMatch="*")``: a conditional write that never overwrites, so the
+   object's ETag is the MD5 of its bytes. Metadata: ``sha256``, ``allocation-id``, ``attempt``,
+   ``job-id``. A 412 PreconditionFailed (or 409 ConditionalRequestConflict) means the number is
+   taken (an earlier attempt's uncommitted write, or another writer): this writer is refused, logs
+   it, and takes the next free number (at most 20 tries; after the first refusal it lists the
+   prefix to jump past every taken number, when listing is allowed). A refusal of what is in fact
+   this writer's own earlier write (an HTTP retry after a lost response: same sha256, allocation
+   and attempt in the metadata) counts as written.
+   Local ``file://`` checkpoints do the same with ``os.link`` (atomic, never overwrites) and a
+   ``<N:010d>.meta.json`` file beside the object for the metadata.
+2. The first N is ``GPUSCHED_RESUME_SEQ + 1`` (1 on a fresh start); each save takes the next.
+3. Then it is reported: ``$GPUSCHED_REPORT_DIR/checkpoint-<N:010d>.json`` is written atomically
+   (``.json.tmp``, then ``os.replace``)::
+
+       {"seq": 4, "key": "checkpoints/job-1/0000000004", "uri": "s3://b/checkpoints/job-1/0000000004",
+        "size": 1234, "md5": "<hex>", "sha256": "<hex>", "progress": 17.0, "written_at": 1700000000.5}
+
+   (``key`` is the object key without the bucket; for ``file://`` it is the absolute path without
+   its leading ``/``; ``progress`` is what the job passed, or null.) The agent forwards it to the
+   control plane with its own allocation id (the fencing token) and answers with
+   ``checkpoint-<N:010d>.ack.json`` = ``{"committed": true|false, "reason": "..."}``. ``save()``
+   waits for the ack up to ``ack_timeout`` (30 s) and, once SIGTERM arrived, never past the grace
+   deadline less a small reserve for exiting (``min(1 s, grace / 10)``). No ack in time:
+   ``committed=None``. No report dir: ``save()`` returns at once with ``committed=None``.
+4. Only committed checkpoints are resumed from: the control plane picks ``GPUSCHED_RESUME_FROM``.
+   ``restore()`` downloads that object and checks its bytes against its ``sha256`` metadata (and
+   its size), raising :class:`CheckpointError` when they differ or the metadata is missing.
+
+Scheduling (``due()``): with interval I and phase P, scheduled times are the epoch times
+t = P (mod I). ``due()`` is True once a scheduled time has passed that is at least I/2 after the
+reference, the reference being when the last ``save()`` began (or, before any, when the
+Checkpointer was made). So saves follow the staggered grid, and a job does not save again moments
+after it started or after an unscheduled save. ``next_due()`` gives that time.
+
+A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1) shares one checkpoint prefix: let one
+process (node rank 0) save, or each save would take its own sequence number and be reported.
+
+Exit codes: this module calls no ``sys.exit``. The convention for gpusched jobs is ``EXIT_STOPPED``
+(0) after saving on SIGTERM; the agent treats any exit after SIGTERM as "stopped".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from urllib.parse import unquote, urlparse
+
+__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "EXIT_STOPPED", "seq_key"]
+
+log = logging.getLogger("jobkit")
+
+EXIT_STOPPED = 0
+"""Exit code of a job that saved its checkpoint after SIGTERM and stopped."""
+
+MAX_WRITE_TRIES = 20
+CHUNK = 8 * 1024 * 1024
+
+Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written, reported or restored; the message says why."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What ``save()`` did. ``committed``: True/False as the control plane answered, None when
+    nobody answered (no report dir, or no ack within the timeout); ``reason`` says which."""
+
+    seq: int
+    key: str
+    uri: str
+    size: int
+    md5: str
+    sha256: str
+    committed: Optional[bool]
+    reason: str
+    refused: Tuple[int, ...] = ()  # sequence numbers found taken before this one
+
+
+def seq_key(prefix: str, seq: int) -> str:
+    """The object key of checkpoint ``seq`` under ``prefix``: ``checkpoints/job-1/0000000004``."""
+    prefix = prefix.strip("/")
+    return f"{prefix}/{seq:010d}" if prefix else f"{seq:010d}"
+
+
+# --- storage ---------------------------------------------------------------------------------
+
+
+class _Digest:
+    def __init__(self) -> None:
+        self.size = 0
+        try:
+            self._md5 = hashlib.md5(usedforsecurity=False)
+        except TypeError:  # pragma: no cover - builds without the keyword
+            self._md5 = hashlib.md5()
+        self._sha = hashlib.sha256()
+
+    def update(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        self._md5.update(chunk)
+        self._sha.update(chunk)
+
+    @property
+    def md5(self) -> str:
+        return self._md5.hexdigest()
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _digest_of(source: Source) -> _Digest:
+    d = _Digest()
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        d.update(bytes(source))
+    else:
+        with open(source, "rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                d.update(chunk)
+    return d
+
+
+class _Location:
+    """A parsed checkpoint URI: scheme ``s3`` or ``file``, bucket (``""`` for files), key."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        if uri.startswith("/"):
+            uri = "file://" + uri
+        parsed = urlparse(uri)
+        self.scheme = parsed.scheme
+        if self.scheme == "s3":
+            if not parsed.netloc:
+                raise CheckpointError(f"checkpoint URI {self.uri!r} names no bucket (s3://<bucket>/<prefix>/)")
+            self.bucket = parsed.netloc
+            self.key = parsed.path.lstrip("/")
+        elif self.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise CheckpointError(f"checkpoint URI {self.uri!r}: file URIs are local (file:///abs/dir/)")
+            self.bucket = ""
+            self.key = unquote(parsed.path).lstrip("/")
+        else:
+            raise CheckpointError(f"checkpoint URI {self.uri!r}: only s3:// and file:// are supported")
+
+    def child(self, key: str) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{key}"
+        return "file:///" + key
+
+
+class _FileStore:
+    """Checkpoints in a local directory: ``os.link`` claims a name atomically, never overwriting."""
+
+    def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
+        path = Path("/" + key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(source, (bytes, bytearray, memoryview)):
+                    f.write(source)
+                else:
+                    with open(source, "rb") as src:
+                        shutil.copyfileobj(src, f, CHUNK)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            _write_json_atomic(path.with_name(path.name + ".meta.json"), metadata)
+            return True
+        finally:
+            os.unlink(tmp)
+
+    def head(self, bucket: str, key: str) -> Optional[Dict[str, str]]:
+        try:
+            return json.loads(Path("/" + key + ".meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def max_seq(self, bucket: str, prefix: str) -> Optional[int]:
+        try:
+            names = os.listdir("/" + prefix.strip("/"))
+        except OSError:
+            return None
+        seqs = [int(n) for n in names if re.fullmatch(r"\d{10}", n)]
+        return max(seqs) if seqs else None
+
+    def get(self, bucket: str, key: str, out: IO[bytes]) -> Tuple[_Digest, Optional[Dict[str, str]]]:
+        path = Path("/" + key)
+        d = _Digest()
+        try:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    d.update(chunk)
+                    out.write(chunk)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} does not exist") from None
+        return d, self.head(bucket, key)
+
+
+class _S3Store:
+    def __init__(self, endpoint: Optional[str], access_key: Optional[str], secret_key: Optional[str],
+                 region: Optional[str]):
+        import boto3
+        from botocore.config import Config
+
+        self._client = boto3.client(
+            "s3", endpoint_url=endpoint or None, aws_access_key_id=access_key or None,
+            aws_secret_access_key=secret_key or None, region_name=region or "us-east-1",
+            config=Config(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=120,
+                          retries={"max_attempts": 5, "mode": "standard"}),
+        )
+
+    @staticmethod
+    def _code(e: Exception) -> Tuple[str, int]:
+        response = getattr(e, "response", None) or {}
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return code, status
+
+    def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
+        import base64
+
+        from botocore.exceptions import ClientError
+
+        content_md5 = base64.b64encode(bytes.fromhex(digest.md5)).decode()
+        kwargs = dict(Bucket=bucket, Key=key, IfNoneMatch="*", Metadata=metadata, ContentMD5=content_md5,
+                      ContentLength=digest.size, ContentType="application/octet-stream")
+        try:
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                self._client.put_object(Body=bytes(source), **kwargs)
+            else:
+                with open(source, "rb") as f:
+                    self._client.put_object(Body=f, **kwargs)
+        except ClientError as e:
+            code, status = self._code(e)
+            if status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise CheckpointError(f"writing s3://{bucket}/{key} failed: {e}") from e
+        return True
+
+    def head(self, bucket: str, key: str) -> Optional[Dict[str, str]]:
+        from botocore.exceptions import ClientError
+
+        try:
+            return dict(self._client.head_object(Bucket=bucket, Key=key).get("Metadata") or {})
+        except ClientError:
+            return None
+
+    def max_seq(self, bucket: str, prefix: str) -> Optional[int]:
+        from botocore.exceptions import ClientError
+
+        prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        best = None
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    name = obj["Key"][len(prefix):]
+                    if re.fullmatch(r"\d{10}", name):
+                        best = max(best or 0, int(name))
+        except ClientError as e:
+            log.info("jobkit: cannot list s3://%s/%s (%s); trying numbers one by one", bucket, prefix, e)
+            return None
+        return best
+
+    def get(self, bucket: str, key: str, out: IO[bytes]) -> Tuple[_Digest, Optional[Dict[str, str]]]:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self._client.get_object(Bucket=bucket, Key=key)
+        except ClientError as e:
+            raise CheckpointError(f"reading s3://{bucket}/{key} failed: {e}") from e
+        d = _Digest()
+        body = response["Body"]
+        for chunk in iter(lambda: body.read(CHUNK), b""):
+            d.update(chunk)
+            out.write(chunk)
+        length = response.get("ContentLength")
+        if length is not None and int(length) != d.size:
+            raise CheckpointError(f"s3://{bucket}/{key}: read {d.size} bytes, the object has {length}")
+        return d, dict(response.get("Metadata") or {})
+
+
+def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- the checkpointer ------------------------------------------------------------------------
+
+
+def _float_env(env: Mapping[str, str], name: str) -> Optional[float]:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CheckpointError(f"{name}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise CheckpointError(f"{name}={raw!r} must be a finite number >= 0")
+    return value
+
+
+class Checkpointer:
+    """Saves and restores one job's checkpoints; see the module docstring for the protocol.
+
+    Attributes: ``stop_requested`` (set by SIGTERM once :meth:`handle_sigterm` ran, or by
+    :meth:`request_stop`), ``resume_seq`` (the sequence number resumed from, 0 on a fresh start),
+    ``next_seq`` (the number the next save tries first), ``last_save`` (the last SaveResult).
+    """
+
+    def __init__(
+        self,
+        checkpoint_uri: Optional[str] = None,
+        *,
+        resume_from: Optional[str] = None,
+        resume_seq: Optional[int] = None,
+        interval: Optional[float] = None,
+        phase: Optional[float] = None,
+        grace_period: Optional[float] = None,
+        report_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        job_id: str = "",
+        allocation_id: str = "",
+        attempt: str = "",
+        s3_endpoint: Optional[str] = None,
+        s3_access_key: Optional[str] = None,
+        s3_secret_key: Optional[str] = None,
+        s3_region: Optional[str] = None,
+        ack_timeout: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ):
+        self.checkpoint_uri = checkpoint_uri or None
+        self._location = _Location(self.checkpoint_uri) if self.checkpoint_uri else None
+        self.resume_from = resume_from or None
+        if self.resume_from is not None:
+            _Location(self.resume_from)  # fail early on a bad URI
+        if resume_seq is None and self.resume_from is not None:
+            last = self.resume_from.rstrip("/").rsplit("/", 1)[-1]
+            resume_seq = int(last) if last.isdigit() else 0
+        self.resume_seq = int(resume_seq or 0) if self.resume_from is not None else 0
+        self.next_seq = self.resume_seq + 1
+        self.interval = float(interval) if interval else 0.0
+        self.phase = None if phase is None else float(phase)
+        self.grace_period = grace_period
+        self.report_dir = Path(report_dir) if report_dir else None
+        self.job_id, self.allocation_id, self.attempt = str(job_id), str(allocation_id), str(attempt)
+        self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region)
+        self._stores: Dict[str, Any] = {}
+        self.ack_timeout = float(ack_timeout)
+        self._clock, self._monotonic = clock, monotonic
+        self.started_at = clock()
+        self._reference = self.started_at  # when the last save began (or the start)
+        self.stop_requested = False
+        self._stop_deadline: Optional[float] = None  # monotonic
+        self.last_save: Optional[SaveResult] = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Checkpointer":
+        """A Checkpointer configured from ``GPUSCHED_*`` (``environ`` defaults to ``os.environ``);
+        keyword arguments override what the environment says."""
+        env = os.environ if environ is None else environ
+        seq = (env.get("GPUSCHED_RESUME_SEQ") or "").strip()
+        if seq and not seq.isdigit():
+            raise CheckpointError(f"GPUSCHED_RESUME_SEQ={seq!r} is not a sequence number")
+        kwargs: Dict[str, Any] = dict(
+            checkpoint_uri=env.get("GPUSCHED_CHECKPOINT_URI") or None,
+            resume_from=env.get("GPUSCHED_RESUME_FROM") or None,
+            resume_seq=int(seq) if seq else None,
+            interval=_float_env(env, "GPUSCHED_CHECKPOINT_INTERVAL"),
+            phase=_float_env(env, "GPUSCHED_CHECKPOINT_PHASE"),
+            grace_period=_float_env(env, "GPUSCHED_GRACE_PERIOD"),
+            report_dir=env.get("GPUSCHED_REPORT_DIR") or None,
+            job_id=env.get("GPUSCHED_JOB_ID", ""),
+            allocation_id=env.get("GPUSCHED_ALLOCATION_ID", ""),
+            attempt=env.get("GPUSCHED_ATTEMPT", ""),
+            s3_endpoint=env.get("GPUSCHED_S3_ENDPOINT") or None,
+            s3_access_key=env.get("GPUSCHED_S3_ACCESS_KEY") or None,
+            s3_secret_key=env.get("GPUSCHED_S3_SECRET_KEY") or None,
+            s3_region=env.get("GPUSCHED_S3_REGION") or None,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints can be saved (a checkpoint URI is set)."""
+        return self._location is not None
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_from is not None
+
+    def _store(self, scheme: str):
+        if scheme not in self._stores:
+            self._stores[scheme] = _S3Store(*self._s3) if scheme == "s3" else _FileStore()
+        return self._stores[scheme]
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def handle_sigterm(self, signals: Tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        """Install a handler (main thread only) that calls :meth:`request_stop` on SIGTERM. It does
+        nothing else: the job saves and exits at its next safe point."""
+
+        def handler(signum, frame):  # noqa: ARG001
+            self.request_stop()
+
+        for sig in signals:
+            signal.signal(sig, handler)
+
+    def request_stop(self) -> None:
+        """Mark the job as asked to stop; the grace deadline starts now (the first call counts)."""
+        if not self.stop_requested:
+            if self.grace_period is not None:
+                self._stop_deadline = self._monotonic() + self.grace_period
+            self.stop_requested = True
+
+    def seconds_left(self) -> float:
+        """Seconds left of the grace period since SIGTERM (never below 0); ``math.inf`` before a
+        stop was requested, or when the grace period is unknown."""
+        if self._stop_deadline is None:
+            return math.inf
+        return max(0.0, self._stop_deadline - self._monotonic())
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def next_due(self) -> Optional[float]:
+        """The epoch time of the next scheduled checkpoint, or None (no interval, or no URI)."""
+        if not self.enabled or self.interval <= 0:
+            return None
+        interval = self.interval
+        phase = (self.started_at if self.phase is None else self.phase) % interval
+        earliest = self._reference + interval / 2
+        k = math.ceil((earliest - phase) / interval)
+        return phase + k * interval
+
+    def due(self) -> bool:
+        """Whether a scheduled checkpoint time has come (see the module docstring)."""
+        nxt = self.next_due()
+        return nxt is not None and self._clock() >= nxt
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, data: Source, progress: Optional[float] = None) -> Optional[SaveResult]:
+        """Write ``data`` (bytes, or the path of a file to upload) as the next checkpoint, report
+        it and wait for the ack. Returns None when checkpointing is off (no checkpoint URI).
+        Raises :class:`CheckpointError` when the bytes cannot be written."""
+        if self._location is None:
+            log.info("jobkit: checkpointing is off (GPUSCHED_CHECKPOINT_URI unset); nothing saved")
+            return None
+        with self._lock:
+            self._reference = self._clock()
+            location = self._location
+            store = self._store(location.scheme)
+            digest = _digest_of(data)
+            metadata = {"sha256": digest.sha256, "allocation-id": self.allocation_id,
+                        "attempt": self.attempt, "job-id": self.job_id}
+            seq, refused = self.next_seq, []
+            for _ in range(MAX_WRITE_TRIES):
+                key = seq_key(location.key, seq)
+                if store.put_new(location.bucket, key, data, digest, metadata):
+                    break
+                theirs = store.head(location.bucket, key)
+                if theirs is not None and all(theirs.get(k) == v for k, v in metadata.items()):
+                    log.info("jobkit: checkpoint %d was already written by this allocation", seq)
+                    break
+                refused.append(seq)
+                log.warning("jobkit: checkpoint number %d is taken (an earlier attempt's write or "
+                            "another writer); this writer is refused and tries the next", seq)
+                nxt = seq + 1
+                if len(refused) == 1:
+                    top = store.max_seq(location.bucket, location.key)
+                    if top is not None:
+                        nxt = max(nxt, top + 1)
+                seq = nxt
+            else:
+                raise CheckpointError(f"no free checkpoint number after {MAX_WRITE_TRIES} tries "
+                                      f"(refused: {refused}) under {location.uri}")
+            self.next_seq = seq + 1
+            uri = location.child(key)
+            report = {"seq": seq, "key": key, "uri": uri, "size": digest.size, "md5": digest.md5,
+                      "sha256": digest.sha256, "progress": None if progress is None else float(progress),
+                      "written_at": self._clock()}
+            committed, reason = self._report(seq, report)
+            result = SaveResult(seq=seq, key=key, uri=uri, size=digest.size, md5=digest.md5,
+                                sha256=digest.sha256, committed=committed, reason=reason,
+                                refused=tuple(refused))
+            self.last_save = result
+            return result
+
+    def _ack_deadline(self, began: float) -> float:
+        deadline = began + self.ack_timeout
+        if self._stop_deadline is not None:
+            reserve = min(1.0, (self.grace_period or 0.0) / 10)
+            deadline = min(deadline, self._stop_deadline - reserve)
+        return deadline
+
+    def _report(self, seq: int, report: Dict[str, Any]) -> Tuple[Optional[bool], str]:
+        if self.report_dir is None:
+            return None, "not reported: no GPUSCHED_REPORT_DIR (a local run)"
+        name = f"checkpoint-{seq:010d}"
+        ack = self.report_dir / f"{name}.ack.json"
+        try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            if ack.exists():  # not reported yet, so an ack there is stale (a reused directory)
+                ack.unlink()
+            _write_json_atomic(self.report_dir / f"{name}.json", report)
+        except OSError as e:
+            raise CheckpointError(f"cannot write the report {self.report_dir / name}.json: {e}") from e
+        began = self._monotonic()
+        pause = 0.02
+        while True:
+            try:
+                answer = json.loads(ack.read_text())
+                committed = answer.get("committed")
+                return (None if committed is None else bool(committed)), str(answer.get("reason", ""))
+            except (OSError, ValueError, AttributeError):
+                pass  # not there yet (or being written)
+            left = self._ack_deadline(began) - self._monotonic()
+            if left <= 0:
+                waited = self._monotonic() - began
+                return None, f"no ack within {waited:.1f} s"
+            time.sleep(min(pause, left))
+            pause = min(pause * 1.5, 0.25)
+
+    # -- restoring -----------------------------------------------------------------------------
+
+    def restore(self) -> Optional[bytes]:
+        """The bytes of ``GPUSCHED_RESUME_FROM``, verified against its sha256 metadata; None on a
+        fresh start. Raises :class:`CheckpointError` on a missing, corrupted or unverifiable object."""
+        if self.resume_from is None:
+            return None
+        import io
+
+        buf = io.BytesIO()
+        self._download(buf)
+        return buf.getvalue()
+
+    def restore_to(self, path: Union[str, "os.PathLike[str]"]) -> Optional[Path]:
+        """Like :meth:`restore`, but streams the checkpoint into the file ``path`` (for big ones);
+        returns the path, or None on a fresh start (then nothing is written)."""
+        if self.resume_from is None:
+            return None
+        path = Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        try:
+            with open(tmp, "wb") as f:
+                self._download(f)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    def _download(self, out: IO[bytes]) -> None:
+        assert self.resume_from is not None
+        location = _Location(self.resume_from)
+        digest, metadata = self._store(location.scheme).get(location.bucket, location.key, out)
+        expected = (metadata or {}).get("sha256")
+        if not expected:
+            raise CheckpointError(f"checkpoint {self.resume_from} has no sha256 metadata; "
+                                  "it cannot be verified, so it is not used")
+        if expected.lower() != digest.sha256:
+            raise CheckpointError(f"checkpoint {self.resume_from} is corrupted: its bytes hash to "
+                                  f"sha256 {digest.sha256}, its metadata says {expected}")

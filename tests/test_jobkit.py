@@ -1,0 +1,363 @@
+"""jobkit, the checkpoint library for job code: sequence numbers, write-once refusals, reports and
+acks, verified restores, the checkpoint schedule and SIGTERM. Local ``file://`` checkpoints in a
+temporary folder, and (marked live) real S3 on the session's SeaweedFS."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from jobkit import EXIT_STOPPED, Checkpointer, CheckpointError, seq_key
+
+
+def md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def local(tmp_path: Path, **kw) -> Checkpointer:
+    kw.setdefault("allocation_id", "alloc-1")
+    kw.setdefault("attempt", "1")
+    kw.setdefault("job_id", "job-1")
+    return Checkpointer(f"file://{tmp_path}/ck/", **kw)
+
+
+class FakeAgent:
+    """Plays the agent: answers each checkpoint report in ``report_dir`` with an ack."""
+
+    def __init__(self, report_dir: Path, committed: bool = True, delay: float = 0.05):
+        self.report_dir, self.committed, self.delay = report_dir, committed, delay
+        self.reports: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FakeAgent":
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        seen = set()
+        while not self._stop.is_set():
+            for path in sorted(self.report_dir.glob("checkpoint-*.json")):
+                if path.name.endswith(".ack.json") or path.name in seen:
+                    continue
+                seen.add(path.name)
+                report = json.loads(path.read_text())
+                self.reports.append(report)
+                time.sleep(self.delay)
+                ack = path.with_name(path.name[: -len(".json")] + ".ack.json")
+                tmp = ack.with_name(ack.name + ".tmp")
+                tmp.write_text(json.dumps({"committed": self.committed,
+                                           "reason": "ok" if self.committed else "stale allocation"}))
+                os.replace(tmp, ack)
+            time.sleep(0.01)
+
+
+# --- sequence numbers and write-once keys -------------------------------------------------------
+
+
+def test_sequence_numbers_start_after_the_resume_point(tmp_path):
+    ck = local(tmp_path)
+    assert ck.resume_seq == 0 and ck.restore() is None
+    first, second = ck.save(b"one", progress=1), ck.save(b"two", progress=2)
+    assert (first.seq, second.seq) == (1, 2)
+    assert first.key == f"{str(tmp_path).lstrip('/')}/ck/0000000001"
+    assert first.uri == f"file://{tmp_path}/ck/0000000001"
+    assert (tmp_path / "ck" / "0000000002").read_bytes() == b"two"
+    assert first.committed is None and "no GPUSCHED_REPORT_DIR" in first.reason
+    assert (first.size, first.md5, first.sha256) == (3, md5(b"one"), sha(b"one"))
+
+    resumed = local(tmp_path, resume_from=second.uri, resume_seq=2)
+    assert resumed.restore() == b"two"
+    assert resumed.save(b"three").seq == 3
+    # Without GPUSCHED_RESUME_SEQ the number comes from the URI.
+    assert local(tmp_path, resume_from=second.uri).resume_seq == 2
+    assert seq_key("checkpoints/job-1/", 4) == "checkpoints/job-1/0000000004"
+    assert seq_key("", 4) == "0000000004"
+
+
+def test_metadata_and_object_are_written_once(tmp_path):
+    ck = local(tmp_path)
+    ck.save(b"payload")
+    meta = json.loads((tmp_path / "ck" / "0000000001.meta.json").read_text())
+    assert meta == {"sha256": sha(b"payload"), "allocation-id": "alloc-1", "attempt": "1", "job-id": "job-1"}
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["0000000001", "0000000001.meta.json"]
+
+
+def test_a_taken_number_refuses_the_writer_which_takes_the_next(tmp_path, caplog):
+    # An earlier attempt wrote 4 (never committed); the new attempt resumes from committed 3.
+    old = local(tmp_path, allocation_id="alloc-old", resume_from=f"file://{tmp_path}/ck/0000000003", resume_seq=3)
+    assert old.save(b"zombie").seq == 4
+    ck = local(tmp_path, allocation_id="alloc-new", attempt="2",
+               resume_from=f"file://{tmp_path}/ck/0000000003", resume_seq=3)
+    with caplog.at_level("WARNING", logger="jobkit"):
+        result = ck.save(b"fresh bytes")
+    assert (result.seq, result.refused) == (5, (4,))
+    assert "taken" in caplog.text
+    assert (tmp_path / "ck" / "0000000004").read_bytes() == b"zombie"  # never overwritten
+    assert ck.save(b"next").seq == 6
+
+
+def test_after_a_refusal_the_writer_jumps_past_every_taken_number(tmp_path):
+    other = local(tmp_path, allocation_id="alloc-other")
+    for i in range(30):  # more than the 20 tries one by one would allow
+        other.save(b"x%d" % i)
+    ck = local(tmp_path, allocation_id="alloc-mine")
+    result = ck.save(b"mine")
+    assert (result.seq, result.refused) == (31, (1,))
+
+
+def test_the_writers_own_earlier_write_counts_as_written(tmp_path):
+    # An HTTP retry after a lost response finds its own object: same bytes, same allocation.
+    local(tmp_path).save(b"same")
+    again = local(tmp_path).save(b"same")
+    assert (again.seq, again.refused) == (1, ())
+
+
+def test_the_number_of_tries_is_bounded(tmp_path):
+    class Full:
+        def put_new(self, *a):
+            return False
+
+        def head(self, *a):
+            return None
+
+        def max_seq(self, *a):
+            return None
+
+    ck = local(tmp_path)
+    ck._stores["file"] = Full()
+    with pytest.raises(CheckpointError, match="no free checkpoint number after 20 tries"):
+        ck.save(b"data")
+
+
+def test_save_without_a_checkpoint_uri_does_nothing(tmp_path):
+    ck = Checkpointer.from_env({})
+    assert not ck.enabled and ck.restore() is None and not ck.due()
+    assert ck.save(b"data") is None
+
+
+def test_a_file_can_be_saved_and_restored_as_a_file(tmp_path):
+    src = tmp_path / "model.bin"
+    src.write_bytes(os.urandom(3 * 1024 * 1024 + 7))
+    saved = local(tmp_path).save(src)
+    assert (saved.size, saved.sha256) == (src.stat().st_size, sha(src.read_bytes()))
+    dest = local(tmp_path, resume_from=saved.uri).restore_to(tmp_path / "restored.bin")
+    assert dest.read_bytes() == src.read_bytes()
+    assert local(tmp_path).restore_to(tmp_path / "nothing.bin") is None
+    assert not (tmp_path / "nothing.bin").exists()
+
+
+# --- reports and acks --------------------------------------------------------------------------
+
+
+def test_report_is_written_and_the_ack_awaited(tmp_path):
+    reports = tmp_path / "reports"
+    ck = local(tmp_path, report_dir=reports)
+    with FakeAgent(reports) as agent:
+        before = time.time()
+        result = ck.save(b"weights", progress=17)
+    assert (result.committed, result.reason) == (True, "ok")
+    report = json.loads((reports / "checkpoint-0000000001.json").read_text())
+    assert set(report) == {"seq", "key", "uri", "size", "md5", "sha256", "progress", "written_at"}
+    assert report["seq"] == 1 and report["key"] == result.key and report["uri"] == result.uri
+    assert (report["size"], report["md5"], report["sha256"]) == (7, md5(b"weights"), sha(b"weights"))
+    assert report["progress"] == 17.0 and before <= report["written_at"] <= time.time()
+    assert agent.reports == [report]
+    assert not list(reports.glob("*.tmp"))
+
+
+def test_a_refused_commit_is_returned(tmp_path):
+    reports = tmp_path / "reports"
+    ck = local(tmp_path, report_dir=reports)
+    with FakeAgent(reports, committed=False):
+        result = ck.save(b"weights")
+    assert (result.committed, result.reason) == (False, "stale allocation")
+
+
+def test_no_ack_in_time_is_unknown(tmp_path):
+    ck = local(tmp_path, report_dir=tmp_path / "reports", ack_timeout=0.3)
+    began = time.monotonic()
+    result = ck.save(b"weights")
+    assert 0.3 <= time.monotonic() - began < 2
+    assert result.committed is None and "no ack" in result.reason
+
+
+def test_the_ack_wait_never_outlasts_the_grace_period(tmp_path):
+    ck = local(tmp_path, report_dir=tmp_path / "reports", grace_period=1.0, ack_timeout=30)
+    ck.request_stop()
+    began = time.monotonic()
+    result = ck.save(b"weights")
+    waited = time.monotonic() - began
+    assert result.committed is None and 0.7 <= waited < 1.0  # grace less the exit reserve (0.1 s)
+
+
+# --- restoring ---------------------------------------------------------------------------------
+
+
+def test_restore_refuses_a_corrupted_or_unverifiable_checkpoint(tmp_path):
+    saved = local(tmp_path).save(b"good bytes")
+    obj = tmp_path / "ck" / "0000000001"
+    obj.chmod(0o644)
+    obj.write_bytes(b"bad bytes!")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        local(tmp_path, resume_from=saved.uri).restore()
+    (tmp_path / "ck" / "0000000001.meta.json").unlink()
+    with pytest.raises(CheckpointError, match="no sha256 metadata"):
+        local(tmp_path, resume_from=saved.uri).restore()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000009").restore()
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(CheckpointError, match="GPUSCHED_CHECKPOINT_INTERVAL"):
+        Checkpointer.from_env({"GPUSCHED_CHECKPOINT_INTERVAL": "soon"})
+    with pytest.raises(CheckpointError, match="GPUSCHED_RESUME_SEQ"):
+        Checkpointer.from_env({"GPUSCHED_RESUME_SEQ": "three"})
+    with pytest.raises(CheckpointError, match="only s3:// and file://"):
+        Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "gs://bucket/x/"})
+
+
+def test_from_env_reads_the_agents_variables(tmp_path):
+    ck = Checkpointer.from_env({
+        "GPUSCHED_JOB_ID": "j", "GPUSCHED_ALLOCATION_ID": "42", "GPUSCHED_ATTEMPT": "3",
+        "GPUSCHED_GRACE_PERIOD": "30", "GPUSCHED_CHECKPOINT_URI": f"file://{tmp_path}/ck/",
+        "GPUSCHED_RESUME_FROM": f"file://{tmp_path}/ck/0000000007", "GPUSCHED_RESUME_SEQ": "7",
+        "GPUSCHED_CHECKPOINT_INTERVAL": "600", "GPUSCHED_CHECKPOINT_PHASE": "120",
+        "GPUSCHED_REPORT_DIR": str(tmp_path / "r"),
+    })
+    assert (ck.job_id, ck.allocation_id, ck.attempt, ck.grace_period) == ("j", "42", "3", 30.0)
+    assert (ck.resume_seq, ck.next_seq, ck.interval, ck.phase) == (7, 8, 600.0, 120.0)
+    assert ck.report_dir == tmp_path / "r" and ck.resuming
+
+
+# --- the schedule --------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_due_follows_the_phase_on_the_wall_clock(tmp_path):
+    clock = Clock(1000.0)
+    ck = local(tmp_path, interval=10, phase=3, clock=clock)
+    # Times t = 3 (mod 10); the first at least half an interval after the start (1000 + 5).
+    assert ck.next_due() == 1013
+    clock.t = 1012.9
+    assert not ck.due()
+    clock.t = 1013.0
+    assert ck.due()
+    clock.t = 1013.4
+    ck.save(b"a")
+    assert not ck.due() and ck.next_due() == 1023
+    clock.t = 1029.0  # late (a long step): the save at 1029 puts the next at 1043, not 1033
+    assert ck.due()
+    ck.save(b"b")
+    assert ck.next_due() == 1043
+
+
+def test_due_without_a_phase_counts_from_the_start(tmp_path):
+    clock = Clock(1001.5)
+    ck = local(tmp_path, interval=10, clock=clock)
+    assert ck.next_due() == 1011.5
+    clock.t = 1011.4
+    assert not ck.due()
+    clock.t = 1011.5
+    assert ck.due()
+
+
+def test_never_due_without_an_interval(tmp_path):
+    clock = Clock(1000.0)
+    ck = local(tmp_path, interval=0, clock=clock)
+    clock.t = 1e9
+    assert ck.next_due() is None and not ck.due()
+
+
+# --- SIGTERM -------------------------------------------------------------------------------------
+
+
+def test_sigterm_sets_stop_requested_and_starts_the_grace_clock(tmp_path):
+    ck = local(tmp_path, grace_period=30)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        ck.handle_sigterm()
+        assert not ck.stop_requested and ck.seconds_left() == math.inf
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while not ck.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ck.stop_requested
+        assert 29 < ck.seconds_left() <= 30
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM does not restart the clock
+        time.sleep(0.05)
+        assert ck.seconds_left() < 30
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert EXIT_STOPPED == 0
+
+
+# --- real S3 ---------------------------------------------------------------------------------
+
+
+def s3_env(servers, prefix: str, **extra: str) -> dict:
+    return {
+        "GPUSCHED_CHECKPOINT_URI": f"s3://{servers.s3_bucket}/{prefix}/",
+        "GPUSCHED_S3_ENDPOINT": servers.s3_endpoint, "GPUSCHED_S3_ACCESS_KEY": servers.s3_access_key,
+        "GPUSCHED_S3_SECRET_KEY": servers.s3_secret_key, "GPUSCHED_S3_REGION": servers.s3_region,
+        "GPUSCHED_JOB_ID": "job-live", **extra,
+    }
+
+
+@pytest.mark.live
+def test_s3_conditional_writes_metadata_and_restore(live_servers):
+    prefix = f"checkpoints/jobkit-{uuid.uuid4().hex[:8]}"
+    s3 = live_servers.s3_client()
+    bucket = live_servers.s3_bucket
+
+    first = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_ALLOCATION_ID="11", GPUSCHED_ATTEMPT="1"))
+    saved = first.save(b"state one", progress=1)
+    assert (saved.seq, saved.key) == (1, f"{prefix}/0000000001")
+    assert saved.uri == f"s3://{bucket}/{prefix}/0000000001"
+    head = s3.head_object(Bucket=bucket, Key=saved.key)
+    assert head["ETag"].strip('"') == md5(b"state one") == saved.md5
+    assert head["ContentLength"] == 9
+    assert head["Metadata"] == {"sha256": sha(b"state one"), "allocation-id": "11", "attempt": "1",
+                                "job-id": "job-live"}
+
+    # A second writer (another allocation) is refused number 1 and takes 2; 1 is untouched.
+    second = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_ALLOCATION_ID="12", GPUSCHED_ATTEMPT="2"))
+    other = second.save(b"state two")
+    assert (other.seq, other.refused) == (2, (1,))
+    assert s3.get_object(Bucket=bucket, Key=saved.key)["Body"].read() == b"state one"
+
+    resumed = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=other.uri,
+                                           GPUSCHED_RESUME_SEQ="2"))
+    assert resumed.restore() == b"state two"
+    assert resumed.save(b"state three").seq == 3
+
+    # An object whose bytes do not match its sha256 metadata is refused.
+    bad_key = f"{prefix}/0000000009"
+    s3.put_object(Bucket=bucket, Key=bad_key, Body=b"tampered", Metadata={"sha256": sha(b"original")})
+    with pytest.raises(CheckpointError, match="corrupted"):
+        Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=f"s3://{bucket}/{bad_key}")).restore()
