@@ -1,0 +1,104 @@
+"""Failures on the real stack: a machine's agent dies and comes back, a GPU goes bad. No job is
+lost, none runs twice, and a zombie's checkpoint is never committed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from live.jobs import example_job
+from workers import devices, devstack
+from workers.settings import machine_component
+
+pytestmark = pytest.mark.live
+
+HEARTBEAT_TIMEOUT = 10.0  # workflows.job.AGENT_HEARTBEAT
+MACHINE_TIMEOUT = 3.0
+
+
+def machine_of(gpu_path: str) -> str:
+    return gpu_path.rsplit("/", 1)[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is not running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_dead_agents_job_resumes_elsewhere_from_its_last_checkpoint_and_the_returning_agent_kills_the_zombie(stack):
+    s = stack(machines=2, gpus=4, policy={"min_runtime": 0, "grace_period": 5}, machine_timeout=MACHINE_TIMEOUT)
+    s.submit("durable", 4, example_job(steps=60, step_seconds=0.2), checkpoint_interval=1)
+    s.until(lambda: any(c.complete for c in s.status("durable").checkpoints), timeout=30)
+    attempt = s.status("durable").attempts[0]
+    machine = machine_of(attempt.gpus[0])
+    pid_file = next(s.data_dir.glob(f"jobs/*/.pids/*/{attempt.allocation_id}.json"))
+    orphan = json.loads(pid_file.read_text())["pid"]
+
+    devstack.stop_component(s.data_dir, machine_component(machine), signal.SIGKILL)
+    killed = time.monotonic()
+    s.until(lambda: len(s.status("durable").attempts) == 2 and s.status("durable").state == "running", timeout=60)
+    moved_in = time.monotonic() - killed
+    view = s.status("durable")
+    second = view.attempts[1]
+    assert view.attempts[0].end_reason == "machine_failure"
+    assert machine_of(second.gpus[0]) != machine
+    assert second.resumed_from == max(c.seq for c in view.checkpoints if c.complete and c.allocation_id
+                                      == attempt.allocation_id)
+    assert moved_in <= HEARTBEAT_TIMEOUT + 5, moved_in  # the heartbeat timeout plus a cycle or two
+    assert alive(orphan)  # nobody could stop it while its agent was dead: a zombie writer
+    s.until(lambda: list(s.data_dir.glob(f"jobs/{machine_component(machine)}/durable/reports-1/checkpoint-*.json"))
+            and _unanswered(s.data_dir, machine), timeout=20)
+
+    devstack.up(s.data_dir)  # the agent comes back: it kills the orphan before taking work
+    s.until(lambda: not alive(orphan), timeout=20)
+    refused = s.until(lambda: [c for c in s.status("durable").checkpoints
+                               if c.allocation_id == attempt.allocation_id and not c.complete], timeout=20)
+    assert "no longer the job's current one" in refused[0].reason
+    final = s.wait("durable", timeout=90)
+    assert final.state == "succeeded" and len(final.attempts) == 2
+    log = s.log("durable", attempt=2)
+    assert f"resumed from seq {second.resumed_from}" in log and "final_state=" in log
+
+
+def _unanswered(data_dir, machine) -> bool:
+    reports = data_dir / "jobs" / machine_component(machine) / "durable" / "reports-1"
+    return any(not p.with_name(p.name[:-5] + ".ack.json").exists()
+               for p in reports.glob("checkpoint-*.json") if not p.name.endswith(".ack.json"))
+
+
+def test_an_unhealthy_gpu_leaves_the_inventory_alone_and_its_job_moves_with_a_checkpoint(stack):
+    s = stack(machines=2, gpus=4, policy={"min_runtime": 0, "grace_period": 10})
+    s.submit("sick", 2, example_job(steps=40, step_seconds=0.2), checkpoint_interval=60)
+    s.until(lambda: re.search(r"^step 3/40", s.log("sick"), re.M))
+    first = s.status("sick").attempts[0]
+    bad = first.gpus[1]
+    machine, index = machine_of(bad), int(bad.rsplit("/", 1)[1])
+    devices.inject_fault(s.data_dir / "faults" / f"{machine_component(machine)}.json", index,
+                         devices.ECC_UNCORRECTABLE)
+    s.until(lambda: len(s.status("sick").attempts) == 2 and s.status("sick").attempts[1].started_at, timeout=60)
+    view = s.status("sick")
+    assert view.attempts[0].end_reason == "machine_failure"
+    assert bad not in view.attempts[1].gpus
+    assert view.attempts[1].resumed_from is not None  # it checkpointed in its grace period
+    snapshot = s.run(s.client.store.snapshot("c1"))
+    health = {m.id: (m.reachable, set(m.unhealthy_gpus)) for m in snapshot.machines}
+    assert health[machine] == (True, {index})  # only the GPU left; its machine stays
+    assert s.sql("SELECT preemptions FROM jobs WHERE id = 'sick'")[0]["preemptions"] == []
+    # The machine's other three GPUs still take work.
+    s.submit("neighbour", 3, example_job(steps=1, step_seconds=0.1), topology="machine")
+    assert s.wait("sick", timeout=90).state == "succeeded"
+    neighbour = s.wait("neighbour", timeout=60)
+    assert neighbour.state == "succeeded" and bad not in neighbour.attempts[0].gpus

@@ -1,0 +1,48 @@
+"""Preemption on the real stack: the victim gets its grace period, checkpoints, gives its GPUs to
+the more important job, and later resumes from that checkpoint (its step counter continues)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from live.jobs import example_job
+
+pytestmark = pytest.mark.live
+
+
+def test_a_critical_job_preempts_a_low_one_which_checkpoints_in_its_grace_and_resumes_from_it(stack):
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 10})
+    s.submit("low", 4, example_job(steps=30, step_seconds=0.2), priority="low", checkpoint_interval=60)
+    s.until(lambda: re.search(r"^step 5/30", s.log("low"), re.M))
+    s.submit("urgent", 4, example_job(steps=2, step_seconds=0.2), priority="critical")
+    assert s.wait("urgent").state == "succeeded"
+    view = s.wait("low", timeout=90)
+    assert view.state == "succeeded"
+    first, second = view.attempts
+    assert first.end_reason == "preempted" and first.resumed_from is None
+    # The checkpoint taken on SIGTERM, inside the grace period, is the one the second attempt used.
+    stopping = re.search(r"stopped at step (\d+) after checkpoint seq (\d+) \(committed=True\)", s.log("low"))
+    assert stopping, s.log("low")
+    step, seq = int(stopping.group(1)), int(stopping.group(2))
+    assert second.resumed_from == seq
+    assert [c.seq for c in view.checkpoints if c.complete][-1] >= seq
+    resumed = s.log("low", attempt=2)
+    assert f"starting at step {step} (resumed from seq {seq})" in resumed
+    assert re.search(rf"^step {step + 1}/30", resumed, re.M) and not re.search(r"^step 1/30", resumed, re.M)
+    assert re.search(r"final_state=[0-9a-f]+", resumed)
+    preemptions = s.sql("SELECT preemptions FROM jobs WHERE id = 'low'")[0]["preemptions"]
+    assert len(preemptions) == 1
+    events = [e["event"] for e in s.run(s.client.store.audit_trail("low"))]
+    assert events.index("preempt_ordered") < events.index("checkpoint_committed") < events.index("released")
+
+
+def test_a_job_inside_its_minimum_runtime_is_not_preempted(stack):
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 600, "grace_period": 10})
+    s.submit("young", 4, example_job(steps=12, step_seconds=0.25), priority="low")
+    s.until(lambda: s.status("young").state == "running")
+    s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
+    s.until(lambda: s.status("urgent").reason, timeout=10)
+    assert s.wait("young", timeout=60).attempts[0].end_reason == "completed"
+    assert s.wait("urgent").state == "succeeded"
