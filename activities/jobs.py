@@ -3,6 +3,8 @@ its cluster's scheduler. Each is one store call (or one Temporal call), idempote
 
 from __future__ import annotations
 
+import time
+
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -69,7 +71,10 @@ class JobActivities:
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:
+        began = time.monotonic()
         await wake_scheduler(self.client, inp.cluster, self.prefix, inp.reason, self.loop)
+        if time.monotonic() - began > 1.0:
+            activity.logger.warning("waking the scheduler of %s took %.1f s", inp.cluster, time.monotonic() - began)
 
 
 async def wake_scheduler(client: Client, cluster: str, prefix: str = "", reason: str = "",

@@ -191,6 +191,8 @@ def test_the_workflows_histories_replay_deterministically(stack):
     s.submit("replayed", 2, sleeper(0.2))
     s.submit("cancelled", 4, sleeper(30))
     assert s.wait("replayed").state == "succeeded"
+    assert s.status("cancelled").state in ("queued", "placed", "running"), (
+        s.run(s.client.store.audit_trail("replayed")), s.run(s.client.store.audit_trail("cancelled")))
     s.run(s.client.cancel("cancelled"))
     s.wait("cancelled")
     prefix = s.up.settings.task_queue_prefix

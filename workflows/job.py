@@ -290,7 +290,15 @@ class JobWorkflow:
         self._publish()
 
     async def _wake(self, reason: str) -> None:
-        await workflow.execute_activity("wake_scheduler", Wake(cluster=self.cluster, reason=reason), **STORE_CALL)
+        # Best effort and quick: the scheduler also plans on its tick, so a wake that cannot get
+        # through only delays the next cycle; it must never hold up the job's own progress.
+        try:
+            await workflow.execute_activity(
+                "wake_scheduler", Wake(cluster=self.cluster, reason=reason),
+                start_to_close_timeout=timedelta(seconds=5),
+                retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=3))
+        except ActivityError as e:
+            workflow.logger.warning("could not wake the scheduler of %s: %s", self.cluster, e.cause)
 
     def _publish(self) -> None:
         req = self.request
