@@ -126,6 +126,10 @@ class Store:
         """Every machine's place and size: what admission checks a job's shape against."""
         return [dict(r) for r in await self.pool.fetch(q.CLUSTER_CAPACITY)]
 
+    async def clusters(self) -> list[dict]:
+        """Each cluster's name, policy overrides, machine timeout and cycle counter."""
+        return [{**dict(r), "policy": rows.json_value(r["policy"])} for r in await self.pool.fetch(q.LIST_CLUSTERS)]
+
     async def cluster_names(self) -> list[str]:
         return [r["name"] for r in await self.pool.fetch(q.LIST_CLUSTERS)]
 

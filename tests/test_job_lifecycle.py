@@ -200,3 +200,17 @@ def test_the_workflows_histories_replay_deterministically(stack):
     for workflow_id in (job_workflow_id("replayed"), job_workflow_id("cancelled"), scheduler_workflow_id("c1")):
         history = s.run(s.client.temporal.get_workflow_handle(prefix + workflow_id).fetch_history())
         s.run(replayer.replay_workflow(history))
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"job_id": "zero", "team": "vision", "num_gpus": 0, "command": ["true"]}, "num_gpus"),
+    ({"job_id": "nocmd", "team": "vision", "num_gpus": 1, "command": []}, "command"),
+    ({"team": "vision", "num_gpus": 1, "command": ["true"]}, "job_id"),
+])
+def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(stack, raw, words):
+    s = stack(machines=1)
+    prefix = s.up.settings.task_queue_prefix
+    handle = s.run(s.client.temporal.start_workflow(
+        "JobWorkflow", raw, id=f"{prefix}job-raw-{words}", task_queue=prefix + "gpusched-control"))
+    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    assert outcome["state"] == "failed" and words in outcome["reason"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from scheduler.models import JobKind, Priority, Quota, Topology
+from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings
 from workflows.types import JobRequest, JobView
@@ -88,6 +88,20 @@ def add_job_commands(subparsers) -> None:
     qlist = qcmd.add_parser("list", help="list quotas")
     common(qlist)
     qlist.set_defaults(func=cmd_quota_list)
+
+    cluster = subparsers.add_parser("cluster", help="a cluster's policy settings and machine timeout")
+    ccmd = cluster.add_subparsers(dest="cluster_command", required=True, metavar="{set,list}")
+    cset = ccmd.add_parser("set", help="change a cluster's settings (the next cycle uses them)")
+    cset.add_argument("cluster")
+    cset.add_argument("--machine-timeout", type=float, default=None,
+                      help="seconds without a heartbeat before a machine is unreachable (default 120)")
+    cset.add_argument("--policy", action="append", default=[], metavar="KNOB=VALUE",
+                      help="a policy knob of docs/policy.md, e.g. grace_period=300 (repeatable)")
+    common(cset, json_flag=False)
+    cset.set_defaults(func=cmd_cluster_set)
+    clist = ccmd.add_parser("list", help="list clusters with their settings")
+    common(clist)
+    clist.set_defaults(func=cmd_cluster_list)
 
 
 def _run(args, body) -> int:
@@ -254,6 +268,52 @@ def cmd_quota_list(args) -> int:
             for team, q in quotas.items():
                 print(f"{team:<16} guaranteed {q.guaranteed:>5}  max {q.max if q.max is not None else '-':>5}  "
                       f"queue cap {q.queue_cap if q.queue_cap is not None else '-'}")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_cluster_set(args) -> int:
+    knobs = {}
+    for item in args.policy:
+        name, sep, value = item.partition("=")
+        if not sep or name not in PolicyConfig.model_fields:
+            print(f"error: policy: '{item}' is not KNOB=VALUE with a knob of "
+                  f"{', '.join(PolicyConfig.model_fields)}", file=sys.stderr)
+            return EXIT_REFUSED
+        knobs[name] = value
+    if args.machine_timeout is not None and args.machine_timeout <= 0:
+        print("error: machine_timeout: give a positive number of seconds", file=sys.stderr)
+        return EXIT_REFUSED
+
+    async def body(client: GpuschedClient) -> int:
+        current = {c["name"]: c for c in await client.store.clusters()}
+        if args.cluster not in current:
+            raise ClientError(f"unknown cluster '{args.cluster}' (known: {', '.join(current) or 'none'})", "cluster")
+        merged = {**current[args.cluster]["policy"], **knobs}
+        try:
+            policy = PolicyConfig(**merged)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ClientError(f"{err['msg']}", ".".join(str(p) for p in err["loc"])) from None
+        overrides = {k: getattr(policy, k) for k in merged}
+        await client.store.configure_cluster(args.cluster, policy=overrides, machine_timeout=args.machine_timeout)
+        print(f"{args.cluster}: {json.dumps(overrides)}"
+              + (f", machine timeout {args.machine_timeout:g} s" if args.machine_timeout else ""))
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_cluster_list(args) -> int:
+    async def body(client: GpuschedClient) -> int:
+        clusters = await client.store.clusters()
+        if args.json:
+            print(json.dumps(clusters, indent=2))
+        else:
+            for c in clusters:
+                print(f"{c['name']:<10} machine timeout {c['machine_timeout']:g} s  cycle {c['cycle_seq']}  "
+                      f"policy overrides {json.dumps(c['policy'])}")
         return 0
 
     return _run(args, body)

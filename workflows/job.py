@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
     from scheduler.models import Priority
     from workflows.types import (
         Admission,
@@ -122,7 +125,7 @@ class JobWorkflow:
     @workflow.query
     def status(self) -> JobOutcome:
         return JobOutcome(
-            job_id=self.request.job_id if self.request else workflow.info().workflow_id,
+            job_id=self.request.job_id if self.request else workflow.info().workflow_id.removeprefix(self.prefix),
             state=self.state,
             priority=self.request.priority if self.request else None,
             cluster=self.cluster,
@@ -139,7 +142,16 @@ class JobWorkflow:
         return self.request.job_id
 
     @workflow.run
-    async def run(self, request: JobRequest) -> JobOutcome:
+    async def run(self, raw: dict[str, Any]) -> JobOutcome:
+        # The input is validated here, not by the data converter: a request that does not parse
+        # must end the job with the reason, not fail every workflow task forever.
+        try:
+            request = JobRequest.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "request"
+            self.state, self.reason = JobState.failed, f"refused: {field}: {err['msg']}"
+            return self.status()
         self.request = request
         # 1. Admission.
         admission: Admission = await workflow.execute_activity(
@@ -160,6 +172,8 @@ class JobWorkflow:
                 return self.status()
             placement = self.placements.pop(0)
             self.seen_allocations.add(placement.allocation_id)
+            self.state = JobState.placed
+            self._publish()
             # 3. Acknowledge it, and learn the newest complete checkpoint to resume from.
             grant: AttemptGrant = await workflow.execute_activity(
                 "start_attempt", StartAttempt(job_id=self.job_id, allocation_id=placement.allocation_id),
