@@ -1,0 +1,55 @@
+"""The job commands on the command line: refusals are one line naming the field, with exit code 2;
+an unreachable stack is one line with exit code 1; never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workers.cli import main
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["submit", "--team", "vision", "--gpus", "0", "--", "true"], "num_gpus"),
+    (["submit", "--team", "vision", "--gpus", "1"], "command"),
+    (["submit", "--team", "vision", "--gpus", "1", "--env", "NOEQUALS", "--", "true"], "env"),
+    (["submit", "--team", "vision", "--gpus", "1", "--job-id", "bad id!", "--", "true"], "job_id"),
+    (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"], "below guaranteed"),
+])
+def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
+    assert main(argv + ["--data-dir", str(tmp_path)] if argv[0] == "quota" else argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and words in err and "Traceback" not in err
+
+
+def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://postgres@127.0.0.1:9/gpusched")
+    assert main(["list", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the gpusched stack" in err and "gpusched dev up" in err and "Traceback" not in err
+
+
+@pytest.mark.live
+def test_the_commands_on_a_live_stack(stack, capsys):
+    s = stack(machines=1, gpus=4)
+    d = ["--data-dir", str(s.data_dir)]
+    assert main(["submit", "--team", "nobody", "--gpus", "1", *d, "--", "true"]) == 2
+    assert "has no quota" in capsys.readouterr().err
+    assert main(["submit", "--team", "vision", "--gpus", "2", "--job-id", "cli-1", "--json", *d, "--", "true"]) == 0
+    submitted = json.loads(capsys.readouterr().out)
+    assert submitted["job_id"] == "cli-1" and {"position", "estimated_start"} <= set(submitted)
+    assert main(["wait", "cli-1", "--timeout", "60", *d]) == 0
+    capsys.readouterr()
+    assert main(["status", "cli-1", "--json", *d]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["state"] == "succeeded" and view["exit_code"] == 0
+    [attempt] = view["attempts"]
+    assert {"allocation_id", "gpus", "started_at", "ended_at", "end_reason", "resumed_from"} <= set(attempt)
+    assert main(["status", "nope", *d]) == 2
+    assert "no job 'nope'" in capsys.readouterr().err
+    assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0
+    assert main(["wait", "cli-2", "--timeout", "60", *d]) == 1
+    assert main(["list", "--state", "failed", "--json", *d]) == 0
+    out = capsys.readouterr().out
+    assert [v["job_id"] for v in json.loads(out[out.index("["):])] == ["cli-2"]
