@@ -82,6 +82,9 @@ LIST_JOBS = """
 SELECT * FROM jobs
 WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
 ORDER BY submit_time, id LIMIT $3"""
+ATTEMPTS_OF_JOBS = """
+SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
+FROM allocations WHERE job_id = ANY($1::text[]) ORDER BY job_id, attempt"""
 JOB_ATTEMPTS = """
 SELECT id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
 FROM allocations WHERE job_id = $1 ORDER BY attempt"""

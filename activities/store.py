@@ -181,7 +181,14 @@ class Store:
                         limit: int = 1000) -> list[JobView]:
         async with self.pool.acquire() as conn:
             jobs = await conn.fetch(q.LIST_JOBS, team, state, limit)
-            return [rows.job_view(j, await conn.fetch(q.JOB_ATTEMPTS, j["id"])) for j in jobs]
+            attempts: dict[str, list] = {}
+            for a in await conn.fetch(q.ATTEMPTS_OF_JOBS, [j["id"] for j in jobs]):
+                attempts.setdefault(a["job_id"], []).append(a)
+            return [rows.job_view(j, attempts.get(j["id"], [])) for j in jobs]
+
+    async def team_waiting(self, team: str) -> int:
+        """How many of the team's jobs wait (queued or placed): what its queue cap counts."""
+        return await self.pool.fetchval(q.TEAM_WAITING_JOBS, team)
 
     async def attempts(self, job_id: str) -> list[AttemptView]:
         return [rows.attempt_view(r) for r in await self.pool.fetch(q.JOB_ATTEMPTS, job_id)]

@@ -117,8 +117,7 @@ class GpuschedClient:
         quota = quotas.get(request.team)
         quota_row = None if quota is None else {
             "guaranteed": quota.guaranteed, "max_gpus": quota.max, "queue_cap": quota.queue_cap}
-        waiting = sum(1 for j in await self.store.list_jobs(team=request.team, limit=100000)
-                      if j.state in ("queued", "placed"))
+        waiting = await self.store.team_waiting(request.team)
         capacity = await self.store.capacity()
         return admission_verdict(request, quota_row, capacity, waiting)
 
@@ -140,10 +139,18 @@ class GpuschedClient:
                                   "is the control worker running? (gpusched dev status)")
             await asyncio.sleep(0.05)
 
-    async def _estimate(self, view: JobView) -> tuple[int | None, str | None]:
+    async def _estimate(self, view: JobView, wait_for_cycle: float = 1.0) -> tuple[int | None, str | None]:
+        # The scheduler's own answer: the job's admission woke its cycle, which writes every queued
+        # job's position and estimated start (or places it).
+        deadline = asyncio.get_running_loop().time() + wait_for_cycle
+        while view.state == "queued" and view.position is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            view = await self.status(view.job_id)
         if view.state != "queued":
             return 0, view.attempts[-1].started_at if view.attempts else None
-        # The scheduler's own answer, from the same core on a fresh read-only snapshot.
+        if view.position is not None:
+            return view.position, view.estimated_start
+        # No cycle yet (the loop is busy or restarting): the same core on a read-only snapshot.
         snapshot = await self.store.snapshot(view.cluster)
         for p in run_cycle(snapshot).pending:
             if p.job_id == view.job_id:
