@@ -12,8 +12,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 from activities.checkpoints import checkpoint_uri, object_uri
 from activities.store import Store
 from workflows.types import (
+    Abandoned,
     Admission,
     AttemptGrant,
+    EndReason,
+    JobState,
     EndAttempt,
     JobRequest,
     JobStateChange,
@@ -68,6 +71,13 @@ class JobActivities:
     @activity.defn(name="set_priority")
     async def set_priority(self, inp: PriorityChange) -> bool:
         return await self.store.set_priority(inp.job_id, inp.priority.value)
+
+    @activity.defn(name="abandon_allocations")
+    async def abandon_allocations(self, abandoned: list[Abandoned]) -> None:
+        for a in abandoned:
+            activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)
+            await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None, JobState.failed,
+                                         "its workflow ended without taking up its placement")
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:

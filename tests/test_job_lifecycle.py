@@ -214,3 +214,17 @@ def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(
         "JobWorkflow", raw, id=f"{prefix}job-raw-{words}", task_queue=prefix + "gpusched-control"))
     outcome = s.run(asyncio.wait_for(handle.result(), 30))
     assert outcome["state"] == "failed" and words in outcome["reason"]
+
+
+def test_a_job_whose_workflow_is_terminated_gives_its_placement_back(stack):
+    s = stack(machines=1, gpus=4)
+    s.submit("blocker", 4, sleeper(3))
+    s.until(lambda: s.status("blocker").state == "running")
+    s.submit("doomed", 4, sleeper(0))
+    s.submit("after", 4, sleeper(0))
+    handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("doomed"))
+    s.run(handle.terminate("an operator terminated it"))
+    assert s.wait("after", timeout=60).state == "succeeded"
+    doomed = s.status("doomed")
+    assert doomed.state == "failed" and "workflow ended" in doomed.reason
+    assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0

@@ -40,7 +40,8 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             task_queue=settings.control_task_queue,
             workflows=[JobWorkflow, ClusterSchedulerWorkflow],
             activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.set_job_state,
-                        jobs.set_priority, jobs.wake_scheduler, planning.plan_cycle],
+                        jobs.set_priority, jobs.wake_scheduler, jobs.abandon_allocations,
+                        planning.plan_cycle],
             max_concurrent_activities=64,
         )
         async with worker:

@@ -25,7 +25,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.types import CycleInput, CycleOutcome, SchedulerInput, job_workflow_id
+    from workflows.types import Abandoned, CycleInput, CycleOutcome, SchedulerInput, job_workflow_id
 
 CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=60),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
@@ -66,7 +66,15 @@ class ClusterSchedulerWorkflow:
                      for o in outcome.placements]
             sends += [self._signal(prefix + job_workflow_id(o.job_id), "preempt", o.signal)
                       for o in outcome.preemptions]
-            await asyncio.gather(*sends)
+            delivered = await asyncio.gather(*sends)
+            # A job whose workflow is gone (terminated by hand, say) can never take its GPUs up:
+            # give them back and end the job with the reason, rather than hold them forever.
+            gone = [o for o, ok in zip(outcome.placements, delivered) if not ok]
+            if gone:
+                await workflow.execute_activity(
+                    "abandon_allocations",
+                    [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id) for o in gone],
+                    **CYCLE_CALL)
             # 4. Continue as new before the history grows large.
             if self.cycles >= inp.cycles_per_run or workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
@@ -81,8 +89,11 @@ class ClusterSchedulerWorkflow:
                 except asyncio.TimeoutError:
                     pass
 
-    async def _signal(self, workflow_id: str, name: str, payload) -> None:
+    async def _signal(self, workflow_id: str, name: str, payload) -> bool:
+        """Whether the signal reached the job's workflow (False: it has ended or never existed)."""
         try:
             await workflow.get_external_workflow_handle(workflow_id).signal(name, payload)
-        except Exception as e:  # the job has ended or is unknown: the order is moot
+            return True
+        except Exception as e:
             workflow.logger.info("could not signal %s to %s: %s", name, workflow_id, e)
+            return False

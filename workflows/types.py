@@ -302,3 +302,10 @@ class JobOutcome(Model):
     reason: str | None = None
     attempts: int = 0
     allocation_id: int | None = None  # the attempt running now
+
+
+class Abandoned(Model):
+    """A placement whose job's workflow is gone: its GPUs go back and the job ends."""
+
+    job_id: str
+    allocation_id: int
