@@ -42,7 +42,8 @@ from workers.settings import (
     Settings,
     connect_temporal,
     default_data_dir,
-    load_settings,
+    add_settings_flags,
+    settings_from_args,
     machine_component,
     mark_ready,
     ready_path,
@@ -246,7 +247,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     data_dir = Path(args.data_dir).expanduser()
     component = machine_component(args.machine_id)
-    settings = load_settings(data_dir)
+    settings = settings_from_args(args, data_dir)
     fake = True if args.fake_devices else (False if args.nvml else None)
     try:
         devices = detect_devices(fake, args.gpus, args.gpu_type,
@@ -356,6 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the most grace a job gets when the agent shuts down (120 s)")
     p.add_argument("--orphan-grace", type=float, default=5.0,
                    help="grace of a process whose allocation is gone (5 s)")
+    add_settings_flags(p)
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be at least 1")

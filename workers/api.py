@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from activities.checkpoints import CheckpointCommitter, s3_client
 from activities.store import GpuReport, Store
-from workers.settings import Settings, load_settings, mark_ready
+from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
 from workflows.types import CheckpointAck, CheckpointReport, JobView
 
 
@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
+    add_settings_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = load_settings(args.data_dir)
+    settings = settings_from_args(args, args.data_dir)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port,
                                            log_level="warning", access_log=False))
 

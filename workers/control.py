@@ -20,7 +20,7 @@ from temporalio.worker import Worker
 from activities.jobs import JobActivities, wake_scheduler
 from activities.planning import PlanningActivities
 from activities.store import Store
-from workers.settings import Settings, connect_temporal, load_settings, mark_ready
+from workers.settings import Settings, add_settings_flags, connect_temporal, mark_ready, settings_from_args
 from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
 from workflows.types import SchedulerInput
@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tick", type=float, default=2.0, help="seconds between scheduling cycles when idle")
     parser.add_argument("--cycles-per-run", type=int, default=500,
                         help="the scheduler loop continues as new after this many cycles")
+    add_settings_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = load_settings(args.data_dir)
+    settings = settings_from_args(args, args.data_dir)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -152,3 +152,16 @@ def mark_ready(data_dir: Path | None, component: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(os.getpid()))
     tmp.replace(path)
+
+
+def add_settings_flags(parser) -> None:
+    """Flags for every connection setting (``--temporal-address`` …), over the environment."""
+    group = parser.add_argument_group("connection settings (default: GPUSCHED_* variables, then the embedded stack)")
+    for field in _ENV:
+        group.add_argument("--" + field.replace("_", "-"), dest=f"setting_{field}", default=None, metavar="VALUE",
+                           help=f"(${_ENV[field]})")
+
+
+def settings_from_args(args, data_dir: Path | None) -> Settings:
+    explicit = {f: getattr(args, f"setting_{f}", None) for f in _ENV}
+    return load_settings(data_dir, **explicit)
