@@ -1,0 +1,57 @@
+"""The HTTP API on a live stack: health, agents' heartbeats, reads of jobs, machines and quotas,
+and clear status codes for what it refuses."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from live.jobs import sleeper
+
+pytestmark = pytest.mark.live
+
+
+def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack):
+    s = stack(machines=2, gpus=4)
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10)
+    assert api.get("/healthz").json() == {"ok": True}
+    machines = api.get("/machines").json()
+    assert [m["id"] for m in machines] == ["c1/b0/r0/m0", "c1/b0/r0/m1"]
+    assert all(m["silent_for"] is not None and m["silent_for"] < 10 for m in machines)
+    assert api.get("/quotas").json()["vision"]["guaranteed"] == 8
+
+    s.submit("seen", 1, sleeper(0))
+    s.wait("seen")
+    assert api.get("/jobs/seen").json()["state"] == "succeeded"
+    assert [j["job_id"] for j in api.get("/jobs", params={"state": "succeeded"}).json()] == ["seen"]
+    assert api.get("/jobs/nope").status_code == 404
+
+    beat = api.post("/machines/c1/b0/r0/m0/heartbeat",
+                    json={"pid": 1, "gpus": [{"index": i} for i in range(4)], "running_allocations": []})
+    assert beat.status_code == 200 and beat.json() == {"live_allocations": []}
+    assert api.post("/machines/not-a-path/heartbeat", json={"gpus": [{"index": 0}]}).status_code == 422
+    assert api.post("/machines/c1/b0/r0/m0/heartbeat", json={"gpus": [{"index": "x"}]}).status_code == 422
+    report = {"seq": 1, "key": "checkpoints/nope/0000000001", "size": 1, "sha256": "0" * 64}
+    assert api.post("/jobs/nope/checkpoints", json={"allocation_id": 1, "report": report}).status_code == 404
+    refused = api.post("/jobs/seen/checkpoints",
+                       json={"allocation_id": 1, "report": {**report, "key": "checkpoints/seen/0000000001"}})
+    assert refused.status_code == 200 and refused.json()["committed"] is False
+
+
+def test_a_fault_injected_on_the_command_line_reaches_the_inventory_and_can_be_cleared(stack, capsys):
+    from workers.cli import main
+
+    s = stack(machines=1, gpus=4)
+    d = ["--data-dir", str(s.data_dir)]
+    assert main(["dev", "fault", "gpu", "c1/b0/r0/m0", "2", "--ecc", *d]) == 0
+    assert "ecc_uncorrectable injected" in capsys.readouterr().out
+
+    def unhealthy() -> set[int]:
+        return set(s.run(s.client.store.snapshot("c1")).machines[0].unhealthy_gpus)
+
+    s.until(lambda: unhealthy() == {2}, timeout=15)
+    assert main(["dev", "fault", "gpu", "c1/b0/r0/m0", "2", "--clear", *d]) == 0
+    s.until(lambda: unhealthy() == set(), timeout=15)
+    assert main(["dev", "fault", "gpu", "c1/b0/r0/m9", "0", "--ecc", *d]) == 2
+    assert main(["dev", "fault", "gpu", "c1/b0/r0/m0", "7", "--ecc", *d]) == 2
+    assert "GPUs 0-3" in capsys.readouterr().err
