@@ -78,10 +78,13 @@ VALUES ($1, $2, $3, $4, $5, $6, 'queued', $7, $7, {NOW_EPOCH})
 ON CONFLICT (id) DO NOTHING"""
 JOB = "SELECT * FROM jobs WHERE id = $1"
 JOB_FOR_UPDATE = "SELECT * FROM jobs WHERE id = $1 FOR UPDATE"
+# The newest $3 jobs that match, oldest first.
 LIST_JOBS = """
-SELECT * FROM jobs
-WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
-ORDER BY submit_time, id LIMIT $3"""
+SELECT * FROM (
+    SELECT * FROM jobs
+    WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
+    ORDER BY submit_time DESC, id DESC LIMIT $3) newest
+ORDER BY submit_time, id"""
 ATTEMPTS_OF_JOBS = """
 SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
 FROM allocations WHERE job_id = ANY($1::text[]) ORDER BY job_id, attempt"""
