@@ -56,6 +56,7 @@ def add_job_commands(subparsers) -> None:
     lst = subparsers.add_parser("list", help="list jobs")
     lst.add_argument("--team", default=None)
     lst.add_argument("--state", default=None)
+    lst.add_argument("--limit", type=int, default=1000, help="the newest N jobs that match (default 1000)")
     common(lst)
     lst.set_defaults(func=cmd_list)
 
@@ -201,7 +202,7 @@ def cmd_status(args) -> int:
 
 def cmd_list(args) -> int:
     async def body(client: GpuschedClient) -> int:
-        views = await client.list(team=args.team, state=args.state)
+        views = await client.list(team=args.team, state=args.state, limit=args.limit)
         if args.json:
             print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
         else:

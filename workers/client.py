@@ -165,8 +165,9 @@ class GpuschedClient:
             raise UnknownJob(f"no job '{job_id}'; `gpusched list` shows the jobs")
         return view
 
-    async def list(self, team: str | None = None, state: str | None = None) -> list[JobView]:
-        return await self.store.list_jobs(team=team, state=state)
+    async def list(self, team: str | None = None, state: str | None = None, limit: int = 1000) -> list[JobView]:
+        """The newest ``limit`` jobs that match, oldest first."""
+        return await self.store.list_jobs(team=team, state=state, limit=limit)
 
     # --- changing ---------------------------------------------------------------------------
 
