@@ -46,6 +46,9 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert view["state"] == "succeeded" and view["exit_code"] == 0
     [attempt] = view["attempts"]
     assert {"allocation_id", "gpus", "started_at", "ended_at", "end_reason", "resumed_from"} <= set(attempt)
+    assert main(["logs", "cli-1", *d]) == 0
+    assert "job=cli-1" in capsys.readouterr().out
+    assert main(["logs", "cli-1", "--attempt", "2", *d]) == 2
     assert main(["status", "nope", *d]) == 2
     assert "no job 'nope'" in capsys.readouterr().err
     assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0

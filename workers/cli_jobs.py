@@ -60,6 +60,12 @@ def add_job_commands(subparsers) -> None:
     common(lst)
     lst.set_defaults(func=cmd_list)
 
+    logs = subparsers.add_parser("logs", help="a job's output, per attempt (agents on this machine)")
+    logs.add_argument("job_id")
+    logs.add_argument("--attempt", type=int, default=None, help="default: the last attempt")
+    logs.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
+    logs.set_defaults(func=cmd_logs)
+
     cancel = subparsers.add_parser("cancel", help="cancel a job (a running one is stopped with its grace period)")
     cancel.add_argument("job_id")
     common(cancel, json_flag=False)
@@ -315,6 +321,34 @@ def cmd_cluster_list(args) -> int:
             for c in clusters:
                 print(f"{c['name']:<10} machine timeout {c['machine_timeout']:g} s  cycle {c['cycle_seq']}  "
                       f"policy overrides {json.dumps(c['policy'])}")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_logs(args) -> int:
+    """Print an attempt's log. Agents write them on their own machines, under
+    ``<data dir>/jobs/<agent>/<job>/attempt-<n>.log``: here that is every agent of the embedded
+    stack; on a real fleet, run this on the machine (or read the file there)."""
+    from workers.settings import default_data_dir
+
+    async def body(client: GpuschedClient) -> int:
+        view = await client.status(args.job_id)
+        if not view.attempts:
+            raise ClientError(f"job {args.job_id} has not run yet ({view.state})")
+        attempt = args.attempt or view.attempts[-1].attempt
+        if attempt not in [a.attempt for a in view.attempts]:
+            raise ClientError(f"job {args.job_id} has attempts {', '.join(str(a.attempt) for a in view.attempts)}",
+                              "attempt")
+        root = args.data_dir or default_data_dir()
+        logs = sorted(Path(root).glob(f"jobs/*/{args.job_id}/attempt-{attempt}.log"))
+        if not logs:
+            raise ClientError(f"no log of attempt {attempt} under {root}/jobs: it is on the machine that ran it "
+                              f"({', '.join(view.attempts[attempt - 1].gpus)})")
+        for log in logs:  # one per machine of a gang
+            if len(logs) > 1:
+                print(f"==> {log} <==")
+            sys.stdout.write(log.read_text(errors="replace"))
         return 0
 
     return _run(args, body)
