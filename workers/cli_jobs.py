@@ -170,6 +170,8 @@ def cmd_submit(args) -> int:
         else:
             where = "placed" if sub.position == 0 else f"position {sub.position} in the queue"
             print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {sub.estimated_start or 'unknown'}")
+            if client.history_url(sub.job_id):
+                print(f"  history: {client.history_url(sub.job_id)}")
         return 0
 
     return _run(args, body)
@@ -200,7 +202,12 @@ def _print_view(view: JobView) -> None:
 def cmd_status(args) -> int:
     async def body(client: GpuschedClient) -> int:
         view = await client.status(args.job_id)
-        print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
+        if args.json:
+            print(view.model_dump_json(indent=2))
+        else:
+            _print_view(view)
+            if client.history_url(view.job_id):
+                print(f"  history: {client.history_url(view.job_id)}")
         return 0
 
     return _run(args, body)

@@ -12,6 +12,7 @@ client checks first too, so that a refusal comes back at once as ``SubmitRefused
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from pydantic import BaseModel
@@ -87,6 +88,14 @@ class GpuschedClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def history_url(self, job_id: str) -> str | None:
+        """The job's workflow in the Temporal UI, where its whole history is."""
+        ui = self.settings.temporal_ui_url
+        if not ui:
+            return None
+        workflow_id = self.settings.task_queue_prefix + job_workflow_id(job_id)
+        return f"{ui.rstrip('/')}/namespaces/{self.settings.temporal_namespace}/workflows/{workflow_id}"
+
     def _handle(self, job_id: str):
         return self.temporal.get_workflow_handle(self.settings.task_queue_prefix + job_workflow_id(job_id),
                                                  result_type=JobOutcome)
@@ -146,8 +155,9 @@ class GpuschedClient:
         while view.state == "queued" and view.position is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
             view = await self.status(view.job_id)
-        if view.state != "queued":
-            return 0, view.attempts[-1].started_at if view.attempts else None
+        if view.state != "queued":  # placed already: it starts as its agent launches it
+            started = view.attempts[-1].started_at if view.attempts else None
+            return 0, started or iso(time.time())
         if view.position is not None:
             return view.position, view.estimated_start
         # No cycle yet (the loop is busy or restarting): the same core on a read-only snapshot.

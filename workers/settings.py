@@ -16,6 +16,7 @@ embedded stack's ``stack.json`` (written by ``gpusched dev up`` into its data di
 | GPUSCHED_S3_ACCESS_KEY/SECRET_KEY | credentials                                    |
 | GPUSCHED_S3_REGION              | region (us-east-1)                               |
 | GPUSCHED_API_URL                | http://host:port of the HTTP API                 |
+| GPUSCHED_TEMPORAL_UI_URL        | the Temporal UI, for links to job histories      |
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Settings(BaseModel):
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
     api_url: str = "http://127.0.0.1:8080"
+    temporal_ui_url: str | None = None  # where people read job histories, when there is a UI
     # Task queue names are prefixed so that several stacks (parallel test runs) can share one
     # Temporal server; empty in production.
     task_queue_prefix: str = ""
@@ -77,6 +79,7 @@ _ENV = {
     "s3_secret_key": "GPUSCHED_S3_SECRET_KEY",
     "s3_region": "GPUSCHED_S3_REGION",
     "api_url": "GPUSCHED_API_URL",
+    "temporal_ui_url": "GPUSCHED_TEMPORAL_UI_URL",
     "task_queue_prefix": "GPUSCHED_TASK_QUEUE_PREFIX",
 }
 
@@ -87,7 +90,10 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     values: dict[str, object] = {}
     stack = (data_dir or default_data_dir()) / STACK_FILE
     if stack.exists():
-        values.update(json.loads(stack.read_text()).get("settings", {}))
+        state = json.loads(stack.read_text())
+        values.update(state.get("settings", {}))
+        if state.get("temporal_ui_url"):
+            values.setdefault("temporal_ui_url", state["temporal_ui_url"])
     for field, var in _ENV.items():
         if os.environ.get(var):
             values[field] = os.environ[var]
