@@ -79,8 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     with tempfile.TemporaryDirectory(prefix="gpusched-bench-") as tmp:
-        up = devstack.up(Path(tmp) / "stack", machines=0, workers=False, ui=False, fast=True)
         try:
+            up = devstack.up(Path(tmp) / "stack", machines=0, workers=False, ui=False, fast=True)
             figures = asyncio.run(measure(up.settings, sizes, args.count))
         finally:
             devstack.down(Path(tmp) / "stack")

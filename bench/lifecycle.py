@@ -75,15 +75,16 @@ async def throughput(client: GpuschedClient, jobs: int, concurrency: int) -> dic
 
 
 def on_stack(data_dir: Path, machines: int, gpus: int, body) -> dict:
-    """Run ``body(client)`` on a fresh embedded stack (its own servers), then stop the stack."""
-    up = devstack.up(data_dir, machines=machines, gpus_per_machine=gpus, ui=False, fast=True)
-
-    async def run() -> dict:
-        async with await GpuschedClient.connect(up.settings) as client:
-            await client.set_quota("bench", Quota(guaranteed=0))
-            return await body(client)
-
+    """Run ``body(client)`` on a fresh embedded stack (its own servers), then stop the stack,
+    also what a failed start left running."""
     try:
+        up = devstack.up(data_dir, machines=machines, gpus_per_machine=gpus, ui=False, fast=True)
+
+        async def run() -> dict:
+            async with await GpuschedClient.connect(up.settings) as client:
+                await client.set_quota("bench", Quota(guaranteed=0))
+                return await body(client)
+
         return asyncio.run(run())
     finally:
         devstack.down(data_dir)
