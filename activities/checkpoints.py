@@ -37,13 +37,17 @@ def object_uri(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 
 
-def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | None, region: str):
+def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | None,
+              region: str = "us-east-1"):
+    """A boto3 S3 client with path-style addressing (what SeaweedFS and most on-premise stores
+    want); a short connect timeout, so an unreachable store fails fast."""
     import boto3
     from botocore.config import Config
 
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key,
                         aws_secret_access_key=secret_key, region_name=region,
-                        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
+                        config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=30,
+                                      retries={"max_attempts": 3}))
 
 
 class CheckpointCommitter:

@@ -12,6 +12,8 @@ from temporalio.common import WorkflowIDConflictPolicy
 from activities.checkpoints import checkpoint_uri, object_uri
 from activities.store import Store
 from workflows.types import (
+    CONTROL_TASK_QUEUE,
+    SCHEDULER_WORKFLOW,
     Abandoned,
     Admission,
     AttemptGrant,
@@ -91,8 +93,6 @@ async def wake_scheduler(client: Client, cluster: str, prefix: str = "", reason:
                          loop: SchedulerInput | None = None) -> None:
     """Signal the cluster's scheduler, starting it if it is not running (signal-with-start);
     ``loop`` gives the tick and continue-as-new settings a newly started loop runs with."""
-    from workflows.types import CONTROL_TASK_QUEUE, SCHEDULER_WORKFLOW
-
     settings = loop or SchedulerInput(cluster=cluster)
     await client.start_workflow(
         SCHEDULER_WORKFLOW,

@@ -34,9 +34,7 @@ INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx)
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
-SET_GPU_HEALTH = """
-UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2
-RETURNING (SELECT healthy FROM gpus g WHERE g.machine_id = $1 AND g.idx = $2) AS was_healthy"""
+SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
 LIVE_ALLOCATIONS_ON_MACHINE = """
 SELECT DISTINCT h.allocation_id FROM gpu_holds h
 WHERE h.machine_id = $1 AND upper_inf(h.held)"""
@@ -85,12 +83,9 @@ SELECT * FROM (
     WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
     ORDER BY submit_time DESC, id DESC LIMIT $3) newest
 ORDER BY submit_time, id"""
-ATTEMPTS_OF_JOBS = """
+ATTEMPTS = """
 SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
 FROM allocations WHERE job_id = ANY($1::text[]) ORDER BY job_id, attempt"""
-JOB_ATTEMPTS = """
-SELECT id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
-FROM allocations WHERE job_id = $1 ORDER BY attempt"""
 SET_PRIORITY = f"""
 UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),
     updated_at = {NOW_EPOCH}
@@ -114,7 +109,8 @@ ALLOCATION = "SELECT * FROM allocations WHERE id = $1"
 LIVE_ALLOCATIONS_OF_JOB = "SELECT id FROM allocations WHERE job_id = $1 AND state <> 'ended'"
 START_ATTEMPT = f"""
 UPDATE allocations SET state = 'running', started_at = {NOW_EPOCH}, version = version + 1
-WHERE id = $1 AND job_id = $2 AND state = 'placed'"""
+WHERE id = $1 AND job_id = $2 AND state = 'placed'
+RETURNING attempt"""
 MARK_JOB_RUNNING = f"""
 UPDATE jobs SET state = 'running', attempts = $2, position = NULL, estimated_start = NULL,
     pending_reason = NULL, updated_at = {NOW_EPOCH}
@@ -133,7 +129,8 @@ WHERE allocation_id = $1 AND upper_inf(held)"""
 
 # Taken first in the cycle's transaction: cycles of one cluster run one at a time, and a cycle
 # whose number is not the next one commits nothing.
-LOCK_CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHERE name = $1 FOR UPDATE"
+CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHERE name = $1"
+LOCK_CLUSTER = CLUSTER + " FOR UPDATE"
 SNAPSHOT_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        coalesce(m.last_heartbeat >= {NOW_EPOCH} - $2, false) AS reachable,

@@ -224,17 +224,19 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
         known = ", ".join(sorted(by_cluster)) or "none"
         return refuse("cluster", f"unknown cluster '{request.cluster}' (known: {known})")
     candidates = [request.cluster] if request.cluster else sorted(by_cluster)
-    reasons = []
+    reasons, fields = [], set()
     for name in candidates:
         why_not = _why_it_cannot_fit(request, by_cluster[name])
         if why_not is None:
             return Admission(accepted=True, job_id=request.job_id, cluster=name, reason="accepted")
-        reasons.append(f"{name}: {why_not}")
-    field = "gpu_type" if request.gpu_type and "type" in " ".join(reasons) else "num_gpus"
+        fields.add(why_not[0])
+        reasons.append(f"{name}: {why_not[1]}")
+    field = "gpu_type" if "gpu_type" in fields else "num_gpus"
     return refuse(field, "no cluster can ever host this job (" + "; ".join(reasons or ["no machines"]) + ")")
 
 
-def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> str | None:
+def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> tuple[str, str] | None:
+    """(the request field at fault, why) when no machine of the cluster can ever host the job."""
     has_inference = any(m["partition"] == INFERENCE_PARTITION for m in machines)
     usable = [
         m for m in machines
@@ -243,7 +245,9 @@ def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> str | None:
         and ((m["partition"] == INFERENCE_PARTITION) == (request.kind == JobKind.inference and has_inference))
     ]
     if not usable:
-        return f"no machine with GPU type {request.gpu_type}" if request.gpu_type else "no machine of its kind"
+        if request.gpu_type:
+            return "gpu_type", f"no machine with GPU type {request.gpu_type}"
+        return "kind", "no machine of its kind"
     largest = max(m["gpus"] for m in usable)
     blocks: dict[str, int] = defaultdict(int)
     for m in usable:
@@ -251,9 +255,9 @@ def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> str | None:
     topology = request.topology or (Topology.machine if request.num_gpus <= largest else Topology.block)
     n = request.num_gpus
     if topology == Topology.machine and n > largest:
-        return f"needs {n} GPUs on one machine; the largest has {largest}"
+        return "num_gpus", f"needs {n} GPUs on one machine; the largest has {largest}"
     if topology == Topology.block and n > max(blocks.values()):
-        return f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
+        return "num_gpus", f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
     if n > sum(blocks.values()):
-        return f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
+        return "num_gpus", f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
     return None

@@ -112,8 +112,7 @@ class Store:
             if not await conn.fetchval(q.MACHINE_EXISTS, machine_id):
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
             await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid)
-            for g in gpus:
-                await conn.execute(q.SET_GPU_HEALTH, machine_id, g.index, g.healthy, g.faults)
+            await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])
             return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]
 
     async def configure_cluster(self, cluster: str, policy: dict | None = None,
@@ -174,7 +173,7 @@ class Store:
             job = await conn.fetchrow(q.JOB, job_id)
             if job is None:
                 return None
-            return rows.job_view(job, await conn.fetch(q.JOB_ATTEMPTS, job_id),
+            return rows.job_view(job, await conn.fetch(q.ATTEMPTS, [job_id]),
                                  await conn.fetch(q.JOB_CHECKPOINTS, job_id))
 
     async def list_jobs(self, team: str | None = None, state: str | None = None,
@@ -182,7 +181,7 @@ class Store:
         async with self.pool.acquire() as conn:
             jobs = await conn.fetch(q.LIST_JOBS, team, state, limit)
             attempts: dict[str, list] = {}
-            for a in await conn.fetch(q.ATTEMPTS_OF_JOBS, [j["id"] for j in jobs]):
+            for a in await conn.fetch(q.ATTEMPTS, [j["id"] for j in jobs]):
                 attempts.setdefault(a["job_id"], []).append(a)
             return [rows.job_view(j, attempts.get(j["id"], [])) for j in jobs]
 
@@ -191,7 +190,7 @@ class Store:
         return await self.pool.fetchval(q.TEAM_WAITING_JOBS, team)
 
     async def attempts(self, job_id: str) -> list[AttemptView]:
-        return [rows.attempt_view(r) for r in await self.pool.fetch(q.JOB_ATTEMPTS, job_id)]
+        return [rows.attempt_view(r) for r in await self.pool.fetch(q.ATTEMPTS, [job_id])]
 
     async def set_priority(self, job_id: str, priority: str) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
@@ -213,7 +212,8 @@ class Store:
         complete checkpoint to resume from or None). Launch is False when the allocation is not
         this job's live placement (a duplicate or stale signal): nothing is launched."""
         async with self.pool.acquire() as conn, conn.transaction():
-            if await conn.execute(q.START_ATTEMPT, allocation_id, job_id) != "UPDATE 1":
+            attempt = await conn.fetchval(q.START_ATTEMPT, allocation_id, job_id)
+            if attempt is None:
                 row = await conn.fetchrow(q.ALLOCATION, allocation_id)
                 # Acknowledged before (the activity ran twice): still the job's to run, from the
                 # checkpoint chosen the first time.
@@ -222,7 +222,6 @@ class Store:
                 if row["resumed_from"] is None:
                     return True, None
                 return True, dict(await conn.fetchrow(q.CHECKPOINT, job_id, row["resumed_from"]))
-            attempt = (await conn.fetchrow(q.ALLOCATION, allocation_id))["attempt"]
             latest = await conn.fetchrow(q.LATEST_COMPLETE_CHECKPOINT, job_id)
             if latest is not None:
                 await conn.execute(q.SET_RESUMED_FROM, allocation_id, latest["seq"], latest["work_seconds"] or 0.0)
@@ -339,7 +338,7 @@ class Store:
     async def snapshot(self, cluster: str) -> Snapshot:
         """A read-only snapshot (for previews: a queue position and ETA right after submit)."""
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            lock = await conn.fetchrow(q.LOCK_CLUSTER.replace(" FOR UPDATE", ""), cluster)
+            lock = await conn.fetchrow(q.CLUSTER, cluster)
             if lock is None:
                 raise StoreError(f"unknown cluster '{cluster}'")
             return await self._snapshot(conn, cluster, lock, await conn.fetchval(q.NOW))

@@ -23,18 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.checkpoints import CheckpointCommitter, checkpoint_prefix  # noqa: E402
+from activities.checkpoints import CheckpointCommitter, checkpoint_prefix, s3_client  # noqa: E402
 from activities.store import GpuReport, Store  # noqa: E402
-from bench.lifecycle import percentile  # noqa: E402
+from scheduler.sim.report import percentile  # noqa: E402
 from scheduler.cycle import run_cycle  # noqa: E402
 from scheduler.models import Machine, Quota  # noqa: E402
-from workers import devstack, servers  # noqa: E402
+from workers import devstack  # noqa: E402
 from workflows.types import CheckpointReport, EndReason, JobRequest, JobState  # noqa: E402
 
 
 async def measure(settings, sizes_mb: list[int], count: int) -> dict:
     store = await Store.connect(settings.pg_dsn)
-    s3 = servers.s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+    s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
     committer = CheckpointCommitter(store, s3, settings.s3_bucket)
     machine = Machine(id="c1/b0/r0/m0", cluster="c1", block="b0", rack="r0", gpus=1, gpu_type="H100")
     await store.register_fleet("c1", [machine])

@@ -45,6 +45,7 @@ from scheduler.models import (
     Snapshot,
     Topology,
 )
+from scheduler.sim.report import percentile
 
 FLEET = ROOT / "examples" / "fleet-seed.yaml"
 NOW = 1_700_000_000.0  # an epoch second, as the live system would use
@@ -243,15 +244,6 @@ def build_snapshot(seed: int, span: float, estimate: bool = True) -> Snapshot:
     # The live loop estimates start times every cycle; --no-estimate shows the cost without them.
     return Snapshot(cluster=machines[0].cluster, now=NOW, machines=tuple(machines), running=tuple(running),
                     queue=tuple(queue), quotas=quotas, earmarks=tuple(earmarks), estimate=estimate)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    xs = sorted(xs)
-    rank = q / 100 * (len(xs) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
 
 
 def describe(snapshot: Snapshot) -> str:

@@ -27,16 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.models import Quota  # noqa: E402
+from scheduler.sim.report import percentile  # noqa: E402
 from workers import devstack  # noqa: E402
 from workers.client import GpuschedClient  # noqa: E402
 from workflows.types import JobRequest  # noqa: E402
 
 STAMP = "import time; print('RAN', time.time(), flush=True); time.sleep(float(__import__('sys').argv[1]))"
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 async def handoffs(client: GpuschedClient, data_dir: Path, count: int) -> dict:

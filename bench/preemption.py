@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lifecycle import on_stack, percentile  # noqa: E402
+from bench.lifecycle import on_stack  # noqa: E402
+from scheduler.sim.report import percentile  # noqa: E402
 from scheduler.models import Priority  # noqa: E402
 from workers.client import GpuschedClient  # noqa: E402
 from workflows.types import JobRequest  # noqa: E402

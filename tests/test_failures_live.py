@@ -4,7 +4,6 @@ lost, none runs twice, and a zombie's checkpoint is never committed."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import time
@@ -13,6 +12,7 @@ import pytest
 
 from live.jobs import example_job
 from workers import devices, devstack
+from workers.servers import pid_alive
 from workers.settings import machine_component
 
 pytestmark = pytest.mark.live
@@ -23,19 +23,6 @@ MACHINE_TIMEOUT = 3.0
 
 def machine_of(gpu_path: str) -> str:
     return gpu_path.rsplit("/", 1)[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is not running.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_dead_agents_job_resumes_elsewhere_from_its_last_checkpoint_and_the_returning_agent_kills_the_zombie(stack):
@@ -58,12 +45,12 @@ def test_a_dead_agents_job_resumes_elsewhere_from_its_last_checkpoint_and_the_re
     assert second.resumed_from == max(c.seq for c in view.checkpoints if c.complete and c.allocation_id
                                       == attempt.allocation_id)
     assert moved_in <= HEARTBEAT_TIMEOUT + 5, moved_in  # the heartbeat timeout plus a cycle or two
-    assert alive(orphan)  # nobody could stop it while its agent was dead: a zombie writer
+    assert pid_alive(orphan)  # nobody could stop it while its agent was dead: a zombie writer
     s.until(lambda: list(s.data_dir.glob(f"jobs/{machine_component(machine)}/durable/reports-1/checkpoint-*.json"))
             and _unanswered(s.data_dir, machine), timeout=20)
 
     devstack.up(s.data_dir)  # the agent comes back: it kills the orphan before taking work
-    s.until(lambda: not alive(orphan), timeout=20)
+    s.until(lambda: not pid_alive(orphan), timeout=20)
     refused = s.until(lambda: [c for c in s.status("durable").checkpoints
                                if c.allocation_id == attempt.allocation_id and not c.complete], timeout=20)
     assert "no longer the job's current one" in refused[0].reason

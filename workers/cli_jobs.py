@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings
-from workflows.types import JobRequest, JobView
+from workflows.types import JobRequest, JobView, first_error
 
 EXIT_REFUSED = 2
 EXIT_UNREACHABLE = 1
@@ -148,10 +148,9 @@ def _request(args) -> JobRequest:
             kind=args.kind, cluster=args.cluster, env=env,
         )
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "job"
+        field, message = first_error(e)
         names = {"num_gpus": "--gpus", "command": "the command after --", "job_id": "--job-id"}
-        raise ClientError(f"{err['msg']} (give {names.get(field, '--' + field.replace('_', '-'))} a valid value)",
+        raise ClientError(f"{message} (give {names.get(field, '--' + field.replace('_', '-'))} a valid value)",
                           field) from None
 
 
@@ -262,7 +261,7 @@ def cmd_quota_set(args) -> int:
     try:
         quota = Quota(guaranteed=args.guaranteed, max=args.max, queue_cap=args.queue_cap)
     except ValidationError as e:
-        print(f"error: {e.errors()[0]['msg']}", file=sys.stderr)
+        print(f"error: {first_error(e)[1]}", file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
@@ -308,8 +307,8 @@ def cmd_cluster_set(args) -> int:
         try:
             policy = PolicyConfig(**merged)
         except ValidationError as e:
-            err = e.errors()[0]
-            raise ClientError(f"{err['msg']}", ".".join(str(p) for p in err["loc"])) from None
+            field, message = first_error(e)
+            raise ClientError(message, field) from None
         overrides = {k: getattr(policy, k) for k in merged}
         await client.store.configure_cluster(args.cluster, policy=overrides, machine_timeout=args.machine_timeout)
         print(f"{args.cluster}: {json.dumps(overrides)}"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from scheduler.models import Priority, Quota
 from workers.client import GpuschedClient
-from workers.settings import load_settings
+from workers.settings import default_data_dir, load_settings
 from workflows.types import JobRequest
 
 STEP_SECONDS = 0.5
@@ -103,7 +103,7 @@ async def run(data_dir: Path | None, scale: float) -> int:
 
 
 def _log(data_dir: Path | None, job_id: str, attempt: int) -> str:
-    root = data_dir or Path.home() / ".gpusched"
+    root = data_dir or default_data_dir()
     return "".join(p.read_text() for p in root.glob(f"jobs/*/{job_id}/attempt-{attempt}.log"))
 
 

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
+from activities.checkpoints import s3_client
+
 HOST = "127.0.0.1"
 PG_USER = "embedded_postgres"  # the system user Postgres runs as when we are root
 BUCKET = "gpusched-checkpoints"
@@ -568,18 +570,6 @@ def s3_credentials(data_dir: Path) -> tuple[str, str]:
     path.touch(mode=0o600)
     path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
     return access, secret
-
-
-def s3_client(endpoint: str, access_key: str, secret_key: str, region: str = "us-east-1"):
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-        region_name=region,
-        config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=30,
-                      retries={"max_attempts": 2}),
-    )
 
 
 def start_s3(data_dir: Path, *, ports: dict[str, int] | None = None, bucket: str = BUCKET,

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue
+
 STACK_FILE = "stack.json"
 
 
@@ -56,13 +58,9 @@ class Settings(BaseModel):
 
     @property
     def control_task_queue(self) -> str:
-        from workflows.types import CONTROL_TASK_QUEUE
-
         return self.task_queue_prefix + CONTROL_TASK_QUEUE
 
     def agent_task_queue(self, machine_id: str) -> str:
-        from workflows.types import agent_task_queue
-
         return self.task_queue_prefix + agent_task_queue(machine_id)
 
 

