@@ -289,20 +289,28 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
                 for i, count in cap.machines_of(job):
                     state.ending_soon[i] = state.ending_soon.get(i, 0) + count
     pools = cap.eligible_pools(spec)
-    machines = [i for p in pools for i in p.members if i not in avoid]
-    n = spec.num_gpus
-    ending = state.ending_soon
-    if not any(i in ending for i in machines):
+    pool_of = cap.pool_of
+    # Only machines with a job ending soon or a free GPU can add anything: on a busy cluster
+    # that is a handful, not the fleet.
+    ending = [(i, count) for i, count in state.ending_soon.items() if i not in avoid and pool_of[i] in pools]
+    if not ending:
         return False
-    soon = {i: len(cap.free[i]) + ending.get(i, 0) for i in machines}
+    n = spec.num_gpus
+    free = cap.free
     topology = placement.resolved_topology(cap, spec)
     if topology == Topology.machine:
-        return any(v >= n for i, v in soon.items() if i in ending)
+        return any(len(free[i]) + count >= n for i, count in ending)
+    soon: dict[int, int] = {i: count for i, count in ending}
+    for pool in pools:
+        for bucket in pool.buckets[1:]:
+            for i in bucket:
+                if i not in avoid:
+                    soon[i] = soon.get(i, 0) + len(free[i])
     if topology == Topology.block:
         per_block: dict[str, int] = {}
+        block_of = cap.block_of
         for i, v in soon.items():
-            block = cap.machines[i].block
-            per_block[block] = per_block.get(block, 0) + v
+            per_block[block_of[i]] = per_block.get(block_of[i], 0) + v
         return any(v >= n for v in per_block.values())
     return sum(soon.values()) >= n
 

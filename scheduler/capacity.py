@@ -23,7 +23,7 @@ class PoolKey(NamedTuple):
     gpus: int
 
 
-@dataclass
+@dataclass(eq=False)  # a pool is itself: compared by identity, fast in `in` tests
 class Pool:
     key: PoolKey
     members: list[int] = field(default_factory=list)
@@ -47,6 +47,8 @@ class Layout:
     machines: list[Machine]
     index: dict[str, int]
     healthy: list[tuple[int, ...]]  # sorted
+    healthy_mask: list[int]  # the same, as bit masks
+    blocks: list[str]  # distinct, in machine order
     pools: dict[PoolKey, list[int]]
     pool_key: list[PoolKey]
     block_of: list[str]
@@ -76,6 +78,8 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         machines=usable,
         index={m.id: i for i, m in enumerate(usable)},
         healthy=[tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
+        healthy_mask=[sum(1 << g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
+        blocks=list(dict.fromkeys(m.block for m in usable)),
         pools=pools,
         pool_key=pool_key,
         block_of=[m.block for m in usable],
@@ -88,18 +92,28 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
     return layout
 
 
-_job_gpus: dict[int, tuple[RunningJob, Layout, list[tuple[int, list[int]]], bool]] = {}
+class Grouping(NamedTuple):
+    """A running job's GPUs by machine index, in the forms the cycle reads them."""
+
+    job: RunningJob
+    layout: Layout
+    by_machine: list[tuple[int, list[int]]]  # (machine, its GPUs held by the job)
+    counts: list[tuple[int, int]]  # (machine, how many of its GPUs)
+    masks: list[tuple[int, int]]  # (machine, its GPUs held, as a bit mask)
+    complete: bool  # every GPU is on a usable machine
 
 
-def _grouped(layout: Layout, job: RunningJob) -> tuple[RunningJob, Layout, list[tuple[int, list[int]]], bool]:
-    """A running job's GPUs grouped by machine index, and whether all of them are on usable
-    machines; remembered per job object and layout.
+_job_gpus: dict[int, Grouping] = {}
+
+
+def _grouped(layout: Layout, job: RunningJob) -> Grouping:
+    """A running job's GPUs grouped by machine index; remembered per job object and layout.
 
     Running jobs are immutable and live for many cycles; grouping their GPUs once instead of
     every cycle is most of the cost of building the capacity. Remembered by identity, so a
     changed job (a new object) is always grouped afresh."""
     found = _job_gpus.get(id(job))
-    if found is not None and found[0] is job and found[1] is layout:
+    if found is not None and found.job is job and found.layout is layout:
         return found
     grouped: dict[int, list[int]] = {}
     for machine_id, gpu in job.gpus:
@@ -108,13 +122,14 @@ def _grouped(layout: Layout, job: RunningJob) -> tuple[RunningJob, Layout, list[
             grouped.setdefault(i, []).append(gpu)
     if len(_job_gpus) > 100_000:
         _job_gpus.clear()
-    entry = (job, layout, list(grouped.items()), sum(map(len, grouped.values())) == len(job.gpus))
+    entry = Grouping(
+        job, layout, list(grouped.items()),
+        [(i, len(gpus)) for i, gpus in grouped.items()],
+        [(i, sum(1 << g for g in set(gpus))) for i, gpus in grouped.items()],
+        sum(map(len, grouped.values())) == len(job.gpus),
+    )
     _job_gpus[id(job)] = entry
     return entry
-
-
-def _gpus_by_machine(layout: Layout, job: RunningJob) -> list[tuple[int, list[int]]]:
-    return _grouped(layout, job)[2]
 
 
 def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[RunningJob]) -> bool:
@@ -123,7 +138,24 @@ def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[Runni
     layout = _layout_of(machines)
     if not layout.all_healthy:
         return False
-    return all(_grouped(layout, job)[3] for job in running)
+    for job in running:
+        found = _job_gpus.get(id(job))
+        if found is None or found.job is not job or found.layout is not layout:
+            found = _grouped(layout, job)
+        if not found.complete:
+            return False
+    return True
+
+
+_GPU_LISTS: dict[int, tuple[int, ...]] = {}
+
+
+def _gpus_in(mask: int) -> tuple[int, ...]:
+    """The GPU numbers set in a bit mask, lowest first; remembered (a machine has few masks)."""
+    found = _GPU_LISTS.get(mask)
+    if found is None:
+        found = _GPU_LISTS[mask] = tuple(g for g in range(mask.bit_length()) if mask >> g & 1)
+    return found
 
 
 class Capacity:
@@ -134,34 +166,28 @@ class Capacity:
         layout = self.layout = _layout_of(machines)
         self.machines = layout.machines
         self.index = layout.index
-        self._machines_of: dict[str, list[tuple[int, int]]] = {}
-        taken: dict[int, list[int]] = {}
+        # Held GPUs as bit masks per machine: a full machine is then one comparison, not a set.
+        held: dict[int, int] = {}
         for job in running:
-            for i, gpus in _grouped(layout, job)[2]:
-                if i in taken:
-                    taken[i] = taken[i] + gpus
-                else:
-                    taken[i] = gpus
-        healthy = layout.healthy
-        self.free: list[list[int]] = [list(h) for h in healthy]
-        for i, gpus in taken.items():
-            if len(gpus) >= len(healthy[i]) and set(gpus) >= set(healthy[i]):
-                self.free[i] = []  # a full machine, the common case on a busy cluster
-            else:
-                held = set(gpus)
-                self.free[i] = [g for g in healthy[i] if g not in held]
+            for i, mask in _grouped(layout, job).masks:
+                held[i] = held.get(i, 0) | mask
+        healthy = layout.healthy_mask
+        self.free: list[list[int]] = list(map(list, layout.healthy))
+        for i, mask in held.items():
+            self.free[i] = list(_gpus_in(healthy[i] & ~mask))
+        sizes = list(map(len, self.free))
         self.pools: dict[tuple, Pool] = {}
-        self.pool_of: list[Pool] = []
         for key, members in layout.pools.items():
             pool = self.pools[key] = Pool(key, members, [set() for _ in range(key.gpus + 1)])
+            buckets = pool.buckets
             for i in members:
-                pool.buckets[len(self.free[i])].add(i)
-        self.pool_of = [self.pools[key] for key in layout.pool_key]
+                buckets[sizes[i]].add(i)
+        self.pool_of: list[Pool] = [self.pools[key] for key in layout.pool_key]
         self.block_of = layout.block_of
-        self.block_free: dict[str, int] = {}
-        for i, f in enumerate(self.free):
-            block = self.block_of[i]
-            self.block_free[block] = self.block_free.get(block, 0) + len(f)
+        self.block_free: dict[str, int] = dict.fromkeys(layout.blocks, 0)
+        block_free = self.block_free
+        for block, size in zip(self.block_of, sizes):
+            block_free[block] += size
         self.has_inference_partition = layout.has_inference_partition
         self.gpus_per_machine = layout.gpus_per_machine
         self._eligible: dict[tuple, list[Pool]] = {}
@@ -216,13 +242,8 @@ class Capacity:
         return True
 
     def machines_of(self, job: RunningJob) -> list[tuple[int, int]]:
-        """(machine, GPU count) of a running job's usable GPUs; remembered for the cycle."""
-        found = self._machines_of.get(job.spec.job_id)
-        if found is None:
-            found = self._machines_of[job.spec.job_id] = [
-                (i, len(gpus)) for i, gpus in _gpus_by_machine(self.layout, job)
-            ]
-        return found
+        """(machine, GPU count) of a running job's usable GPUs."""
+        return _grouped(self.layout, job).counts
 
     def slots_on(self, i: int, count: int) -> list[GpuSlot]:
         """The `count` lowest-numbered free GPUs of machine i (neighbours share links)."""
@@ -299,5 +320,4 @@ class Capacity:
         twin.gpus_per_machine = self.gpus_per_machine
         twin._eligible = {}
         twin._terms = {}
-        twin._machines_of = self._machines_of
         return twin

@@ -26,7 +26,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     requeues = health.jobs_to_requeue(snapshot.machines, snapshot.running)
     lost = {r.job_id for r in requeues if not r.graceful}
     leaving = {r.job_id for r in requeues}
-    running = [j for j in snapshot.running if j.spec.job_id not in lost]
+    running = [j for j in snapshot.running if j.spec.job_id not in lost] if lost else list(snapshot.running)
 
     # 2. Capacity
     cap = Capacity(snapshot.machines, running)

@@ -35,18 +35,27 @@ STEP_SHARE = 0.02
 
 @dataclass
 class Release:
-    """GPUs coming back at `at`: a running job's slots, or what the walk itself took."""
+    """GPUs coming back at `at`: a running or just placed job's."""
 
     at: float
     slots: Sequence[GpuSlot]
     team: str
     gpus: int
-    machines: list[tuple[int, int]] | None = None  # (machine, GPU count), filled on first use
-    taken: list[tuple[int, list[int]]] | None = None  # set for jobs the walk started
+    machines: list[tuple[int, int]] | None = None  # (machine, GPU count), when already known
 
 
 def remaining_work(job: QueuedJob) -> float:
     return max(MIN_RUN, job.spec.expected_duration - job.progress)
+
+
+class _Lane:
+    """Jobs of one shape, in queue order: interchangeable for fitting."""
+
+    __slots__ = ("jobs", "n", "team", "limit", "pools", "topology")
+
+    def __init__(self, n: int, team: str, limit: int | None, pools, topology: Topology):
+        self.jobs: deque[tuple[int, QueuedJob, float]] = deque()  # (order, job, remaining work)
+        self.n, self.team, self.limit, self.pools, self.topology = n, team, limit, pools, topology
 
 
 def estimate_starts(
@@ -60,27 +69,33 @@ def estimate_starts(
     max_holds: int,
     horizon: float,
     keep_whole: float = 0.0,
-) -> dict[str, float | None]:
-    """Estimated start per pending job id (None: not within the horizon). Mutates `cap`."""
-    calendar = [(r.at, seq, r) for seq, r in enumerate(releases)]
+) -> dict[str, float]:
+    """Estimated start per pending job id; a job missing from the answer does not start within
+    the horizon. Mutates `cap`."""
+    # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts).
+    calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines) for seq, r in enumerate(releases)]
     heapq.heapify(calendar)
     seq = len(calendar)
-    book: ReleaseBook | None = None  # the calendar per machine, made when a hold is first planned
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
     held = dict(usage.used)
+    block_free = cap.block_free
+    machine_wide = Topology.machine
+    block_wide = Topology.block
 
-    lanes: dict[tuple, deque[tuple[int, QueuedJob]]] = {}
+    lanes: dict[tuple, _Lane] = {}
     total = sum(m.gpus for m in cap.machines)
     for order, job in enumerate(pending):
         s = job.spec
-        pools = cap.eligible_pools(s)
-        largest = max((p.key.gpus for p in pools), default=0)
+        pools, largest, topology = cap.fit_terms(s)
         # A team's maximum only splits a lane when it could ever bind.
         limit = usage.quota(s.team).max
-        team = s.team if limit is not None and limit < total else None
-        key = (s.num_gpus, s.topology_for(largest), tuple(id(p) for p in pools), team)
-        lanes.setdefault(key, deque()).append((order, job))
-    ready = [(lane[0][0], key) for key, lane in lanes.items()]
+        binding = limit is not None and limit < total
+        key = (s.num_gpus, topology, tuple(id(p) for p in pools), s.team if binding else None)
+        lane = lanes.get(key)
+        if lane is None:
+            lane = lanes[key] = _Lane(s.num_gpus, s.team, limit if binding else None, pools, topology)
+        lane.jobs.append((order, job, max(MIN_RUN, s.expected_duration - job.progress)))
+    ready = [(lane.jobs[0][0], key) for key, lane in lanes.items()]
     heapq.heapify(ready)
     blocked: list[tuple] = []
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
@@ -93,11 +108,10 @@ def estimate_starts(
         while ready:
             order, key = heapq.heappop(ready)
             lane = lanes[key]
-            job = lane[0][1]
+            _, job, duration = lane.jobs[0]
             spec = job.spec
-            limit = usage.quota(spec.team).max
-            fits_quota = limit is None or held.get(spec.team, 0) + spec.num_gpus <= limit
-            duration = remaining_work(job)
+            n = lane.n
+            fits_quota = lane.limit is None or held.get(lane.team, 0) + n <= lane.limit
             avoid = NO_AVOID
             if holds:
                 applying = tuple(k for k, (h_order, h) in enumerate(holds)
@@ -107,22 +121,31 @@ def estimate_starts(
                     if avoid is None:
                         avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
             # Cheap test first: most blocked lanes are blocked because too little is free at all.
-            enough = fits_quota and cap.could_fit(spec)
-            picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole) if enough else None
+            picks = None
+            if fits_quota:
+                if lane.topology == machine_wide:
+                    enough = any(p.largest_free() >= n for p in lane.pools)
+                else:
+                    enough = (lane.topology != block_wide or max(block_free.values(), default=0) >= n) and \
+                        cap.total_free(lane.pools) >= n
+                if enough:
+                    picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
             if picks is None:
                 blocked.append(key)
                 if (
                     fits_quota
-                    and spec.num_gpus >= cap.gpus_per_machine
+                    and n >= cap.gpus_per_machine
                     and holds_left > 0
                     and len(holds) < max_holds
                     and t - job.queued_since >= starvation_threshold
                     and all(h_order != order for h_order, _ in holds)
                 ):
-                    if book is None:
-                        book = ReleaseBook(cap, (), t)
-                        for at, _, waiting in calendar:
-                            _enter(cap, book, at, waiting)
+                    # The calendar per machine, made only here: planning is rare (bounded by
+                    # max_holds), releases are many.
+                    book = ReleaseBook(cap, (), t)
+                    for entry in calendar:
+                        for i, count in _counts(cap, entry):
+                            book.by_machine.setdefault(i, []).append((entry[0], count))
                     taken = frozenset(i for _, h in holds for i in h.machines)
                     hold = plan_hold(cap, spec, book, t, taken)
                     holds_left -= 1
@@ -131,18 +154,15 @@ def estimate_starts(
                         avoid_cache.clear()
                 continue
             raw[spec.job_id] = t
-            held[spec.team] = held.get(spec.team, 0) + spec.num_gpus
-            release = Release(t + duration, (), spec.team, spec.num_gpus, picks, cap.take_picks(picks))
-            heapq.heappush(calendar, (release.at, seq, release))
-            if book is not None:
-                _enter(cap, book, release.at, release)
+            held[spec.team] = held.get(spec.team, 0) + n
+            heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks))
             seq += 1
-            if any(o == order for o, _ in holds):
+            if holds and any(o == order for o, _ in holds):
                 holds = [(o, h) for o, h in holds if o != order]
                 avoid_cache.clear()
-            lane.popleft()
-            if lane:
-                heapq.heappush(ready, (lane[0][0], key))
+            lane.jobs.popleft()
+            if lane.jobs:
+                heapq.heappush(ready, (lane.jobs[0][0], key))
         if not ready and (not blocked or not calendar or calendar[0][0] > end):
             break
         # Releases close together are taken as one step: an estimate is good to a minute, or to
@@ -150,46 +170,36 @@ def estimate_starts(
         t = calendar[0][0]
         window = t + max(STEP_FLOOR, STEP_SHARE * (t - now))
         while calendar and calendar[0][0] <= window:
-            t, _, release = heapq.heappop(calendar)
-            if book is not None:
-                _leave(cap, book, release.at, release)
-            if release.taken is not None:
-                cap.give_back(release.taken)
+            t, _, team, gpus, taken, slots, _ = heapq.heappop(calendar)
+            if taken is not None:
+                cap.give_back(taken)
             else:
-                cap.give(release.slots)
-            held[release.team] = held.get(release.team, 0) - release.gpus
+                cap.give(slots)
+            held[team] = held.get(team, 0) - gpus
         # Retry only the lanes that the freed GPUs could possibly serve; the rest stay blocked.
-        total = sum(cap.block_free.values())
+        total = sum(block_free.values())
         largest = max((p.largest_free() for p in cap.pools.values()), default=0)
-        in_block = max(cap.block_free.values(), default=0)
+        in_block = max(block_free.values(), default=0)
         still = []
         for key in blocked:
-            n, topology = key[0], key[1]
-            if n > (largest if topology == Topology.machine else in_block if topology == Topology.block else total):
+            lane = lanes[key]
+            n, topology = lane.n, lane.topology
+            if n > (largest if topology == machine_wide else in_block if topology == block_wide else total):
                 still.append(key)
             else:
-                heapq.heappush(ready, (lanes[key][0][0], key))
+                heapq.heappush(ready, (lane.jobs[0][0], key))
         blocked = still
 
-    return {job.spec.job_id: raw.get(job.spec.job_id) for job in pending}
+    return raw
 
 
-def _counts(cap: Capacity, release: Release) -> list[tuple[int, int]]:
-    if release.machines is None:
-        counts: dict[int, int] = {}
-        for machine_id, _ in release.slots:
-            i = cap.index.get(machine_id)
-            if i is not None:
-                counts[i] = counts.get(i, 0) + 1
-        release.machines = list(counts.items())
-    return release.machines
-
-
-def _enter(cap: Capacity, book: ReleaseBook, at: float, release: Release) -> None:
-    for i, count in _counts(cap, release):
-        book.by_machine.setdefault(i, []).append((at, count))
-
-
-def _leave(cap: Capacity, book: ReleaseBook, at: float, release: Release) -> None:
-    for i, count in _counts(cap, release):
-        book.by_machine[i].remove((at, count))
+def _counts(cap: Capacity, entry: tuple) -> list[tuple[int, int]]:
+    """(machine, GPU count) of a calendar entry's release."""
+    if entry[6] is not None:
+        return entry[6]
+    counts: dict[int, int] = {}
+    for machine_id, _ in entry[5]:
+        i = cap.index.get(machine_id)
+        if i is not None:
+            counts[i] = counts.get(i, 0) + 1
+    return list(counts.items())

@@ -57,10 +57,11 @@ class TeamUsage:
 
 
 def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob]) -> TeamUsage:
-    usage = TeamUsage(quotas, running)
+    used: dict[str, int] = {}
     for job in running:
-        usage.add(job.spec.team, job.spec.num_gpus)
-    return usage
+        spec = job.spec
+        used[spec.team] = used.get(spec.team, 0) + spec.num_gpus
+    return TeamUsage(quotas, running, used)
 
 
 def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:

@@ -16,9 +16,11 @@ passes time.perf_counter); nothing under scheduler/ reads a clock itself.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -156,6 +158,10 @@ class Simulation:
         self.seq += 1
 
     def run(self) -> SimResult:
+        with _few_collections():
+            return self._run()
+
+    def _run(self) -> SimResult:
         until = self.settings.until
         now = self.start
         while self.events:
@@ -490,6 +496,21 @@ class Simulation:
             quotas={k: v for k, v in self.fleet.quotas.items()}, total_gpus=gpus,
             reclaim_latencies=self.reclaim_latencies, start=self.start, end=end,
         )
+
+
+@contextmanager
+def _few_collections():
+    """Each cycle makes and drops thousands of short-lived objects, none of them in reference
+    cycles; with the default thresholds the collector runs every 700 allocations and took about
+    a fifth of a run's time. The trace and fleet, loaded before, are set aside from collection."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def simulate(trace: list[TraceJob], fleet: Fleet, policy: str = "gpusched",
