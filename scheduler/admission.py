@@ -211,7 +211,11 @@ def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float) -> 
     if not holds:
         return placement.NO_AVOID
     ends = now + eta.remaining_work(job)
-    return frozenset(i for h in holds if ends > h.expected_start for i in h.machines)
+    applying = [h.machines for h in holds if ends > h.expected_start]
+    if not applying:
+        return placement.NO_AVOID
+    # One hold (the usual case) is its own answer: the same frozenset, its hash already known.
+    return applying[0] if len(applying) == 1 else frozenset().union(*applying)
 
 
 def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):

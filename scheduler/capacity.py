@@ -52,6 +52,7 @@ class Layout:
     pools: dict[PoolKey, list[int]]
     pool_key: list[PoolKey]
     block_of: list[str]
+    rack_of: list[str]
     has_inference_partition: bool
     gpus_per_machine: int
     all_healthy: bool  # every machine reachable, no sick GPU
@@ -83,6 +84,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         pools=pools,
         pool_key=pool_key,
         block_of=[m.block for m in usable],
+        rack_of=[m.rack for m in usable],
         # Down or not, an inference partition stays one: its jobs wait for it to come back.
         has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
         gpus_per_machine=max((m.gpus for m in usable), default=0),

@@ -103,33 +103,33 @@ def _reserved_whole(pools: Sequence[Pool], n: int, keep_whole: float) -> frozens
 
 
 def _usable(cap: Capacity, pools: Sequence[Pool], avoid: frozenset[int]) -> list[int]:
-    """Machines with a free GPU, in machine order (the buckets skip the full ones quickly)."""
-    found = [i for p in pools for bucket in p.buckets[1:] for i in bucket if i not in avoid]
-    found.sort()
-    return found
+    """Machines with a free GPU (the buckets skip the full ones quickly), in no set order."""
+    return [i for p in pools for bucket in p.buckets[1:] for i in bucket if i not in avoid]
 
 
 def best_block(
     cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int]
 ) -> list[tuple[int, int]] | None:
     """(machine, GPU count) picks inside the one block that hosts n GPUs with least spread."""
+    free, block_of, rack_of = cap.free, cap.block_of, cap.layout.rack_of
     by_block: dict[str, list[int]] = {}
     for i in _usable(cap, pools, avoid):
-        by_block.setdefault(cap.machines[i].block, []).append(i)
+        by_block.setdefault(block_of[i], []).append(i)
     best: tuple[tuple, list[tuple[int, int]]] | None = None
     for machines in by_block.values():
-        block_free = sum(len(cap.free[i]) for i in machines)
+        block_free = sum(len(free[i]) for i in machines)
         if block_free < n:
             continue
         by_rack: dict[str, list[int]] = {}
         for i in machines:
-            by_rack.setdefault(cap.machines[i].rack, []).append(i)
-        options = [greedy_fill(cap, rack, n) for rack in by_rack.values()]
-        options = [o for o in options if o is not None] or [greedy_fill(cap, machines, n)]
+            by_rack.setdefault(rack_of[i], []).append(i)
+        # A rack with too few free GPUs cannot host the job alone: no need to try it.
+        options = [greedy_fill(cap, rack, n) for rack in by_rack.values()
+                   if sum(len(free[i]) for i in rack) >= n]
+        if not options:
+            options = [greedy_fill(cap, machines, n)]
         for picks in options:
-            if picks is None:
-                continue
-            racks = len({cap.machines[i].rack for i, _ in picks})
+            racks = len({rack_of[i] for i, _ in picks})
             score = (racks, len(picks), block_free - n, picks[0][0])
             if best is None or score < best[0]:
                 best = (score, picks)
@@ -138,22 +138,19 @@ def best_block(
 
 def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[int, int]] | None:
     """Fewest machines: the freest first, then best-fit the remainder onto the tightest one."""
-    ordered = sorted(machines, key=lambda i: (-len(cap.free[i]), i))
-    if sum(len(cap.free[i]) for i in ordered) < n:
+    free = cap.free
+    ordered = sorted([(-len(free[i]), i) for i in machines])  # freest first, then machine order
+    if -sum(size for size, _ in ordered) < n:
         return None
     picks: list[tuple[int, int]] = []
     remaining = n
-    for pos, i in enumerate(ordered):
-        free = len(cap.free[i])
-        if free >= remaining:
-            tight = min(
-                (j for j in ordered[pos:] if len(cap.free[j]) >= remaining),
-                key=lambda j: (len(cap.free[j]), j),
-            )
+    for pos, (size, i) in enumerate(ordered):
+        if -size >= remaining:
+            _, tight = min((-size, j) for size, j in ordered[pos:] if -size >= remaining)
             picks.append((tight, remaining))
             return picks
-        picks.append((i, free))
-        remaining -= free
+        picks.append((i, -size))
+        remaining += size
     return None
 
 

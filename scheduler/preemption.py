@@ -85,18 +85,19 @@ def choose_victims(
         return None
     pool_of = cap.pool_of
     topology = resolved_topology(cap, claimant)
-    domain_of = _domain_function(cap, topology, claimant.num_gpus, pools)
-
-    def eligible(i: int) -> bool:
-        return i not in avoid and pool_of[i] in pools
+    domain_of = _domains(cap, topology, claimant.num_gpus, pools)
 
     # What each candidate would free in each domain (only the eligible machines count).
     freed: dict[object, dict[str, int]] = {}
     for job in candidates:
+        job_id = job.spec.job_id
         for i, count in cap.machines_of(job):
-            if eligible(i):
-                per = freed.setdefault(domain_of(i), {})
-                per[job.spec.job_id] = per.get(job.spec.job_id, 0) + count
+            if i not in avoid and pool_of[i] in pools:
+                per = freed.get(domain_of[i])
+                if per is None:
+                    freed[domain_of[i]] = {job_id: count}
+                else:
+                    per[job_id] = per.get(job_id, 0) + count
     if not freed:
         return None
     free_in: dict[object, int] = {}
@@ -104,7 +105,7 @@ def choose_victims(
         for count in range(1, pool.key.gpus + 1):  # only machines with a free GPU add anything
             for i in pool.buckets[count]:
                 if i not in avoid:
-                    domain = domain_of(i)
+                    domain = domain_of[i]
                     free_in[domain] = free_in.get(domain, 0) + count
 
     by_id = {job.spec.job_id: job for job in candidates}
@@ -139,14 +140,14 @@ def choose_victims(
     return None
 
 
-def _domain_function(cap: Capacity, topology: Topology, n: int, pools):
-    """Where the job's GPUs must all be: one machine, one block, or anywhere."""
+def _domains(cap: Capacity, topology: Topology, n: int, pools) -> Sequence:
+    """Where the job's GPUs must all be, per machine index: one machine, one block, or anywhere."""
     largest = max(p.key.gpus for p in pools)
     if topology == Topology.machine or (topology == Topology.any and n <= largest):
-        return lambda i: i
+        return range(len(cap.machines))
     if topology == Topology.block:
-        return lambda i: cap.machines[i].block
-    return lambda i: "cluster"
+        return cap.block_of
+    return ("cluster",) * len(cap.machines)
 
 
 def _placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):

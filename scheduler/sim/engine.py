@@ -16,11 +16,9 @@ passes time.perf_counter); nothing under scheduler/ reads a clock itself.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import math
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +28,7 @@ from scheduler import quotas as quota_rules
 from scheduler.capacity import Capacity
 from scheduler.cycle import run_cycle
 from scheduler.fleet import Fleet
+from scheduler.gc_policy import few_collections
 from scheduler.models import (
     CycleResult,
     Machine,
@@ -158,7 +157,7 @@ class Simulation:
         self.seq += 1
 
     def run(self) -> SimResult:
-        with _few_collections():
+        with few_collections(freeze=True):  # the trace and fleet are loaded: set them aside
             return self._run()
 
     def _run(self) -> SimResult:
@@ -496,21 +495,6 @@ class Simulation:
             quotas={k: v for k, v in self.fleet.quotas.items()}, total_gpus=gpus,
             reclaim_latencies=self.reclaim_latencies, start=self.start, end=end,
         )
-
-
-@contextmanager
-def _few_collections():
-    """Each cycle makes and drops thousands of short-lived objects, none of them in reference
-    cycles; with the default thresholds the collector runs every 700 allocations and took about
-    a fifth of a run's time. The trace and fleet, loaded before, are set aside from collection."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 def simulate(trace: list[TraceJob], fleet: Fleet, policy: str = "gpusched",
