@@ -212,6 +212,12 @@ def ratio_scheme(
     return run
 
 
+def _best_factor(grid: np.ndarray, predicted_over_actual: np.ndarray, q: float) -> float:
+    """The factor on the grid whose q-th percentile of relative error |f·p/a − 1| is lowest."""
+    errs = np.percentile(np.abs(grid[:, None] * predicted_over_actual[None, :] - 1.0), q, axis=1)
+    return float(grid[int(np.argmin(errs))])
+
+
 def erm_scheme(*, last: int | None = None, hours: float | None = None, min_n: int = 5) -> Scheme:
     """factor = the one that would have minimised the metric itself (median relative error over
     recent observations that waited > 10 min)."""
@@ -226,8 +232,7 @@ def erm_scheme(*, last: int | None = None, hours: float | None = None, min_n: in
         x = jobs.p[idx][keep] / jobs.a[idx][keep]
         if len(x) < min_n:
             return p
-        errs = np.median(np.abs(grid[:, None] * x[None, :] - 1.0), axis=1)
-        return p * float(grid[int(np.argmin(errs))])
+        return p * _best_factor(grid, x, 50.0)
 
     return run
 
@@ -249,9 +254,7 @@ def erm_bucket_scheme(*, last: int | None = None, hours: float | None = None, ed
         same = np.array([bisect_left(edges, v) == bisect_left(edges, p) for v in op], dtype=bool)
         for m in (keep & same, keep):
             if m.sum() >= min_n:
-                x = op[m] / oa[m]
-                errs = np.percentile(np.abs(grid[:, None] * x[None, :] - 1.0), q, axis=1)
-                return p * float(grid[int(np.argmin(errs))])
+                return p * _best_factor(grid, op[m] / oa[m], q)
         return p
 
     return run

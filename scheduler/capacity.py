@@ -99,7 +99,6 @@ class Grouping(NamedTuple):
 
     job: RunningJob
     layout: Layout
-    by_machine: list[tuple[int, list[int]]]  # (machine, its GPUs held by the job)
     counts: list[tuple[int, int]]  # (machine, how many of its GPUs)
     masks: list[tuple[int, int]]  # (machine, its GPUs held, as a bit mask)
     complete: bool  # every GPU is on a usable machine
@@ -125,7 +124,7 @@ def _grouped(layout: Layout, job: RunningJob) -> Grouping:
     if len(_job_gpus) > 100_000:
         _job_gpus.clear()
     entry = Grouping(
-        job, layout, list(grouped.items()),
+        job, layout,
         [(i, len(gpus)) for i, gpus in grouped.items()],
         [(i, sum(1 << g for g in set(gpus))) for i, gpus in grouped.items()],
         sum(map(len, grouped.values())) == len(job.gpus),
@@ -140,13 +139,7 @@ def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[Runni
     layout = _layout_of(machines)
     if not layout.all_healthy:
         return False
-    for job in running:
-        found = _job_gpus.get(id(job))
-        if found is None or found.job is not job or found.layout is not layout:
-            found = _grouped(layout, job)
-        if not found.complete:
-            return False
-    return True
+    return all(_grouped(layout, job).complete for job in running)
 
 
 _GPU_LISTS: dict[int, tuple[int, ...]] = {}
@@ -213,7 +206,10 @@ class Capacity:
     def could_fit(self, spec: JobSpec) -> bool:
         """A quick necessary condition for a fit: enough free GPUs in the right places at all."""
         pools, _, topology = self.fit_terms(spec)
-        n = spec.num_gpus
+        return self.has_room(pools, topology, spec.num_gpus)
+
+    def has_room(self, pools: Sequence[Pool], topology: Topology, n: int) -> bool:
+        """`could_fit` for terms already known (the estimate keeps them per lane of jobs)."""
         if topology == Topology.machine:
             return any(p.largest_free() >= n for p in pools)
         if topology == Topology.block and max(self.block_free.values(), default=0) < n:

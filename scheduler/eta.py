@@ -94,7 +94,7 @@ def estimate_starts(
         lane = lanes.get(key)
         if lane is None:
             lane = lanes[key] = _Lane(s.num_gpus, s.team, limit if binding else None, pools, topology)
-        lane.jobs.append((order, job, max(MIN_RUN, s.expected_duration - job.progress)))
+        lane.jobs.append((order, job, remaining_work(job)))
     ready = [(lane.jobs[0][0], key) for key, lane in lanes.items()]
     heapq.heapify(ready)
     blocked: list[tuple] = []
@@ -122,14 +122,8 @@ def estimate_starts(
                         avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
             # Cheap test first: most blocked lanes are blocked because too little is free at all.
             picks = None
-            if fits_quota:
-                if lane.topology == machine_wide:
-                    enough = any(p.largest_free() >= n for p in lane.pools)
-                else:
-                    enough = (lane.topology != block_wide or max(block_free.values(), default=0) >= n) and \
-                        cap.total_free(lane.pools) >= n
-                if enough:
-                    picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
+            if fits_quota and cap.has_room(lane.pools, lane.topology, n):
+                picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
             if picks is None:
                 blocked.append(key)
                 if (
