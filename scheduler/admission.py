@@ -2,7 +2,7 @@
 
 For each job, the first of these that applies decides:
   a. it would take its team over its maximum: it waits;
-  b. it holds an earmark (GPUs promised when it preempted others): it starts on exactly those
+  b. it holds an earmark (GPUs promised when it preempted or was moved): it starts on exactly those
      GPUs once all of them are free, and waits until then;
   c. it fits on free GPUs (bin-packed), leaving alone machines held for a starving job unless it
      will end before that job starts (backfill): it is placed;
@@ -10,9 +10,12 @@ For each job, the first of these that applies decides:
   e. it may displace others: if GPUs free up on their own within the grace period it waits for
      them, else the victims that really let it start are preempted and the GPUs it will get are
      earmarked, so no other job takes them as the victims leave;
-  f. it is a large gang job that has waited past the starvation threshold: it holds the place
+  f. it needs one machine or one block, has waited `consolidation_wait`, and small jobs that can
+     checkpoint could move into idle gaps elsewhere to clear that room: they are moved
+     (consolidation.py), and the room and their new GPUs are earmarked;
+  g. it is a large gang job that has waited past the starvation threshold: it holds the place
      where it fits soonest;
-  g. otherwise it waits, with the reason in words.
+  h. otherwise it waits, with the reason in words.
 Capacity only shrinks during admission, so a shape that found no GPUs (or no victims) is not
 searched again in the same cycle.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler import eta, placement, preemption, reservation
+from scheduler import consolidation, eta, placement, preemption, reservation
 from scheduler.capacity import Capacity
 from scheduler.models import (
     Earmark,
@@ -59,14 +62,17 @@ class Admission:
     # remembered within the cycle
     no_fit: set[tuple] = field(default_factory=set)
     no_victims: set[tuple] = field(default_factory=set)
+    no_moves: set[tuple] = field(default_factory=set)
     searches: int = 0
+    consolidations: int = 0
+    movable: dict[object, dict] = field(default_factory=dict)  # per domain kind: jobs a move may take, by domain
     victim_keys: dict[str, tuple] = field(default_factory=dict)
     exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
-    settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step g
+    settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
 
 
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
@@ -104,7 +110,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
         return
     # c. free GPUs
     avoid = _held_against(job, state.holds, state.now)
-    # A job just like one that already came out at step g, with nothing decided since, fares the
+    # A job just like one that already came out at step h, with nothing decided since, fares the
     # same: it waits for the same reason. This keeps a long queue of blocked jobs cheap.
     starving = state.now - job.queued_since >= state.config.starvation_threshold
     like = (_shape(job), spec.team, spec.priority, avoid, starving, len(state.placed),
@@ -126,10 +132,13 @@ def admit(state: Admission, job: QueuedJob) -> None:
     # e. preemption
     if _preempt_for(state, job, avoid):
         return
-    # f. reservation
+    # f. consolidation
+    if _consolidate_for(state, job, avoid):
+        return
+    # g. reservation
     if _reserve(state, job):
         return
-    # g. wait
+    # h. wait
     reason = _why_waiting(state, job, avoid)
     state.settled[like] = reason
     state.waiting.append((job, reason))
@@ -158,7 +167,8 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
 def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
     cap = state.cap
-    queued = {job.spec.job_id for job in snapshot.queue}
+    # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
+    queued = {job.spec.job_id for job in snapshot.queue} | {j.spec.job_id for j in snapshot.running if j.draining}
     for earmark in snapshot.earmarks:
         if earmark.expires <= snapshot.now or earmark.job_id not in queued:
             continue
@@ -274,6 +284,49 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     names = ", ".join(v.spec.job_id for v in choice.victims)
     state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
                                f"{config.grace_period:.0f} s)"))
+    return True
+
+
+def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
+    cap, now, config, spec = state.cap, state.now, state.config, job.spec
+    key = (_shape(job), avoid)
+    if (
+        state.consolidations >= config.max_consolidations
+        or now - job.queued_since < config.consolidation_wait
+        or key in state.no_moves
+    ):
+        return False
+    kind = consolidation.domain_kind(cap, spec)
+    # Movers only trade places with idle GPUs: with fewer idle than the job needs, none can help.
+    if kind is None or cap.total_free(cap.eligible_pools(spec)) < spec.num_gpus:
+        return False
+    if _frees_up_soon(state, spec, avoid):
+        return False
+    if state.exposed is None:
+        state.exposed = preemption.unprotected(state.running, now, config)
+    movable = state.movable.get(kind)
+    if movable is None:
+        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, state.exposed)
+    state.consolidations += 1
+    plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole)
+    if plan is None:
+        state.no_moves.add(key)
+        return False
+    expires = now + 2 * config.grace_period + 60.0
+    free_now = [(m, g) for m, g in plan.gpus if g in cap.free[cap.index[m]]]
+    cap.take(free_now)
+    state.earmarks[spec.job_id] = Earmark(job_id=spec.job_id, gpus=plan.gpus, expires=expires)
+    state.earmark_free[spec.job_id] = free_now
+    for move in plan.moves:
+        mover = move.job.spec.job_id
+        state.going.add(mover)
+        state.earmarks[mover] = Earmark(job_id=mover, gpus=move.to, expires=expires)
+        state.earmark_free[mover] = list(move.to)
+        state.preemptions.append(Preemption(job_id=mover, for_job=spec.job_id, grace_period=config.grace_period,
+                                            reason=consolidation.move_reason(spec, move), moved_to=move.to))
+    names = ", ".join(move.job.spec.job_id for move in plan.moves)
+    state.waiting.append((job, f"moving {names} elsewhere to make room for it; starts when they have "
+                               f"checkpointed (grace {config.grace_period:.0f} s)"))
     return True
 
 

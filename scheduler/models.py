@@ -179,6 +179,8 @@ class PolicyConfig(Frozen):
     checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
     max_unsaved_run: float = Field(default=900.0, ge=0)  # a job that cannot checkpoint is protected after this
     max_preemption_searches: int = Field(default=16, ge=0)  # per cycle; bounds the cycle's cost
+    consolidation_wait: float = Field(default=300.0, ge=0)  # then small jobs may move for a gang job
+    max_consolidations: int = Field(default=2, ge=0)  # searches per cycle; 0 turns moves off
     eta_horizon: float = Field(default=30 * 86400.0, gt=0)
 
 
@@ -222,6 +224,8 @@ class Preemption(Frozen):
     for_job: str  # the job that needs its GPUs
     reason: str
     grace_period: float
+    # A move (consolidation): the victim restarts at once on these GPUs, earmarked for it.
+    moved_to: tuple[GpuSlot, ...] = ()
 
 
 class Requeue(Frozen):

@@ -131,7 +131,7 @@ def choose_victims(
             options.append(((keys[taken[-1]], at_risk, len(taken)), taken))
     for _, taken in sorted(options, key=lambda o: o[0]):
         victims = tuple(by_id[j] for j in taken)
-        gpus = _placement_without(cap, claimant, victims, avoid)
+        gpus = placement_without(cap, claimant, victims, avoid)
         if gpus is not None:
             # The real placement may not need every victim counted for the place: spare the rest.
             used = set(gpus)
@@ -150,7 +150,7 @@ def _domains(cap: Capacity, topology: Topology, n: int, pools) -> Sequence:
     return ("cluster",) * len(cap.machines)
 
 
-def _placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):
+def placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):
     """Simulate the victims gone, try the real placement, and undo."""
     slots = [slot for v in victims for slot in v.gpus if slot[0] in cap.index]
     slots = [s for s in slots if s[1] not in cap.free[cap.index[s[0]]]]

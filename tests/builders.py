@@ -302,12 +302,14 @@ def after_preemption(snap: Snapshot, result: CycleResult, *, now: float | None =
     victims = {p.job_id: p for p in result.preemptions}
     placed = {p.job_id: p for p in result.placements}
     t = snap.now if now is None else now
-    still = []
+    still, requeued = [], []
     for r in snap.running:
         if r.spec.job_id in lost:
             continue
         if r.spec.job_id in victims:
-            if victims_gone:
+            if victims_gone:  # checkpointed and back in the queue, as the live loop requeues it
+                requeued.append(QueuedJob(spec=r.spec, submit_time=r.submit_time, queued_since=t,
+                                          progress=r.progress_at_start, preemptions=r.preemptions + (snap.now,)))
                 continue
             p = victims[r.spec.job_id]
             r = r.model_copy(update={"draining_until": snap.now + p.grace_period, "preempted_for": p.for_job,
@@ -322,5 +324,6 @@ def after_preemption(snap: Snapshot, result: CycleResult, *, now: float | None =
             still.append(RunningJob(spec=q.spec, submit_time=q.submit_time, gpus=p.gpus, started_at=snap.now,
                                     progress_at_start=q.progress, preemptions=q.preemptions,
                                     checkpoint_phase=p.checkpoint_phase))
+    queue += requeued
     return snap.model_copy(update={"now": t, "running": tuple(still), "queue": tuple(queue),
                                    "earmarks": result.earmarks})

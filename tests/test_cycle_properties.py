@@ -156,6 +156,8 @@ configs = st.builds(
     checkpoint_slot=st.sampled_from([30.0, 60.0, 120.0]),
     max_unsaved_run=st.sampled_from([0.0, 900.0, 1800.0, 3600.0]),
     max_preemption_searches=st.integers(0, 8),
+    consolidation_wait=st.sampled_from([0.0, 300.0, 1800.0]),
+    max_consolidations=st.integers(0, 3),
 )
 
 
@@ -180,6 +182,11 @@ def next_snapshot(snap: Snapshot, result: CycleResult, victims_gone: bool, later
 
 def remaining(q: QueuedJob) -> float:
     return max(MIN_RUN, q.spec.expected_duration - q.progress)
+
+
+def lost_now(snap: Snapshot) -> set[str]:
+    reachable = {m.id for m in snap.machines if m.reachable}
+    return {r.spec.job_id for r in snap.running if any(s[0] not in reachable for s in r.gpus)}
 
 
 def check_cycle(snap: Snapshot, result: CycleResult) -> None:
@@ -267,9 +274,11 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
             assert len({m.block for m in where}) == 1, f"{spec.job_id}: block topology across blocks {gpus}"
 
     # Earmarks passed in that still hold: their GPUs belong to their claimant.
+    # A job being moved keeps the GPUs it restarts on while it drains.
+    moving = {r.spec.job_id for r in snap.running if r.draining and r.spec.job_id not in lost_now(snap)}
     live_in = {}
     for e in snap.earmarks:
-        if e.expires > now and e.job_id in queued and all(usable(s) for s in e.gpus):
+        if e.expires > now and (e.job_id in queued or e.job_id in moving) and all(usable(s) for s in e.gpus):
             live_in[e.job_id] = e
 
     # Placements.
@@ -332,7 +341,13 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         assert pre.grace_period == config.grace_period
         assert pre.for_job in queued and pre.for_job not in {p.job_id for p in result.placements}
         c = queued[pre.for_job].spec
-        if v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
+        if pre.moved_to:  # a move: any class, if it can checkpoint and restarts at once elsewhere
+            assert v.spec.checkpoints, f"{pre.job_id} is moved but cannot checkpoint"
+            fits_shape(v.spec, pre.moved_to)
+            for s in pre.moved_to:
+                assert usable(s) and s not in held_by and s not in taken, f"{pre.job_id} moved onto busy GPU {s}"
+            assert not {m for m, _ in pre.moved_to} & {m for m, _ in v.gpus}, f"{pre.job_id} moved onto its own machine"
+        elif v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
             assert v.spec.team != c.team, f"{pre.job_id} is no valid victim"
             assert team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team), (
                 f"{pre.for_job} reclaims {pre.job_id} though its team would exceed its guarantee")
@@ -364,7 +379,12 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         for r in result.reservations:
             if order[r.job_id] < order[claimant] and {m for m, _ in e.gpus} & set(r.machines):
                 assert ends <= r.expected_start, f"{claimant} earmarked GPUs on {r.job_id}'s reserved machines"
+    moved = {pre.job_id: pre.moved_to for pre in result.preemptions if pre.moved_to}
+    for job_id, to in moved.items():
+        assert job_id in earmarks and earmarks[job_id].gpus == to, f"{job_id} is moved without its GPUs earmarked"
     for e in result.earmarks:
+        if e.job_id in moved or e.job_id in moving:
+            continue
         assert e.job_id in queued and e.job_id not in {p.job_id for p in result.placements}
         assert e.expires > now
 
@@ -401,7 +421,8 @@ def _describe(result: CycleResult, result2: CycleResult) -> None:
         event(f"{label}: placements {min(len(r.placements), 3)}{'+' if len(r.placements) >= 3 else ''}")
         for what, present in (("preemptions", r.preemptions), ("reservations", r.reservations),
                               ("requeues", r.requeues), ("earmarks", r.earmarks),
-                              ("backfills", [p for p in r.placements if p.backfilled])):
+                              ("backfills", [p for p in r.placements if p.backfilled]),
+                              ("moves", [p for p in r.preemptions if p.moved_to])):
             if present:
                 event(f"{label}: has {what}")
     placed_on_earmark = {e.job_id for e in result.earmarks} & {p.job_id for p in result2.placements}

@@ -1,0 +1,164 @@
+"""Consolidation: move a few small jobs so a waiting gang job gets one machine.
+
+Jobs end at random, so the free GPUs of a busy fleet end up scattered: three here, two there,
+none of them enough for a job that needs four GPUs on one machine, while nothing waiting is
+small enough to use them. The gang job waits and the pieces sit idle. Preemption does not help
+when nobody waiting outranks the jobs in the way. A *move* does: a job that can checkpoint is
+stopped with the usual grace period and restarts at once, from that checkpoint, on GPUs that
+were idle elsewhere; the gang job takes the machine it left.
+
+The policy, in the order it is applied:
+  1. Only for a job that needs 2 or more GPUs on one machine, cannot start on free GPUs, may not
+     displace anyone (or found nobody to displace), and has waited `consolidation_wait`.
+  2. Who may be moved: a running job held on that one machine alone, that can checkpoint, is
+     not protected from preemption (minimum runtime, thrash protection), and is of the waiting
+     job's class or lower: a move never interrupts more important work for less important.
+  3. Where: the machine that needs the fewest GPUs moved, then the least work at risk, then the
+     lowest number. Movers are taken lowest class first, then least work at risk.
+  4. Only if it works: every mover must fit *now* on free GPUs of other machines (bin-packed
+     like any placement, never on machines held for a reservation). Those GPUs are earmarked
+     for the mover, as the gang job's are for it, so nobody takes them while it checkpoints.
+  5. A move counts as a preemption: the mover's thrash protection and the preemption figures
+     include it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from scheduler import placement
+from scheduler.preemption import placement_without
+from scheduler.capacity import Capacity
+from scheduler.models import GpuSlot, JobSpec, RunningJob, Topology
+
+
+@dataclass(frozen=True)
+class Move:
+    job: RunningJob
+    to: tuple[GpuSlot, ...]  # where it restarts, taken out of the capacity already
+
+
+@dataclass(frozen=True)
+class Consolidation:
+    gpus: tuple[GpuSlot, ...]  # where the gang job starts once the movers have left
+    moves: tuple[Move, ...]
+
+
+def domain_kind(cap: Capacity, claimant: JobSpec) -> Topology | None:
+    """Where a gang job's GPUs must all be: one machine or one block; None if anywhere will do
+    (then scattered free GPUs serve it as they are) or it is not a gang."""
+    pools, _, topology = cap.fit_terms(claimant)
+    if claimant.num_gpus < 2 or not pools:
+        return None
+    if topology == Topology.machine or topology == Topology.block:
+        return topology
+    return None
+
+
+def movable_by_domain(cap: Capacity, kind: Topology, exposed: Sequence[RunningJob]) -> dict[object, list[RunningJob]]:
+    """Unprotected running jobs that could move, by the one machine (or block) holding them."""
+    out: dict[object, list[RunningJob]] = {}
+    block_of = cap.block_of
+    for job in exposed:
+        if not job.spec.checkpoints:
+            continue
+        machines = cap.machines_of(job)
+        if sum(count for _, count in machines) != job.spec.num_gpus:
+            continue  # partly on a machine that is down: health requeues it instead
+        if kind == Topology.machine:
+            domains = {i for i, _ in machines}
+        else:
+            domains = {block_of[i] for i, _ in machines}
+        if len(domains) == 1:
+            out.setdefault(domains.pop(), []).append(job)
+    return out
+
+
+def plan_move(
+    cap: Capacity,
+    claimant: JobSpec,
+    kind: Topology,
+    movable: dict[object, list[RunningJob]],
+    now: float,
+    avoid: frozenset[int],
+    going: set[str],
+    keep_whole: float = 0.0,
+    max_tries: int = 8,
+) -> Consolidation | None:
+    """Which jobs to move where so `claimant` can start; takes the GPUs they move to out of
+    `cap`. None (and `cap` as it was) if no machine or block can be cleared that way."""
+    pools = cap.eligible_pools(claimant)
+    n = claimant.num_gpus
+    free, pool_of = cap.free, cap.pool_of
+    if kind == Topology.machine:
+        members = {i: [i] for i in movable if pool_of[i] in pools and pool_of[i].key.gpus >= n}
+    else:
+        members = {}
+        for i, block in enumerate(cap.block_of):
+            if block in movable and pool_of[i] in pools:
+                members.setdefault(block, []).append(i)
+    rank = claimant.priority.rank
+    options = []
+    for domain, machines in members.items():
+        if any(i in avoid for i in machines):
+            continue  # held for a reservation: not ours to clear
+        need = n - sum(len(free[i]) for i in machines)
+        if need <= 0:
+            continue  # it fits already, but the reserved pool keeps it whole
+        movers, gained = [], 0
+        eligible = [j for j in movable[domain] if j.spec.priority.rank >= rank and j.spec.job_id not in going]
+        for job in sorted(eligible, key=lambda j: (-j.spec.priority.rank, j.work_at_risk(now), j.spec.job_id)):
+            if gained >= need:
+                break
+            movers.append(job)
+            gained += job.spec.num_gpus
+        if gained >= need:
+            options.append((need, len(movers), sum(j.work_at_risk(now) for j in movers), domain, machines, movers))
+    options.sort(key=lambda o: o[:4])
+    if kind == Topology.machine:
+        # A mover that took a whole free machine would only trade places with the claimant,
+        # which would have fitted there (unless the machine is kept whole): pieces only.
+        whole = frozenset(i for p in cap.pools.values() for i in p.buckets[p.key.gpus])
+        landing_avoid = avoid | whole
+    else:
+        landing_avoid = avoid
+    for *_, machines, movers in options[:max_tries]:
+        found = _try(cap, claimant, frozenset(machines), movers, avoid, landing_avoid, keep_whole)
+        if found is not None:
+            return found
+    return None
+
+
+def _try(cap: Capacity, claimant: JobSpec, domain: frozenset[int], movers: list[RunningJob],
+         avoid: frozenset[int], landing_avoid: frozenset[int], keep_whole: float) -> Consolidation | None:
+    """Place the movers outside the domain, then the claimant in it; undo all if either fails."""
+    moves: list[Move] = []
+    elsewhere = landing_avoid | domain
+    for job in movers:
+        to = placement.find_gpus(cap, job.spec, avoid=elsewhere, keep_whole=keep_whole)
+        if to is None:
+            break
+        cap.take(to)
+        moves.append(Move(job, to))
+    else:
+        outside = frozenset(range(len(cap.machines))) - domain
+        gpus = placement_without(cap, claimant, movers, avoid | outside)
+        if gpus is not None:
+            used = set(gpus)
+            kept = []
+            for move in moves:
+                if any(slot in used for slot in move.job.gpus):
+                    kept.append(move)
+                else:
+                    cap.give(move.to)  # the placement did not need this one to leave
+            return Consolidation(gpus, tuple(kept))
+    for move in moves:
+        cap.give(move.to)
+    return None
+
+
+def move_reason(claimant: JobSpec, move: Move) -> str:
+    where = ", ".join(sorted({machine for machine, _ in move.to}))
+    return (f"moved to make room for job {claimant.job_id} ({claimant.num_gpus} GPUs that must share a "
+            f"machine or block): checkpoints and restarts at once on {where}")

@@ -1,0 +1,116 @@
+"""Consolidation: small jobs move into idle gaps so a waiting gang job gets one machine or block."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    after_preemption,
+    cycle,
+    filler,
+    fleet,
+    job,
+    mid,
+    pending,
+    placements,
+    preempted,
+    running,
+    snapshot,
+)
+
+M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
+WAITED = NOW - 600  # past the consolidation wait (300 s)
+
+
+def _mover(job_id="m", machine=M0, gpus=(4,), *, priority="low", started=0.0, checkpoints=True, preempted=()):
+    b = job(job_id).gpus(len(gpus)).priority(priority)
+    if not checkpoints:
+        b = b.no_checkpoint()
+    r = running(b).on(machine, gpus).started(started)
+    return r.preempted_at(*preempted) if preempted else r
+
+
+def _claimant(n=4, since=WAITED, priority="low"):
+    return job("gang").gpus(n).priority(priority).submitted(since)
+
+
+def _scattered(mover, claimant=None, **config):
+    """M0: 4 GPUs of critical work, the mover on GPU 4, GPUs 5-7 free. M1: 6 GPUs busy, 6-7 free.
+    The 4-GPU claimant fits on neither machine: 3 and 2 GPUs are free."""
+    run = [filler("f0", M0, range(4)), mover, filler("f1", M1, range(6))]
+    return snapshot(fleet(machines=2), running=run, queue=[claimant or _claimant()], **config)
+
+
+CASES = [
+    (_scattered(_mover()), ["m"]),
+    (_scattered(_mover(checkpoints=False, started=NOW - 700)), []),
+    (_scattered(_mover(priority="normal")), []),
+    (_scattered(_mover(priority="high"), _claimant(priority="high")), ["m"]),
+    (_scattered(_mover(started=NOW - 100)), []),
+    (_scattered(_mover(preempted=(NOW - 2000, NOW - 1000))), []),
+    (_scattered(_mover(), _claimant(since=NOW - 100)), []),
+    (_scattered(_mover(), max_consolidations=0), []),
+    (snapshot(fleet(machines=2), queue=[_claimant()],
+              running=[filler("f0", M0, range(3)), _mover(gpus=(3, 4, 5)), filler("f1", M1, range(6))]), []),
+]
+IDS = [
+    "a gang job stuck behind scattered free GPUs gets a machine cleared by moving a small job into a gap",
+    "a job that cannot checkpoint is never moved",
+    "a more important job is never moved for a less important one",
+    "a job of the gang job's own class is moved, whatever the class",
+    "a job within its minimum runtime is not moved",
+    "a job preempted twice in the last hour is not moved",
+    "nothing moves before the gang job has waited the consolidation wait",
+    "max_consolidations=0 turns moves off",
+    "nothing moves when the mover would not fit anywhere else",
+]
+
+
+@pytest.mark.parametrize("snap, moved", CASES, ids=IDS)
+def test_who_is_moved(snap, moved):
+    result = cycle(snap)
+    assert preempted(result) == moved
+    assert "gang" not in placements(result)
+    if moved:
+        assert "moving m" in pending(result)["gang"].reason
+
+
+def test_the_mover_gets_a_gap_elsewhere_and_the_gang_job_the_cleared_machine():
+    result = cycle(_scattered(_mover()))
+    (move,) = result.preemptions
+    assert move.moved_to == ((M1, 6),)
+    assert move.for_job == "gang" and "restarts at once" in move.reason
+    earmarks = {e.job_id: e.gpus for e in result.earmarks}
+    assert earmarks["gang"] == tuple((M0, g) for g in (4, 5, 6, 7))
+    assert earmarks["m"] == ((M1, 6),)
+
+
+def test_once_the_mover_has_checkpointed_both_start_where_they_were_promised():
+    snap = _scattered(_mover())
+    after = cycle(after_preemption(snap, cycle(snap), now=NOW + 60, victims_gone=True))
+    placed = placements(after)
+    assert placed["gang"].gpus == tuple((M0, g) for g in (4, 5, 6, 7))
+    assert placed["m"].gpus == ((M1, 6),)
+
+
+def test_while_the_mover_checkpoints_nobody_takes_the_gap_it_will_restart_in():
+    snap = _scattered(_mover())
+    nxt = after_preemption(snap, cycle(snap), now=NOW + 30, victims_gone=False)
+    late = job("late").gpus(1).priority("critical").submitted(NOW + 30).queued()
+    result = cycle(nxt.model_copy(update={"queue": nxt.queue + (late,)}))
+    assert placements(result)["late"].gpus == ((M1, 7),)
+    assert {e.job_id: e.gpus for e in result.earmarks}["m"] == ((M1, 6),)
+    assert "gang" in pending(result)
+
+
+def test_a_block_job_gets_a_block_cleared_by_moving_a_job_to_another_block():
+    """b0 has 14 free GPUs and a 2-GPU low job; the 16-GPU block job needs all of b0. The mover
+    fits in b1's only gap."""
+    b0m0, b0m1, b1m0, b1m1 = mid(0, 0, 0), mid(0, 0, 1), mid(1, 0, 0), mid(1, 0, 1)
+    run = [_mover(machine=b0m1, gpus=(0, 1)), filler("f2", b1m0, range(6)), filler("f3", b1m1, range(8))]
+    claimant = job("gang").gpus(16).topology("block").priority("low").submitted(WAITED)
+    result = cycle(snapshot(fleet(blocks=2, machines=2), running=run, queue=[claimant]))
+    (move,) = result.preemptions
+    assert move.job_id == "m" and move.moved_to == ((b1m0, 6), (b1m0, 7))
+    gang = {e.job_id: e.gpus for e in result.earmarks}["gang"]
+    assert {m for m, _ in gang} == {b0m0, b0m1} and len(gang) == 16
