@@ -146,7 +146,8 @@ def waiting_at(jobs: Jobs, c: str, t: float) -> np.ndarray:
 
 # --- schemes -----------------------------------------------------------------------------------
 
-# A scheme maps (jobs, index of the job being estimated) to a calibrated predicted wait.
+# A scheme maps (jobs, index of the job being estimated) to a calibrated predicted wait; `apply`
+# calls it only for jobs that were shown an estimate while pending.
 Scheme = Callable[[Jobs, int], float]
 
 P_MIN = 60.0  # a ratio from a predicted wait under a minute is noise (the cycle's own granularity)
@@ -182,8 +183,6 @@ def ratio_scheme(
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         t = jobs.s[j]
         classes = jobs.classes if pooled else (jobs.cls[j],)
         idx = np.concatenate([started_before(jobs, c, t, last=last, hours=hours) for c in classes])
@@ -225,8 +224,6 @@ def erm_scheme(*, last: int | None = None, hours: float | None = None, min_n: in
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         idx = started_before(jobs, jobs.cls[j], jobs.s[j], last=last, hours=hours)
         keep = (jobs.a[idx] > ETA_MIN_WAIT_S) & (jobs.p[idx] >= P_MIN)
         x = jobs.p[idx][keep] / jobs.a[idx][keep]
@@ -246,8 +243,6 @@ def erm_bucket_scheme(*, last: int | None = None, hours: float | None = None, ed
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         idx = started_before(jobs, jobs.cls[j], jobs.s[j], last=last, hours=hours)
         op, oa = jobs.p[idx], jobs.a[idx]
         keep = (oa > 0) & (op >= P_MIN)
@@ -287,8 +282,6 @@ def additive_scheme(*, last: int | None = None, hours: float | None = None, min_
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         idx = started_before(jobs, jobs.cls[j], jobs.s[j], last=last, hours=hours)
         if len(idx) < min_n:
             return p
@@ -305,8 +298,6 @@ def recent_wait_scheme(*, last: int | None = None, hours: float | None = None, b
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         idx = started_before(jobs, jobs.cls[j], jobs.s[j], last=last, hours=hours)
         if len(idx) < min_n:
             return p
@@ -324,8 +315,6 @@ def loglinear_scheme(*, last: int | None = None, hours: float | None = None, min
 
     def run(jobs: Jobs, j: int) -> float:
         p = jobs.p[j]
-        if math.isnan(p) or not jobs.pending[j]:
-            return p
         idx = started_before(jobs, jobs.cls[j], jobs.s[j], last=last, hours=hours)
         if len(idx) < min_n:
             return p
@@ -344,7 +333,9 @@ def apply(jobs: Jobs, scheme: Scheme | dict | None) -> np.ndarray:
         return jobs.p.copy()
     if isinstance(scheme, dict):  # an oracle's keyword arguments
         return oracle(jobs, **scheme)
-    return np.array([scheme(jobs, j) for j in range(len(jobs.p))])
+    # Only an estimate shown to a waiting job is calibrated; the rest keep the raw value.
+    return np.array([scheme(jobs, j) if jobs.pending[j] and not math.isnan(jobs.p[j]) else jobs.p[j]
+                     for j in range(len(jobs.p))])
 
 
 # --- the table ----------------------------------------------------------------------------------

@@ -168,9 +168,9 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
     cap = state.cap
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
-    queued = {job.spec.job_id for job in snapshot.queue} | {j.spec.job_id for j in snapshot.running if j.draining}
+    holders = {job.spec.job_id for job in snapshot.queue} | {j.spec.job_id for j in snapshot.running if j.draining}
     for earmark in snapshot.earmarks:
-        if earmark.expires <= snapshot.now or earmark.job_id not in queued:
+        if earmark.expires <= snapshot.now or earmark.job_id not in holders:
             continue
         usable = all(
             m in cap.index and g not in cap.machines[cap.index[m]].unhealthy_gpus for m, g in earmark.gpus
@@ -248,14 +248,13 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         state.waiting.append((job, "enough GPUs are expected to free up within half the grace period; "
                                    "waiting for them instead of preempting"))
         return True
-    if state.exposed is None:
-        state.exposed = preemption.unprotected(running, now, config)
+    exposed = _exposed(state)
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
     rights = (spec.priority.rank, spec.team if reclaim else None, len(state.going))
     candidates = state.candidates.get(rights)
     if candidates is None:
         candidates = state.candidates[rights] = [
-            j for j in preemption.displaceable(spec, state.exposed, usage) if j.spec.job_id not in state.going
+            j for j in preemption.displaceable(spec, exposed, usage) if j.spec.job_id not in state.going
         ]
     if not candidates:
         state.no_victims.add(key)
@@ -265,12 +264,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if choice is None:
         state.no_victims.add(key)
         return False
-    free_now = [(m, g) for m, g in choice.gpus if g in cap.free[cap.index[m]]]
-    cap.take(free_now)
-    state.earmarks[spec.job_id] = Earmark(
-        job_id=spec.job_id, gpus=choice.gpus, expires=now + 2 * config.grace_period + 60.0
-    )
-    state.earmark_free[spec.job_id] = free_now
+    _promise(state, spec.job_id, choice.gpus)
     for victim in choice.victims:
         state.going.add(victim.spec.job_id)
         state.preemptions.append(
@@ -285,6 +279,23 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
                                f"{config.grace_period:.0f} s)"))
     return True
+
+
+def _exposed(state: Admission) -> list[RunningJob]:
+    """Running jobs not protected from preemption (or a move), found once per cycle."""
+    if state.exposed is None:
+        state.exposed = preemption.unprotected(state.running, state.now, state.config)
+    return state.exposed
+
+
+def _promise(state: Admission, job_id: str, gpus: tuple[GpuSlot, ...]) -> None:
+    """Earmark `gpus` for `job_id`: those free now leave the capacity, the rest follow as the
+    jobs on them leave. A promise not taken up within twice the grace and a minute lapses."""
+    cap = state.cap
+    free_now = [(m, g) for m, g in gpus if g in cap.free[cap.index[m]]]
+    cap.take(free_now)
+    state.earmarks[job_id] = Earmark(job_id=job_id, gpus=gpus, expires=state.now + 2 * state.config.grace_period + 60.0)
+    state.earmark_free[job_id] = free_now
 
 
 def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
@@ -302,26 +313,20 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
         return False
     if _frees_up_soon(state, spec, avoid):
         return False
-    if state.exposed is None:
-        state.exposed = preemption.unprotected(state.running, now, config)
     movable = state.movable.get(kind)
     if movable is None:
-        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, state.exposed)
+        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, _exposed(state))
     state.consolidations += 1
     plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole)
     if plan is None:
         state.no_moves.add(key)
         return False
-    expires = now + 2 * config.grace_period + 60.0
-    free_now = [(m, g) for m, g in plan.gpus if g in cap.free[cap.index[m]]]
-    cap.take(free_now)
-    state.earmarks[spec.job_id] = Earmark(job_id=spec.job_id, gpus=plan.gpus, expires=expires)
-    state.earmark_free[spec.job_id] = free_now
+    _promise(state, spec.job_id, plan.gpus)
     for move in plan.moves:
         mover = move.job.spec.job_id
         state.going.add(mover)
-        state.earmarks[mover] = Earmark(job_id=mover, gpus=move.to, expires=expires)
-        state.earmark_free[mover] = list(move.to)
+        cap.give(move.to)  # plan_move held them while it placed the other movers; now promised
+        _promise(state, mover, move.to)
         state.preemptions.append(Preemption(job_id=mover, for_job=spec.job_id, grace_period=config.grace_period,
                                             reason=consolidation.move_reason(spec, move), moved_to=move.to))
     names = ", ".join(move.job.spec.job_id for move in plan.moves)

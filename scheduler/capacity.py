@@ -239,6 +239,15 @@ class Capacity:
             return False
         return True
 
+    def domains(self, scope: Topology) -> Sequence:
+        """Per machine index, the place a gang of that scope must stay inside: the machine
+        itself, its block, or (for `any`) the one cluster."""
+        if scope == Topology.machine:
+            return range(len(self.machines))
+        if scope == Topology.block:
+            return self.block_of
+        return ("cluster",) * len(self.machines)
+
     def machines_of(self, job: RunningJob) -> list[tuple[int, int]]:
         """(machine, GPU count) of a running job's usable GPUs."""
         return _grouped(self.layout, job).counts

@@ -59,17 +59,14 @@ def domain_kind(cap: Capacity, claimant: JobSpec) -> Topology | None:
 def movable_by_domain(cap: Capacity, kind: Topology, exposed: Sequence[RunningJob]) -> dict[object, list[RunningJob]]:
     """Unprotected running jobs that could move, by the one machine (or block) holding them."""
     out: dict[object, list[RunningJob]] = {}
-    block_of = cap.block_of
+    domain_of = cap.domains(kind)
     for job in exposed:
         if not job.spec.checkpoints:
             continue
         machines = cap.machines_of(job)
         if sum(count for _, count in machines) != job.spec.num_gpus:
             continue  # partly on a machine that is down: health requeues it instead
-        if kind == Topology.machine:
-            domains = {i for i, _ in machines}
-        else:
-            domains = {block_of[i] for i, _ in machines}
+        domains = {domain_of[i] for i, _ in machines}
         if len(domains) == 1:
             out.setdefault(domains.pop(), []).append(job)
     return out
@@ -91,13 +88,10 @@ def plan_move(
     pools = cap.eligible_pools(claimant)
     n = claimant.num_gpus
     free, pool_of = cap.free, cap.pool_of
-    if kind == Topology.machine:
-        members = {i: [i] for i in movable if pool_of[i] in pools and pool_of[i].key.gpus >= n}
-    else:
-        members = {}
-        for i, block in enumerate(cap.block_of):
-            if block in movable and pool_of[i] in pools:
-                members.setdefault(block, []).append(i)
+    members: dict[object, list[int]] = {}
+    for i, domain in enumerate(cap.domains(kind)):
+        if domain in movable and pool_of[i] in pools:
+            members.setdefault(domain, []).append(i)
     rank = claimant.priority.rank
     options = []
     for domain, machines in members.items():

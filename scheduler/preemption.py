@@ -85,7 +85,7 @@ def choose_victims(
         return None
     pool_of = cap.pool_of
     topology = resolved_topology(cap, claimant)
-    domain_of = _domains(cap, topology, claimant.num_gpus, pools)
+    domain_of = cap.domains(_scope(topology, claimant.num_gpus, pools))
 
     # What each candidate would free in each domain (only the eligible machines count).
     freed: dict[object, dict[str, int]] = {}
@@ -140,14 +140,12 @@ def choose_victims(
     return None
 
 
-def _domains(cap: Capacity, topology: Topology, n: int, pools) -> Sequence:
-    """Where the job's GPUs must all be, per machine index: one machine, one block, or anywhere."""
+def _scope(topology: Topology, n: int, pools) -> Topology:
+    """Where the job's GPUs must all be: one machine, one block, or anywhere."""
     largest = max(p.key.gpus for p in pools)
     if topology == Topology.machine or (topology == Topology.any and n <= largest):
-        return range(len(cap.machines))
-    if topology == Topology.block:
-        return cap.block_of
-    return ("cluster",) * len(cap.machines)
+        return Topology.machine
+    return topology
 
 
 def placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):
