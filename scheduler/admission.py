@@ -1,4 +1,11 @@
-"""Step 5 of the cycle: admit the queue, one job at a time, in order.
+"""Step 5 of the cycle: admit the queue, one job at a time.
+
+Who comes first: every job its team's guarantee still covers (what the team holds, the GPUs
+promised to its waiting jobs and this job are within its guarantee, as it stands when the job's
+turn comes), then the jobs that would borrow; each group in queue order. GPUs that a team under
+its guarantee is waiting for are not idle, so they are not lent: a borrower of any class that
+took them would be reclaimed by preemption as soon as its minimum runtime is over, losing its
+work since its last checkpoint.
 
 For each job, the first of these that applies decides:
   a. it would take its team over its maximum: it waits;
@@ -88,6 +95,24 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
     return state
 
 
+def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
+    """Admit the queue (in queue order): the jobs within their team's guarantee first, then the
+    rest. `state.waiting` comes out in queue order."""
+    usage = state.usage
+    borrowing = []
+    for job in queue:
+        if usage.under_guarantee_with(job.spec.team, job.spec.num_gpus):
+            admit(state, job)
+        else:
+            borrowing.append(job)
+    if not borrowing:
+        return
+    for job in borrowing:
+        admit(state, job)
+    place = {job.spec.job_id: i for i, job in enumerate(queue)}
+    state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
+
+
 def admit(state: Admission, job: QueuedJob) -> None:
     spec = job.spec
     cap, usage = state.cap, state.usage
@@ -103,6 +128,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
     if earmark is not None:
         if len(state.earmark_free[spec.job_id]) == len(earmark.gpus):
             del state.earmarks[spec.job_id]
+            usage.promise(spec.team, -spec.num_gpus)
             usage.add(spec.team, spec.num_gpus)
             state.placed.append((job, earmark.gpus, False))
         else:
@@ -168,7 +194,8 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
     cap = state.cap
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
-    holders = {job.spec.job_id for job in snapshot.queue} | {j.spec.job_id for j in snapshot.running if j.draining}
+    waiting = {job.spec.job_id: job.spec for job in snapshot.queue}
+    holders = waiting.keys() | {j.spec.job_id for j in snapshot.running if j.draining}
     for earmark in snapshot.earmarks:
         if earmark.expires <= snapshot.now or earmark.job_id not in holders:
             continue
@@ -181,6 +208,9 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
         cap.take(free)
         state.earmarks[earmark.job_id] = earmark
         state.earmark_free[earmark.job_id] = free
+        spec = waiting.get(earmark.job_id)
+        if spec is not None:  # a mover's GPUs count already: it still holds its old ones
+            state.usage.promise(spec.team, spec.num_gpus)
 
 
 def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:
@@ -265,6 +295,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         state.no_victims.add(key)
         return False
     _promise(state, spec.job_id, choice.gpus)
+    usage.promise(spec.team, spec.num_gpus)
     for victim in choice.victims:
         state.going.add(victim.spec.job_id)
         state.preemptions.append(
@@ -322,6 +353,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
         state.no_moves.add(key)
         return False
     _promise(state, spec.job_id, plan.gpus)
+    state.usage.promise(spec.team, spec.num_gpus)
     for move in plan.moves:
         mover = move.job.spec.job_id
         state.going.add(mover)

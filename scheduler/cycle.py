@@ -5,7 +5,8 @@ The cycle, step by step:
   2. Capacity — a scratch copy of the free GPUs; the snapshot itself is never changed.
   3. Quotas — what each team holds and which running jobs are borrowed capacity.
   4. Order — the queue in its total order (ordering.py).
-  5. Admit — each job in order is placed, preempts, reserves or waits (admission.py).
+  5. Admit — each job is placed, preempts, reserves or waits (admission.py): first the jobs their
+     team's guarantee covers, then those that would borrow, each in queue order.
   6. Stagger — each placed job that checkpoints gets a checkpoint phase.
   7. Estimate — positions, estimated starts and deadline risk for every job still waiting.
   8. Wake — the next time the cycle could decide differently even if nothing happens.
@@ -39,8 +40,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
 
     # 5. Admit
     state = admission.begin(snapshot, cap, usage, running, leaving, queue)
-    for job in queue:
-        admission.admit(state, job)
+    admission.admit_queue(state, queue)
 
     # 6. Stagger
     placements = _with_checkpoint_phases(state.placed, running, now, config)

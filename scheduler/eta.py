@@ -12,7 +12,9 @@ Algorithm overview
   4. Advance to the next release, give its GPUs back, and repeat from 2.
   5. What it does not know: work that arrives later. A more important job submitted tomorrow
      will overtake, so the estimate is a start time *if no more important work arrives*; the
-     simulator measures how far that is from what happens (docs/results.md).
+     simulator measures how far that is from what happens (docs/results.md). It also walks in
+     plain queue order, without preemption or admission's first pass for teams under their
+     guarantee (docs/policy.md, step 7, says why).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ class TeamUsage:
     quotas: Mapping[str, Quota]
     running: Sequence[RunningJob] = ()
     used: dict[str, int] = field(default_factory=dict)
+    # GPUs earmarked for a team's waiting jobs (preemption victims or movers still leaving them):
+    # the team is about to hold them, so they count towards its guarantee.
+    promised: dict[str, int] = field(default_factory=dict)
     preemptible: Callable[[RunningJob], bool] = lambda job: True  # set by the cycle
     _borrowed: set[str] | None = None
 
@@ -35,8 +38,13 @@ class TeamUsage:
         return limit is None or self.held(team) + gpus <= limit
 
     def under_guarantee_with(self, team: str, gpus: int) -> bool:
-        """Whether the team would still be within its guarantee after taking `gpus` more."""
-        return self.held(team) + gpus <= self.quota(team).guaranteed
+        """Whether the team would still be within its guarantee after taking `gpus` more, beyond
+        what it holds and what is promised to its waiting jobs."""
+        return self.held(team) + self.promised.get(team, 0) + gpus <= self.quota(team).guaranteed
+
+    def promise(self, team: str, gpus: int) -> None:
+        """`gpus` earmarked for one of the team's waiting jobs (negative: the job took them up)."""
+        self.promised[team] = self.promised.get(team, 0) + gpus
 
     def share(self, team: str) -> float:
         """Held over guaranteed: below 1 the team is owed capacity; the queue favours the lowest."""

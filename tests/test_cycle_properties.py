@@ -245,7 +245,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         s = q.spec
         return (s.priority.rank, share(s.team), math.inf if s.deadline is None else s.deadline, q.submit_time, s.job_id)
 
-    order = {q.spec.job_id: i for i, q in enumerate(sorted(snap.queue, key=key))}
+    in_queue_order = sorted(snap.queue, key=key)
 
     # The cluster has an inference partition if any of its machines is in one, down or not.
     has_inference = any(m.partition == INFERENCE_PARTITION for m in snap.machines)
@@ -280,6 +280,24 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     for e in snap.earmarks:
         if e.expires > now and (e.job_id in queued or e.job_id in moving) and all(usable(s) for s in e.gpus):
             live_in[e.job_id] = e
+
+    # Admission takes first the jobs their team's guarantee still covers when their turn comes
+    # (counting GPUs promised to the team's waiting jobs, and what that pass has placed or
+    # promised), then the rest; reservations bind the jobs after theirs.
+    placed_ids = {p.job_id for p in result.placements}
+    claimants = {pre.for_job for pre in result.preemptions}
+    covered, rest, held_now = [], [], dict(team_held)
+    for j in live_in.keys() & queued.keys():
+        held_now[queued[j].spec.team] = held_now.get(queued[j].spec.team, 0) + queued[j].spec.num_gpus
+    for q in in_queue_order:
+        s = q.spec
+        if held_now.get(s.team, 0) + s.num_gpus <= guaranteed(s.team):
+            covered.append(q)
+            if s.job_id in placed_ids | claimants and s.job_id not in live_in:
+                held_now[s.team] = held_now.get(s.team, 0) + s.num_gpus
+        else:
+            rest.append(q)
+    order = {q.spec.job_id: i for i, q in enumerate(covered + rest)}
 
     # Placements.
     taken: dict = {}
@@ -334,6 +352,16 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
 
     # Preemptions and the earmarks they create.
     victims_of: dict[str, set[str]] = {}
+    def committed_before(job_id):
+        """GPUs the job's team holds, is promised, or was given or promised ahead of the job."""
+        team = queued[job_id].spec.team
+        total = team_held.get(team, 0)
+        total += sum(queued[j].spec.num_gpus for j in live_in if j in queued and queued[j].spec.team == team)
+        for j in (placed_ids | claimants) - live_in.keys():
+            if queued[j].spec.team == team and order[j] < order[job_id]:
+                total += queued[j].spec.num_gpus
+        return total
+
     for pre in result.preemptions:
         assert pre.job_id in running, f"preempted {pre.job_id}, which is not running"
         v = running[pre.job_id]
@@ -349,7 +377,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
             assert not {m for m, _ in pre.moved_to} & {m for m, _ in v.gpus}, f"{pre.job_id} moved onto its own machine"
         elif v.spec.priority.rank <= c.priority.rank:  # not a lower class: only a reclaim may take it
             assert v.spec.team != c.team, f"{pre.job_id} is no valid victim"
-            assert team_held.get(c.team, 0) + c.num_gpus <= guaranteed(c.team), (
+            assert committed_before(pre.for_job) + c.num_gpus <= guaranteed(c.team), (
                 f"{pre.for_job} reclaims {pre.job_id} though its team would exceed its guarantee")
             assert pre.job_id in borrowed, f"{pre.job_id} is taken by a reclaim but is not borrowed"
         assert now - v.started_at >= config.min_runtime, f"{pre.job_id} preempted before its minimum runtime"
@@ -393,6 +421,8 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     pend = [p.job_id for p in result.pending]
     assert sorted(pend) == sorted(set(queued) - placed_ids)
     assert sorted(p.position for p in result.pending) == list(range(1, len(pend) + 1))
+    by_position = [p.job_id for p in sorted(result.pending, key=lambda p: p.position)]
+    assert by_position == [q.spec.job_id for q in in_queue_order if q.spec.job_id not in placed_ids]
     for p in result.pending:
         assert p.estimated_start is None or p.estimated_start >= now
         assert (p.misses_deadline is None) == (queued[p.job_id].spec.deadline is None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from builders import (
     NOW,
+    after_preemption,
     cycle,
     filler,
     fleet,
@@ -208,6 +209,33 @@ def test_reclaim(quotas, run, claimant, victims):
         assert not result.earmarks
 
 
+def _three_borrowed_machines():
+    return [_ran(f"b{i}", "b", mid(0, 0, i), range(8), started=i) for i in range(3)]
+
+
+def test_a_team_reclaims_no_more_than_its_guarantee_in_one_cycle():
+    queue = [job("a1").team("a").gpus(8).priority("low").submitted(NOW),
+             job("a2").team("a").gpus(8).priority("low").submitted(NOW + 1)]
+    result = cycle(snapshot(fleet(machines=3), running=_three_borrowed_machines(), queue=queue,
+                            quotas={"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}))
+    assert [(p.job_id, p.for_job) for p in result.preemptions] == [("b2", "a1")]
+
+
+def test_gpus_promised_to_a_waiting_job_count_towards_its_teams_guarantee():
+    """a1 reclaimed a machine last cycle and waits for it; a2 must not reclaim another."""
+    quotas = {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}
+    first = snapshot(fleet(machines=3), running=_three_borrowed_machines(), quotas=quotas,
+                     queue=[job("a1").team("a").gpus(8).priority("low").submitted(NOW)])
+    result = cycle(first)
+    assert preempted(result) == ["b2"]
+    later = after_preemption(first, result, now=NOW + 30, victims_gone=False)
+    later = later.model_copy(update={"queue": later.queue + (job("a2").team("a").gpus(8).priority("low")
+                                                            .submitted(NOW + 30).queued(),)})
+    result = cycle(later)
+    assert not result.preemptions
+    assert "a2" in pending(result) and "a1" in pending(result)
+
+
 def test_no_reclaim_while_free_gpus_let_the_job_start():
     result = cycle(snapshot(
         fleet(machines=3), running=_full_of_b(), queue=[job("a1").team("a").gpus(8).submitted(NOW)],
@@ -224,3 +252,58 @@ def test_a_team_borrows_idle_capacity_beyond_its_guarantee_up_to_its_maximum():
     result = cycle(snapshot(fleet(machines=4), queue=queue, quotas={"a": {"guaranteed": 8, "max": 24}}))
     assert set(placements(result)) == {"a0", "a1", "a2"}
     assert "maximum" in pending(result)["a3"].reason
+
+
+# --- free GPUs go to a team's guarantee before anyone borrows them -----------------------------------
+
+FIRST_CASES = [
+    # (quotas, queue, expected placed, expected waiting); one free machine of 8 GPUs
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
+        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
+         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
+        {"a1"}, {"b1"},
+    ),
+    (
+        {"a": {"guaranteed": 4}, "b": {"guaranteed": 0}},
+        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
+         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
+        {"b1"}, {"a1"},
+    ),
+    (
+        {"a": {"guaranteed": 8}, "b": {"guaranteed": 8}},
+        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
+         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
+        {"b1"}, {"a1"},
+    ),
+    (
+        {"a": {"guaranteed": 4}, "b": {"guaranteed": 0}},
+        [job("b1").team("b").gpus(4).priority("critical").submitted(NOW),
+         job("a1").team("a").gpus(4).priority("low").submitted(NOW + 1),
+         job("a2").team("a").gpus(4).priority("low").submitted(NOW + 2)],
+        {"a1", "b1"}, {"a2"},
+    ),
+]
+FIRST_IDS = [
+    "a low job within its team's guarantee takes a free machine before a critical job that would borrow it",
+    "a job that would take its own team beyond its guarantee keeps its place in the queue order",
+    "between two jobs both within their guarantees the queue order decides",
+    "once a team's guarantee is covered its next job waits its turn behind the borrowers",
+]
+
+
+@pytest.mark.parametrize("quotas,queue,placed,waiting", FIRST_CASES, ids=FIRST_IDS)
+def test_free_gpus_go_to_guarantees_before_borrowers(quotas, queue, placed, waiting):
+    result = cycle(snapshot(fleet(machines=1), queue=queue, quotas=quotas))
+    assert set(placements(result)) == placed
+    assert set(pending(result)) == waiting
+    assert not result.preemptions
+
+
+def test_waiting_jobs_keep_their_queue_positions_when_a_guarantee_goes_first():
+    queue = [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
+             job("b2").team("b").gpus(8).priority("high").submitted(NOW + 1),
+             job("a1").team("a").gpus(8).priority("low").submitted(NOW + 2)]
+    result = cycle(snapshot(fleet(machines=1), queue=queue, quotas={"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}))
+    assert set(placements(result)) == {"a1"}
+    assert {job_id: p.position for job_id, p in pending(result).items()} == {"b1": 1, "b2": 2}
