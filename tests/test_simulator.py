@@ -194,6 +194,22 @@ def test_a_critical_job_preempts_a_low_job_that_checkpoints_and_resumes_from_it(
     assert set(crit.gpus) == set(first.gpus)
 
 
+def test_reclaim_latency_counts_the_jobs_a_guarantee_covers_not_the_teams_backlog_beyond_it():
+    """Team b borrows both machines from 0; team a (guarantee 8) submits two whole-machine jobs at
+    1,000. a1 is a reclaim: it preempts b's newest job and starts after the grace. a2 is beyond
+    a's guarantee once a1 is counted: it waits for b's other job to end, and is not a reclaim."""
+    fleet = small_fleet(machines=2, quotas="a: {guaranteed: 8}\n  b: {guaranteed: 0}")
+    trace = [tj("b1", 0.0, 5000.0, team="b", interval=600.0), tj("b2", 10.0, 5000.0, team="b", interval=600.0),
+             tj("a1", 1000.0, 600.0, team="a"), tj("a2", 1001.0, 600.0, team="a")]
+    result = simulate(trace, fleet, "gpusched")
+    a1, a2 = job_record(result, "a1"), job_record(result, "a2")
+    assert a1.first_start - 1000.0 <= PolicyConfig().grace_period + 1.0
+    assert a2.first_start >= a1.first_start + 600.0  # when a1 ended: no second reclaim
+    assert a1.under_guarantee_at_submit and a2.under_guarantee_at_submit
+    assert result.reclaim_latencies == [a1.first_start - 1000.0]
+    assert summarize(result)["wait_under_guarantee_s"]["count"] == 2
+
+
 def test_a_checkpoint_that_cannot_finish_within_the_grace_loses_the_work_since_the_last_interval_checkpoint():
     policy = PolicyConfig(stagger_checkpoints=False)  # checkpoints at start + k × 600: 600, 1200, …
     settings = SimSettings(checkpoint_write_s=policy.grace_period + 80.0, policy=policy)

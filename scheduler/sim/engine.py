@@ -87,7 +87,8 @@ class JobLife:
     lost_work: float = 0.0
     predicted_start: float | None = None
     predicted: bool = False
-    under_guarantee: bool = False
+    under_guarantee: bool = False  # its team held less than its guarantee minus this job at submit
+    reclaiming: bool = False  # ... counting the team's queued jobs ahead of it too
     release_reason: str = ""
     lost_pending: float = 0.0  # work a draining job loses when it releases
 
@@ -226,6 +227,12 @@ class Simulation:
         held = sum(r.spec.num_gpus for r in cluster.running.values() if r.spec.team == spec.team)
         quota = self.quotas.get(spec.team) or self.quotas.get("*")
         life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
+        # A reclaim: the team's guarantee covers this job beyond what the team holds and what it
+        # already waits for ahead of it (its queued jobs of this class or a more important one).
+        # A job behind its own team's backlog beyond the guarantee is borrowing demand instead.
+        ahead = sum(q.spec.num_gpus for q in cluster.queue.values()
+                    if q.spec.team == spec.team and q.spec.priority.rank <= spec.priority.rank)
+        life.reclaiming = life.under_guarantee and held + ahead + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
         cluster.arrived = True
@@ -264,7 +271,7 @@ class Simulation:
         life.state = "running"
         if life.first_start is None:
             life.first_start = now
-            if life.under_guarantee and now > life.trace.submit_time:
+            if life.reclaiming and now > life.trace.submit_time:
                 self.reclaim_latencies.append(now - life.trace.submit_time)
         interval = life.spec.checkpoint_interval
         life.running = RunningJob(
