@@ -2,7 +2,8 @@
 
 Who comes first: every job its team's guarantee still covers (what the team holds, the GPUs
 promised to its waiting jobs and this job are within its guarantee, as it stands when the job's
-turn comes), then the jobs that would borrow; each group in queue order. GPUs that a team under
+turn comes) and every large job that may hold a reservation (step g; the jobs behind it must
+respect it), then the jobs that would borrow; each group in queue order. GPUs that a team under
 its guarantee is waiting for are not idle, so they are not lent: a borrower of any class that
 took them would be reclaimed by preemption as soon as its minimum runtime is over, losing its
 work since its last checkpoint.
@@ -97,11 +98,12 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
 
 def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
     """Admit the queue (in queue order): the jobs within their team's guarantee first, then the
-    rest. `state.waiting` comes out in queue order."""
+    rest. A large job that may hold a reservation keeps its place among the first, so that the
+    jobs behind it respect its reservation as before. `state.waiting` comes out in queue order."""
     usage = state.usage
     borrowing = []
     for job in queue:
-        if usage.under_guarantee_with(job.spec.team, job.spec.num_gpus):
+        if usage.under_guarantee_with(job.spec.team, job.spec.num_gpus) or _starving(state, job):
             admit(state, job)
         else:
             borrowing.append(job)
@@ -170,13 +172,16 @@ def admit(state: Admission, job: QueuedJob) -> None:
     state.waiting.append((job, reason))
 
 
+def _starving(state: Admission, job: QueuedJob) -> bool:
+    """A job that may hold a reservation: a whole machine or more, waiting past the threshold.
+    (Small jobs are not starved by fragmentation: any freed GPU fits them.)"""
+    return (job.spec.num_gpus >= state.cap.gpus_per_machine
+            and state.now - job.queued_since >= state.config.starvation_threshold)
+
+
 def _reserve(state: Admission, job: QueuedJob) -> bool:
     spec, cap, config = job.spec, state.cap, state.config
-    if (
-        spec.num_gpus < cap.gpus_per_machine  # small jobs are not starved by fragmentation
-        or state.now - job.queued_since < config.starvation_threshold
-        or len(state.holds) >= config.max_reservations
-    ):
+    if not _starving(state, job) or len(state.holds) >= config.max_reservations:
         return False
     if state.book is None:
         state.book = reservation.ReleaseBook(cap, state.running, state.now)

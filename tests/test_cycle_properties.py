@@ -283,7 +283,13 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
 
     # Admission takes first the jobs their team's guarantee still covers when their turn comes
     # (counting GPUs promised to the team's waiting jobs, and what that pass has placed or
-    # promised), then the rest; reservations bind the jobs after theirs.
+    # promised), and the large jobs that may hold a reservation; then the rest. Reservations bind
+    # the jobs after theirs.
+    machine_size = max((m.gpus for m in reachable.values()), default=0)
+
+    def starving(q: QueuedJob) -> bool:
+        return q.spec.num_gpus >= machine_size and now - q.queued_since >= config.starvation_threshold
+
     placed_ids = {p.job_id for p in result.placements}
     claimants = {pre.for_job for pre in result.preemptions}
     covered, rest, held_now = [], [], dict(team_held)
@@ -291,7 +297,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         held_now[queued[j].spec.team] = held_now.get(queued[j].spec.team, 0) + queued[j].spec.num_gpus
     for q in in_queue_order:
         s = q.spec
-        if held_now.get(s.team, 0) + s.num_gpus <= guaranteed(s.team):
+        if held_now.get(s.team, 0) + s.num_gpus <= guaranteed(s.team) or starving(q):
             covered.append(q)
             if s.job_id in placed_ids | claimants and s.job_id not in live_in:
                 held_now[s.team] = held_now.get(s.team, 0) + s.num_gpus

@@ -148,3 +148,13 @@ def test_a_job_behind_a_reservation_does_not_preempt_its_way_onto_the_reserved_m
     assert not victims or victim_gpus & set(earmarked.get("c", ())), (
         f"{sorted(victims)} preempted, but c's earmark {earmarked.get('c')} uses none of their GPUs"
     )
+
+
+def test_a_job_its_teams_guarantee_covers_still_respects_the_reservation_of_a_starving_job_ahead_of_it():
+    """The starving job would borrow; the low job is within its team's guarantee, so it is
+    admitted in the first pass, but the starving job keeps its place there and reserves first."""
+    owner = job("owner").team("owner").priority("low").gpus(2).expected(99_999).submitted(NOW)
+    result = cycle(_snap(owner, quotas={"owner": {"guaranteed": 8}}))
+    assert [r.job_id for r in result.reservations] == ["starving"]
+    assert "owner" not in placements(result)
+    assert pending(result)["owner"].reason == "behind the reservation of job starving"
