@@ -44,8 +44,8 @@ class Stack:
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def submit(self, job_id: str, gpus: int, command: list[str], **kw) -> None:
-        self.run(self.client.submit(JobRequest(job_id=job_id, team="vision", num_gpus=gpus, command=command, **kw)))
+    def submit(self, job_id: str, gpus: int, command: list[str], team: str = "vision", **kw) -> None:
+        self.run(self.client.submit(JobRequest(job_id=job_id, team=team, num_gpus=gpus, command=command, **kw)))
 
     def wait(self, job_id: str, timeout: float = 60):
         return self.run(self.client.wait(job_id, timeout))
