@@ -285,7 +285,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         return True
     exposed = _exposed(state)
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
-    rights = (spec.priority.rank, spec.team if reclaim else None, len(state.going))
+    rights = (spec.priority.rank, spec.team, reclaim, len(state.going))
     candidates = state.candidates.get(rights)
     if candidates is None:
         candidates = state.candidates[rights] = [

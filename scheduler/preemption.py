@@ -1,9 +1,10 @@
 """Preemption: who is displaced, and why. The policy, in the order it is applied:
 
   1. Only for a job that cannot start on free GPUs, and only within its team's maximum.
-  2. Who may be displaced: a job of a *lower* priority class; or, when the waiting job's team is
-     still within its guarantee (counting the waiting job), a *borrowed* job of another team
-     (reclaim), whatever its class.
+  2. Who may be displaced: a job of a *lower* priority class (when the waiting job would borrow,
+     only one that is borrowed itself or of the waiting job's own team); or, when the waiting
+     job's team is still within its guarantee (counting the waiting job), a *borrowed* job of
+     another team (reclaim), whatever its class.
   3. Who is protected: a job that has run less than the minimum runtime; a job preempted
      `thrash_max_preemptions` times within the last `thrash_window` (thrash protection); and a
      job that cannot checkpoint once it has run `max_unsaved_run`, since all of it would be lost.
@@ -61,13 +62,15 @@ def unprotected(running: Sequence[RunningJob], now: float, config: PolicyConfig)
 def displaceable(claimant: JobSpec, exposed: Sequence[RunningJob], usage: TeamUsage) -> list[RunningJob]:
     """Of the unprotected jobs, those this claimant may displace (a lower class, or reclaim)."""
     rank = claimant.priority.rank
-    if usage.under_guarantee_with(claimant.team, claimant.num_gpus):
-        borrowed, team = usage.borrowed, claimant.team
+    borrowed, team = usage.borrowed, claimant.team
+    if usage.under_guarantee_with(team, claimant.num_gpus):
         return [
             j for j in exposed
             if j.spec.priority.rank > rank or (j.spec.team != team and j.spec.job_id in borrowed)
         ]
-    return [j for j in exposed if j.spec.priority.rank > rank]
+    # A job that would borrow takes nothing from another team's guarantee: that team would
+    # reclaim it at once, and the two would take turns preempting each other.
+    return [j for j in exposed if j.spec.priority.rank > rank and (j.spec.team == team or j.spec.job_id in borrowed)]
 
 
 def choose_victims(

@@ -386,6 +386,9 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
             assert committed_before(pre.for_job) + c.num_gpus <= guaranteed(c.team), (
                 f"{pre.for_job} reclaims {pre.job_id} though its team would exceed its guarantee")
             assert pre.job_id in borrowed, f"{pre.job_id} is taken by a reclaim but is not borrowed"
+        elif committed_before(pre.for_job) + c.num_gpus > guaranteed(c.team):  # a claimant that would borrow
+            assert v.spec.team == c.team or pre.job_id in borrowed, (
+                f"{pre.for_job} would borrow, yet takes {pre.job_id} from team {v.spec.team}'s guarantee")
         assert now - v.started_at >= config.min_runtime, f"{pre.job_id} preempted before its minimum runtime"
         recent = [t for t in v.preemptions if now - t <= config.thrash_window]
         assert len(recent) < config.thrash_max_preemptions, f"{pre.job_id} is thrash-protected"

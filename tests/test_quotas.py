@@ -307,3 +307,32 @@ def test_waiting_jobs_keep_their_queue_positions_when_a_guarantee_goes_first():
     result = cycle(snapshot(fleet(machines=1), queue=queue, quotas={"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}))
     assert set(placements(result)) == {"a1"}
     assert {job_id: p.position for job_id, p in pending(result).items()} == {"b1": 1, "b2": 2}
+
+
+# --- a job that would borrow takes nothing from another team's guarantee ---------------------------
+
+def _low_of(team):
+    return _ran("low", team, M0, range(8), priority="low")
+
+
+BORROWER_CASES = [
+    ({"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}, _low_of("a"), "b", []),
+    ({"a": {"guaranteed": 0}, "b": {"guaranteed": 0}}, _low_of("a"), "b", ["low"]),
+    ({"b": {"guaranteed": 0}}, _low_of("b"), "b", ["low"]),
+    ({"a": {"guaranteed": 8}, "c": {"guaranteed": 8}}, _low_of("a"), "c", ["low"]),
+]
+BORROWER_IDS = [
+    "a critical job that would borrow does not preempt a low job within its own team's guarantee",
+    "a critical job that would borrow preempts a low job that is borrowed itself",
+    "a critical job that would borrow preempts a low job of its own team",
+    "a critical job within its team's guarantee preempts a low job whatever that job's team",
+]
+
+
+@pytest.mark.parametrize("quotas,victim,team,victims", BORROWER_CASES, ids=BORROWER_IDS)
+def test_who_a_critical_job_may_preempt_by_guarantees(quotas, victim, team, victims):
+    guard = filler("guard", M1, range(8))
+    claimant = job("claim").team(team).gpus(8).priority("critical").submitted(NOW)
+    result = cycle(snapshot(fleet(machines=2), running=[victim, guard], queue=[claimant],
+                            quotas={**quotas, "ops": {"guaranteed": 1000}}))
+    assert preempted(result) == victims

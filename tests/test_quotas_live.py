@@ -3,18 +3,23 @@ important job of a team that would borrow them."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 
 import pytest
 
-from live.jobs import sleeper
+from live.jobs import example_job, sleeper
 from scheduler.models import Quota
 
 pytestmark = pytest.mark.live
 
 
-def _started(view) -> datetime:
-    return datetime.fromisoformat(view.attempts[0].started_at)
+def _started(attempt) -> datetime:
+    return datetime.fromisoformat(attempt.started_at)
+
+
+def _ended(attempt) -> datetime:
+    return datetime.fromisoformat(attempt.ended_at)
 
 
 def test_a_freed_machine_goes_to_a_low_job_within_its_guarantee_before_a_critical_borrower(stack):
@@ -29,6 +34,26 @@ def test_a_freed_machine_goes_to_a_low_job_within_its_guarantee_before_a_critica
     s.until(lambda: s.status("owed").reason and s.status("borrower").reason, timeout=10)
     owed, borrower = s.wait("owed"), s.wait("borrower")
     assert owed.state == borrower.state == "succeeded"
-    assert _started(owed) < _started(borrower)
-    assert _started(borrower) >= datetime.fromisoformat(owed.attempts[0].ended_at)
+    assert _started(owed.attempts[0]) < _started(borrower.attempts[0])
+    assert _started(borrower.attempts[0]) >= _ended(owed.attempts[0])
     assert [a.end_reason for a in owed.attempts] == ["completed"]
+
+
+def test_a_team_under_its_guarantee_reclaims_a_critical_borrowed_job_which_resumes_from_its_checkpoint(stack):
+    """And the critical job, now waiting, does not preempt the low one back: that would take from
+    team vision's guarantee (before, the two took turns until thrash protection stopped them)."""
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 10})
+    s.run(s.client.set_quota("labs", Quota(guaranteed=0, max=64)))
+    s.submit("borrowed", 4, example_job(steps=30, step_seconds=0.2), team="labs", priority="critical",
+             checkpoint_interval=60)
+    s.until(lambda: re.search(r"^step 5/30", s.log("borrowed"), re.M))
+    s.submit("owed", 4, sleeper(1), priority="low")  # team vision: guarantee 8, holds nothing
+    owed = s.wait("owed")
+    assert owed.state == "succeeded"
+    assert [a.end_reason for a in owed.attempts] == ["completed"]
+    view = s.wait("borrowed", timeout=90)
+    assert view.state == "succeeded"
+    first, second = view.attempts
+    assert first.end_reason == "preempted"
+    assert second.resumed_from is not None  # the checkpoint it took in its grace period
+    assert _started(second) >= _ended(owed.attempts[0])
