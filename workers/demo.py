@@ -1,7 +1,8 @@
 """A demo workload on a running stack (``gpusched dev up``): two teams, jobs of several sizes and
 classes running the bundled example job (real work per step, checkpoints through jobkit); one that
-fails, one cancelled, one bumped, and a critical job that preempts a low one, which checkpoints in
-its grace period and resumes from that checkpoint. Waits for them and prints what happened.
+fails, one cancelled, one bumped, a critical hotfix submitted late, and jobs preempted by more
+important ones, which checkpoint in their grace period and resume from that checkpoint. Waits for
+them and prints what happened.
 
     python -m workers.demo [--data-dir DIR] [--scale S]
 
@@ -29,7 +30,7 @@ STEP_SECONDS = 0.5
 # (job id, team, GPUs, priority, steps, fail at step)
 WORKLOAD = [
     ("pretrain-a", "vision", 4, "normal", 36, None),
-    ("pretrain-b", "speech", 4, "low", 30, None),  # preempted by "hotfix", resumes from its checkpoint
+    ("pretrain-b", "speech", 4, "low", 30, None),  # preempted by a more important job, resumes from its checkpoint
     ("finetune-1", "vision", 2, "high", 6, None),
     ("finetune-2", "speech", 2, "normal", 6, None),
     ("sweep-1", "vision", 1, "low", 4, None),
