@@ -299,8 +299,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if choice is None:
         state.no_victims.add(key)
         return False
-    _promise(state, spec.job_id, choice.gpus)
-    usage.promise(spec.team, spec.num_gpus)
+    _promise_claimant(state, spec, choice.gpus)
     for victim in choice.victims:
         state.going.add(victim.spec.job_id)
         state.preemptions.append(
@@ -334,6 +333,13 @@ def _promise(state: Admission, job_id: str, gpus: tuple[GpuSlot, ...]) -> None:
     state.earmark_free[job_id] = free_now
 
 
+def _promise_claimant(state: Admission, spec, gpus: tuple[GpuSlot, ...]) -> None:
+    """Earmark `gpus` for a waiting job; its team is about to hold them, so from now they count
+    towards its guarantee. (A mover's new GPUs do not: it still holds its old ones.)"""
+    _promise(state, spec.job_id, gpus)
+    state.usage.promise(spec.team, spec.num_gpus)
+
+
 def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     cap, now, config, spec = state.cap, state.now, state.config, job.spec
     key = (_shape(job), avoid)
@@ -357,8 +363,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     if plan is None:
         state.no_moves.add(key)
         return False
-    _promise(state, spec.job_id, plan.gpus)
-    state.usage.promise(spec.team, spec.num_gpus)
+    _promise_claimant(state, spec, plan.gpus)
     for move in plan.moves:
         mover = move.job.spec.job_id
         state.going.add(mover)

@@ -256,33 +256,19 @@ def test_a_team_borrows_idle_capacity_beyond_its_guarantee_up_to_its_maximum():
 
 # --- free GPUs go to a team's guarantee before anyone borrows them -----------------------------------
 
+def _critical_b_then_low_a(gpus=8, low_jobs=1):
+    """Team b's critical job, then team a's low jobs, all of `gpus` GPUs, in submit order."""
+    return [job("b1").team("b").gpus(gpus).priority("critical").submitted(NOW)] + [
+        job(f"a{i}").team("a").gpus(gpus).priority("low").submitted(NOW + i) for i in range(1, low_jobs + 1)]
+
+
 FIRST_CASES = [
     # (quotas, queue, expected placed, expected waiting); one free machine of 8 GPUs
-    (
-        {"a": {"guaranteed": 8}, "b": {"guaranteed": 0}},
-        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
-         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
-        {"a1"}, {"b1"},
-    ),
-    (
-        {"a": {"guaranteed": 4}, "b": {"guaranteed": 0}},
-        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
-         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
-        {"b1"}, {"a1"},
-    ),
-    (
-        {"a": {"guaranteed": 8}, "b": {"guaranteed": 8}},
-        [job("b1").team("b").gpus(8).priority("critical").submitted(NOW),
-         job("a1").team("a").gpus(8).priority("low").submitted(NOW + 1)],
-        {"b1"}, {"a1"},
-    ),
-    (
-        {"a": {"guaranteed": 4}, "b": {"guaranteed": 0}},
-        [job("b1").team("b").gpus(4).priority("critical").submitted(NOW),
-         job("a1").team("a").gpus(4).priority("low").submitted(NOW + 1),
-         job("a2").team("a").gpus(4).priority("low").submitted(NOW + 2)],
-        {"a1", "b1"}, {"a2"},
-    ),
+    ({"a": {"guaranteed": 8}, "b": {"guaranteed": 0}}, _critical_b_then_low_a(), {"a1"}, {"b1"}),
+    ({"a": {"guaranteed": 4}, "b": {"guaranteed": 0}}, _critical_b_then_low_a(), {"b1"}, {"a1"}),
+    ({"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, _critical_b_then_low_a(), {"b1"}, {"a1"}),
+    ({"a": {"guaranteed": 4}, "b": {"guaranteed": 0}}, _critical_b_then_low_a(gpus=4, low_jobs=2),
+     {"a1", "b1"}, {"a2"}),
 ]
 FIRST_IDS = [
     "a low job within its team's guarantee takes a free machine before a critical job that would borrow it",

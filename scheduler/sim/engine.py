@@ -217,7 +217,14 @@ class Simulation:
         spec = life.spec
         cluster = self.route(life)
         life.cluster = cluster.name
-        queued = sum(1 for q in cluster.queue.values() if q.spec.team == spec.team)
+        # One pass over the team's queued jobs: how many (for the queue cap), and the GPUs of
+        # those of this class or a more important one (ahead of it, for the reclaim count).
+        queued = ahead = 0
+        for q in cluster.queue.values():
+            if q.spec.team == spec.team:
+                queued += 1
+                if q.spec.priority.rank <= spec.priority.rank:
+                    ahead += q.spec.num_gpus
         refusal = quota_rules.admission_refusal(spec.team, queued, self.quotas)
         if refusal is None:
             refusal = self.never_fits(cluster, life)
@@ -228,10 +235,8 @@ class Simulation:
         quota = self.quotas.get(spec.team) or self.quotas.get("*")
         life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
         # A reclaim: the team's guarantee covers this job beyond what the team holds and what it
-        # already waits for ahead of it (its queued jobs of this class or a more important one).
-        # A job behind its own team's backlog beyond the guarantee is borrowing demand instead.
-        ahead = sum(q.spec.num_gpus for q in cluster.queue.values()
-                    if q.spec.team == spec.team and q.spec.priority.rank <= spec.priority.rank)
+        # already waits for ahead of it. A job behind its own team's backlog beyond the guarantee
+        # is borrowing demand instead.
         life.reclaiming = life.under_guarantee and held + ahead + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
