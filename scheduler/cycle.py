@@ -117,13 +117,15 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         max_holds=config.max_reservations,
         horizon=config.eta_horizon,
         keep_whole=state.keep_whole,
+        wanted=snapshot.estimate_only,
     )
+    wanted = snapshot.estimate_only
     out = []
     for position, (job, reason) in enumerate(in_order, start=1):
         start = starts.get(job.spec.job_id)
         deadline = job.spec.deadline
         misses = None
-        if deadline is not None:
+        if deadline is not None and (wanted is None or job.spec.job_id in wanted):
             misses = start is None or start + eta.remaining_work(job) > deadline
         out.append(Pending(job_id=job.spec.job_id, position=position, estimated_start=start,
                            misses_deadline=misses, reason=reason))

@@ -3,18 +3,21 @@
 Algorithm overview
   1. Start from the free GPUs left after this cycle's decisions, and a calendar of releases:
      every running job ends at its expected end (a draining one at the end of its grace).
-  2. Walk the queue in order at the current simulated time and start every job that fits,
-     with the same placement code as the real cycle and the teams' maxima. Jobs of identical
-     shape are interchangeable for fitting, so each shape is one lane: when a lane's first job
-     does not fit, nothing behind it in that lane does either.
-  3. A job that would have waited past the starvation threshold holds its soonest place, as
+  2. At the current simulated time, start every job that fits, with the same placement code as
+     the real cycle and the teams' maxima, in the order later cycles will admit them: first the
+     jobs their team's guarantee covers, then the borrowers; each by class, then by how far the
+     team is below its guarantee, then by place in the queue. What teams hold changes as the walk
+     starts and ends jobs, so this order is worked out as it goes, not once.
+  3. Jobs of one shape (GPU count, topology, eligible machines) are interchangeable for fitting:
+     each team's jobs of a shape form a lane, and when a shape's first job finds no room, nothing
+     else of that shape fits either until GPUs come back.
+  4. A job that would have waited past the starvation threshold holds its soonest place, as
      the real cycle does; later jobs may use it only if they end before it starts.
-  4. Advance to the next release, give its GPUs back, and repeat from 2.
-  5. What it does not know: work that arrives later. A more important job submitted tomorrow
+  5. Advance to the next release, give its GPUs back, and repeat from 2.
+  6. What it does not know: work that arrives later. A more important job submitted tomorrow
      will overtake, so the estimate is a start time *if no more important work arrives*; the
-     simulator measures how far that is from what happens (docs/results.md). It also walks in
-     plain queue order, without preemption or admission's first pass for teams under their
-     guarantee (docs/policy.md, step 7, says why).
+     simulator measures how far that is from what happens (docs/results.md). Nor does it
+     preempt: a job that will reclaim or preempt is estimated to wait for releases.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from scheduler.capacity import Capacity
 from scheduler.models import GpuSlot, QueuedJob, Topology
@@ -30,6 +33,8 @@ from scheduler.placement import NO_AVOID, find_picks
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
+_NEVER = (9, 9, 0, 0)  # later than any lane's turn
+_NO_SHARE = 1 << 40  # a team without a guarantee comes after every team with one
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
 STEP_FLOOR = 60.0
 STEP_SHARE = 0.02
@@ -51,13 +56,29 @@ def remaining_work(job: QueuedJob) -> float:
 
 
 class _Lane:
-    """Jobs of one shape, in queue order: interchangeable for fitting."""
+    """One team's jobs of one shape, in queue order: interchangeable for fitting."""
 
-    __slots__ = ("jobs", "n", "team", "limit", "pools", "topology")
+    __slots__ = ("jobs", "team", "limit", "guaranteed", "room", "aside")
 
-    def __init__(self, n: int, team: str, limit: int | None, pools, topology: Topology):
-        self.jobs: deque[tuple[int, QueuedJob, float]] = deque()  # (order, job, remaining work)
-        self.n, self.team, self.limit, self.pools, self.topology = n, team, limit, pools, topology
+    def __init__(self, team: str, limit: int | None, guaranteed: int, n: int):
+        # (class rank, place in the queue, job, remaining work)
+        self.jobs: deque[tuple[int, int, QueuedJob, float]] = deque()
+        self.team, self.limit, self.guaranteed = team, limit, guaranteed
+        self.room = guaranteed - n  # the team's guarantee covers the next job while it holds no more
+        self.aside = False  # blocked until GPUs come back
+
+
+class _Shape:
+    """Jobs that need the same GPUs (count, topology, eligible pools), one lane per team."""
+
+    __slots__ = ("n", "pools", "topology", "lanes", "by_team", "offered", "second")
+
+    def __init__(self, n: int, pools, topology: Topology):
+        self.n, self.pools, self.topology = n, pools, topology
+        self.lanes: list[_Lane] = []
+        self.by_team: dict[str, _Lane] = {}
+        self.offered: _Lane | None = None  # the lane whose turn the shape's offer carries
+        self.second = _NEVER  # the next lane's turn when the offer was made: it can only be later
 
 
 def estimate_starts(
@@ -71,9 +92,14 @@ def estimate_starts(
     max_holds: int,
     horizon: float,
     keep_whole: float = 0.0,
+    wanted: Collection[str] | None = None,
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
-    the horizon. Mutates `cap`."""
+    the horizon. With `wanted`, the walk stops once those jobs have theirs: nothing it does later
+    changes them (the others it has not reached are missing too). Mutates `cap`."""
+    left = len(pending) if wanted is None else sum(1 for job in pending if job.spec.job_id in wanted)
+    if left == 0:
+        return {}
     # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts).
     calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines) for seq, r in enumerate(releases)]
     heapq.heapify(calendar)
@@ -84,36 +110,101 @@ def estimate_starts(
     machine_wide = Topology.machine
     block_wide = Topology.block
 
-    lanes: dict[tuple, _Lane] = {}
+    # Lanes: one per shape and team, so that admission's first pass can be followed (the jobs a
+    # team's guarantee covers go before the borrowers). Jobs of one shape compete for the same
+    # GPUs, so the walk takes the shapes in turn, and within a shape its best lane.
+    shapes: dict[tuple, _Shape] = {}
     total = sum(m.gpus for m in cap.machines)
     for order, job in enumerate(pending):
         s = job.spec
-        pools, largest, topology = cap.fit_terms(s)
-        # A team's maximum only splits a lane when it could ever bind.
-        limit = usage.quota(s.team).max
-        binding = limit is not None and limit < total
-        key = (s.num_gpus, topology, tuple(id(p) for p in pools), s.team if binding else None)
-        lane = lanes.get(key)
+        pools, _, topology = cap.fit_terms(s)
+        shape_key = (s.num_gpus, topology, tuple(id(p) for p in pools))
+        shape = shapes.get(shape_key)
+        if shape is None:
+            shape = shapes[shape_key] = _Shape(s.num_gpus, pools, topology)
+        lane = shape.by_team.get(s.team)
         if lane is None:
-            lane = lanes[key] = _Lane(s.num_gpus, s.team, limit if binding else None, pools, topology)
-        lane.jobs.append((order, job, remaining_work(job)))
-    ready = [(lane.jobs[0][0], key) for key, lane in lanes.items()]
-    heapq.heapify(ready)
-    blocked: list[tuple] = []
+            quota = usage.quota(s.team)
+            limit = quota.max if quota.max is not None and quota.max < total else None
+            lane = shape.by_team[s.team] = _Lane(s.team, limit, quota.guaranteed, s.num_gpus)
+            shape.lanes.append(lane)
+        lane.jobs.append((s.priority.rank, order, job, remaining_work(job)))
+
+    held_of = held.get
+
+    def turn(lane: _Lane) -> tuple[int, int, int, int]:
+        """Admission's order as the walk's starts change what teams hold: the jobs a team's
+        guarantee covers first, then the borrowers; each by class, then by how far the team is
+        below its guarantee (in tenths: finer only costs time), then by place in the queue."""
+        head = lane.jobs[0]
+        h = held_of(lane.team, 0)
+        g = lane.guaranteed
+        return (0 if h <= lane.room else 1, head[0], h * 10 // g if g else _NO_SHARE, head[1])
+
+    def best(shape: _Shape) -> tuple[tuple, _Lane] | None:
+        """The shape's lane whose turn comes first; remembers the runner-up's turn."""
+        found = None
+        first = second = _NEVER
+        for lane in shape.lanes:
+            if lane.jobs and not lane.aside:
+                head = lane.jobs[0]
+                h = held_of(lane.team, 0)
+                g = lane.guaranteed
+                rank = (0 if h <= lane.room else 1, head[0], h * 10 // g if g else _NO_SHARE, head[1])
+                if rank < first:
+                    second, first, found = first, rank, lane
+                elif rank < second:
+                    second = rank
+        shape.offered = found
+        shape.second = second
+        return None if found is None else (first, found)
+
+    ready: list[tuple] = []  # (turn of the shape's best lane, seq, shape)
+
+    def offer(shape_key: tuple) -> None:
+        nonlocal seq
+        found = best(shapes[shape_key])
+        if found is not None:
+            heapq.heappush(ready, (found[0], seq, shape_key))
+            seq += 1
+
+    for shape_key in shapes:
+        offer(shape_key)
+    blocked: list[tuple] = []  # shapes to look at again when GPUs come back
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
 
     raw: dict[str, float] = {}
+    no_room: set[tuple] = set()  # (shape, machines kept out) found full since GPUs last came back
     avoid_cache: dict[tuple, frozenset[int]] = {}
     t = now
     end = now + horizon
     while True:
         while ready:
-            order, key = heapq.heappop(ready)
-            lane = lanes[key]
-            _, job, duration = lane.jobs[0]
+            rank, _, shape_key = heapq.heappop(ready)
+            shape = shapes[shape_key]
+            lane = shape.offered
+            # Between releases turns only get later (teams take GPUs, heads start), so the lane
+            # offered is still the shape's best while its turn is no later than the runner-up's
+            # was; only then is the shape looked at again.
+            now_rank = turn(lane) if lane is not None and lane.jobs and not lane.aside else _NEVER
+            if now_rank != rank:
+                if now_rank > shape.second or now_rank == _NEVER:
+                    found = best(shape)
+                    if found is None:
+                        continue
+                    now_rank, lane = found
+                if ready and ready[0][0] < now_rank:
+                    heapq.heappush(ready, (now_rank, seq, shape_key))
+                    seq += 1
+                    continue
+            _, order, job, duration = lane.jobs[0]
             spec = job.spec
-            n = lane.n
-            fits_quota = lane.limit is None or held.get(lane.team, 0) + n <= lane.limit
+            n = shape.n
+            if lane.limit is not None and held.get(lane.team, 0) + n > lane.limit:
+                lane.aside = True  # its team is at its maximum until some of its GPUs come back
+                blocked.append(shape_key)
+                offer(shape_key)
+                continue
             avoid = NO_AVOID
             if holds:
                 applying = tuple(k for k, (h_order, h) in enumerate(holds)
@@ -122,17 +213,16 @@ def estimate_starts(
                     avoid = avoid_cache.get(applying)
                     if avoid is None:
                         avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
-            # Cheap test first: most blocked lanes are blocked because too little is free at all.
+            # Cheap test first: most blocked shapes are blocked because too little is free at all.
             picks = None
-            if fits_quota and cap.has_room(lane.pools, lane.topology, n):
+            room = cap.has_room(shape.pools, shape.topology, n)
+            if room and (shape_key, avoid) not in no_room:
                 picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
             if picks is None:
-                blocked.append(key)
+                blocked.append(shape_key)
+                planning = n >= cap.gpus_per_machine and holds_left > 0 and len(holds) < max_holds
                 if (
-                    fits_quota
-                    and n >= cap.gpus_per_machine
-                    and holds_left > 0
-                    and len(holds) < max_holds
+                    planning
                     and t - job.queued_since >= starvation_threshold
                     and all(h_order != order for h_order, _ in holds)
                 ):
@@ -148,8 +238,20 @@ def estimate_starts(
                     if hold is not None:
                         holds.append((order, hold))
                         avoid_cache.clear()
+                if planning or (room and avoid is not NO_AVOID):
+                    # Another lane of this shape may keep out of fewer reserved machines, or plan
+                    # a reservation of its own.
+                    no_room.add((shape_key, avoid))
+                    lane.aside = True
+                    offer(shape_key)
+                # Otherwise no lane of the shape fits until GPUs come back: taking GPUs never
+                # makes room.
                 continue
             raw[spec.job_id] = t
+            if wanted is None or spec.job_id in wanted:
+                left -= 1
+                if left == 0:
+                    return raw
             held[spec.team] = held.get(spec.team, 0) + n
             heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks))
             seq += 1
@@ -157,10 +259,15 @@ def estimate_starts(
                 holds = [(o, h) for o, h in holds if o != order]
                 avoid_cache.clear()
             lane.jobs.popleft()
-            if lane.jobs:
-                heapq.heappush(ready, (lane.jobs[0][0], key))
+            # The same lane usually goes on: the others' turns have not come any sooner.
+            if lane.jobs and (rank := turn(lane)) <= shape.second:
+                heapq.heappush(ready, (rank, seq, shape_key))
+                seq += 1
+            else:
+                offer(shape_key)
         if not ready and (not blocked or not calendar or calendar[0][0] > end):
             break
+        no_room.clear()
         # Releases close together are taken as one step: an estimate is good to a minute, or to
         # 2% of how far ahead it looks, and the walk's cost follows the number of steps.
         t = calendar[0][0]
@@ -172,18 +279,20 @@ def estimate_starts(
             else:
                 cap.give(slots)
             held[team] = held.get(team, 0) - gpus
-        # Retry only the lanes that the freed GPUs could possibly serve; the rest stay blocked.
+        # Retry only the shapes that the freed GPUs could possibly serve; the rest stay blocked.
         total = sum(block_free.values())
         largest = max((p.largest_free() for p in cap.pools.values()), default=0)
         in_block = max(block_free.values(), default=0)
         still = []
-        for key in blocked:
-            lane = lanes[key]
-            n, topology = lane.n, lane.topology
+        for shape_key in dict.fromkeys(blocked):
+            shape = shapes[shape_key]
+            n, topology = shape.n, shape.topology
             if n > (largest if topology == machine_wide else in_block if topology == block_wide else total):
-                still.append(key)
+                still.append(shape_key)
             else:
-                heapq.heappush(ready, (lane.jobs[0][0], key))
+                for lane in shape.lanes:
+                    lane.aside = False
+                offer(shape_key)
         blocked = still
 
     return raw

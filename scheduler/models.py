@@ -203,9 +203,11 @@ class Snapshot(Frozen):
     quotas: Mapping[str, Quota] = Field(default_factory=dict)
     earmarks: tuple[Earmark, ...] = ()  # as the previous cycle returned them
     config: PolicyConfig = PolicyConfig()
-    # Whether to estimate start times this cycle (positions and reasons always come). The live
-    # loop asks every cycle; the simulator only when a job arrived, as it records the ETA at submit.
+    # Whether to estimate start times this cycle (positions and reasons always come), and for
+    # which jobs (None: all). The live loop asks for all every cycle; the simulator only for the
+    # jobs that arrived since its last cycle, as it records the ETA a job is given at submit.
     estimate: bool = True
+    estimate_only: frozenset[str] | None = None
 
 
 # --- Decisions -------------------------------------------------------------------------------

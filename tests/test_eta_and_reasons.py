@@ -71,6 +71,59 @@ def test_a_job_that_can_never_fit_has_no_eta():
     assert p.reason == "needs 24 GPUs in one block; the most free in a block is 16"
 
 
+# --- the walk follows admission as what teams hold changes ----------------------------------------
+
+# One machine, held by a team within its guarantee (so nobody may reclaim it) until NOW+1000.
+ONE_FULL = [filler("f", M[0], range(8), team="ops", expected=1100, started=NOW - 100)]
+# Three machines released one by one, at NOW+1000, +2000 and +3000.
+THREE_FULL = [filler(f"f{i}", M[i], range(8), team="ops", expected=1100 + 1000 * i, started=NOW - 100)
+              for i in range(3)]
+
+
+def _owed_and_borrowing(owed: int):
+    """`owed` low jobs (running 10,000 s) of a team owed 8 GPUs, behind (in class order) a high job
+    (running 3,600 s) of a team owed none."""
+    queue = [job("borrower").gpus(8).priority("high").team("big").submitted(NOW)]
+    queue += [job(f"owed{i}").gpus(8).priority("low").team("owed").expected(10_000).submitted(NOW + 1 + i)
+              for i in range(owed)]
+    return queue
+
+
+WALK_CASES = [
+    (1, ONE_FULL, _owed_and_borrowing(1), {"owed0": NOW + 1000, "borrower": NOW + 11_000}),
+    (2, THREE_FULL[:2], _owed_and_borrowing(2), {"owed0": NOW + 1000, "borrower": NOW + 2000, "owed1": NOW + 5600}),
+    (3, THREE_FULL,
+     [job("x1").gpus(8).team("x").expected(10_000).submitted(NOW),
+      job("x2").gpus(8).team("x").expected(10_000).submitted(NOW + 1),
+      job("y1").gpus(8).team("y").expected(10_000).submitted(NOW + 2)],
+     {"x1": NOW + 1000, "y1": NOW + 2000, "x2": NOW + 3000}),
+]
+WALK_QUOTAS = {"ops": {"guaranteed": 24}, "owed": {"guaranteed": 8}, "big": {"guaranteed": 0},
+               "x": {"guaranteed": 16}, "y": {"guaranteed": 16}}
+WALK_IDS = [
+    "a job its team's guarantee covers is estimated to start before a more important borrower",
+    "once the walk fills a team's guarantee, its next job waits its turn among the borrowers",
+    "as the walk starts a team's jobs, the team further below its guarantee goes first",
+]
+
+
+@pytest.mark.parametrize("machines,run,queue,starts", WALK_CASES, ids=WALK_IDS)
+def test_the_walk_orders_jobs_as_admission_will(machines, run, queue, starts):
+    result = cycle(snapshot(fleet(machines=machines), running=run, queue=queue, quotas=WALK_QUOTAS))
+    assert not result.placements and not result.preemptions
+    assert {job_id: p.estimated_start for job_id, p in pending(result).items()} == starts
+
+
+def test_estimating_only_some_jobs_gives_them_the_start_a_full_walk_gives():
+    """The simulator asks only for the jobs that just arrived; the walk stops once they have theirs."""
+    snap = snapshot(fleet(machines=4), running=FULL, queue=_identical(6))
+    full = pending(cycle(snap))
+    some = pending(cycle(snap.model_copy(update={"estimate_only": frozenset({"q2"})})))
+    assert some["q2"].estimated_start == full["q2"].estimated_start == NOW + 3000
+    assert [some[f"q{i}"].estimated_start for i in (3, 4, 5)] == [None, None, None]
+    assert [p.position for p in some.values()] == [p.position for p in full.values()]
+
+
 # First 8-GPU job starts at NOW+1000 and runs 3600 s: it ends at NOW+4600.
 DEADLINE_CASES = [
     (None, None),

@@ -104,7 +104,7 @@ class ClusterState:
         self.machine_tuple = machines
         self.queue: dict[str, QueuedJob] = {}
         self.running: dict[str, RunningJob] = {}
-        self.arrived = True  # a job arrived since the last cycle: estimate start times
+        self.arrived: list[str] = []  # jobs that arrived since the last cycle: estimate their starts
         self.wake: float | None = None
         self.earmarks: tuple = ()
         self.never_fits: dict[tuple, str | None] = {}
@@ -240,7 +240,7 @@ class Simulation:
         life.reclaiming = life.under_guarantee and held + ahead + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
-        cluster.arrived = True
+        cluster.arrived.append(job_id)
         return {cluster.name}
 
     def route(self, life: JobLife) -> ClusterState:
@@ -416,11 +416,12 @@ class Simulation:
 
     def snapshot(self, cluster: ClusterState, now: float) -> Snapshot:
         self.refresh_checkpoints(cluster, now)
-        estimate, cluster.arrived = cluster.arrived, False
+        arrived, cluster.arrived = cluster.arrived, []
         return Snapshot.model_construct(
             cluster=cluster.name, now=now, machines=cluster.machine_tuple,
             running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
-            quotas=self.quotas, config=self.settings.policy, earmarks=cluster.earmarks, estimate=estimate,
+            quotas=self.quotas, config=self.settings.policy, earmarks=cluster.earmarks, estimate=bool(arrived),
+            estimate_only=frozenset(arrived),
         )
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
