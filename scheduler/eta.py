@@ -33,8 +33,8 @@ from scheduler.placement import NO_AVOID, find_picks
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
-_NEVER = (9, 9, 0, 0)  # later than any lane's turn
-_NO_SHARE = 1 << 40  # a team without a guarantee comes after every team with one
+_INF = float("inf")  # the share of a team without a guarantee: after every team with one
+_NEVER = (9, 9, _INF, 0)  # later than any lane's turn
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
 STEP_FLOOR = 60.0
 STEP_SHARE = 0.02
@@ -58,13 +58,13 @@ def remaining_work(job: QueuedJob) -> float:
 class _Lane:
     """One team's jobs of one shape, in queue order: interchangeable for fitting."""
 
-    __slots__ = ("jobs", "team", "limit", "guaranteed", "room", "aside")
+    __slots__ = ("jobs", "team", "limit", "guaranteed", "covered_up_to", "aside")
 
     def __init__(self, team: str, limit: int | None, guaranteed: int, n: int):
         # (class rank, place in the queue, job, remaining work)
         self.jobs: deque[tuple[int, int, QueuedJob, float]] = deque()
         self.team, self.limit, self.guaranteed = team, limit, guaranteed
-        self.room = guaranteed - n  # the team's guarantee covers the next job while it holds no more
+        self.covered_up_to = guaranteed - n  # its team's guarantee covers the next job while it holds no more
         self.aside = False  # blocked until GPUs come back
 
 
@@ -131,15 +131,21 @@ def estimate_starts(
         lane.jobs.append((s.priority.rank, order, job, remaining_work(job)))
 
     held_of = held.get
+    guaranteed = {lane.team: lane.guaranteed for shape in shapes.values() for lane in shape.lanes}
+    share: dict[str, float] = {}
 
-    def turn(lane: _Lane) -> tuple[int, int, int, int]:
+    def take_shares() -> None:
+        """How far each team is below its guarantee, as a cycle at this time would order the queue."""
+        for team, g in guaranteed.items():
+            share[team] = held_of(team, 0) / g if g else _INF
+
+    def turn(lane: _Lane) -> tuple[int, int, float, int]:
         """Admission's order as the walk's starts change what teams hold: the jobs a team's
         guarantee covers first, then the borrowers; each by class, then by how far the team is
-        below its guarantee (in tenths: finer only costs time), then by place in the queue."""
+        below its guarantee (as of the last release: a cycle orders its queue once), then by
+        place in the queue."""
         head = lane.jobs[0]
-        h = held_of(lane.team, 0)
-        g = lane.guaranteed
-        return (0 if h <= lane.room else 1, head[0], h * 10 // g if g else _NO_SHARE, head[1])
+        return (0 if held_of(lane.team, 0) <= lane.covered_up_to else 1, head[0], share[lane.team], head[1])
 
     def best(shape: _Shape) -> tuple[tuple, _Lane] | None:
         """The shape's lane whose turn comes first; remembers the runner-up's turn."""
@@ -148,9 +154,8 @@ def estimate_starts(
         for lane in shape.lanes:
             if lane.jobs and not lane.aside:
                 head = lane.jobs[0]
-                h = held_of(lane.team, 0)
-                g = lane.guaranteed
-                rank = (0 if h <= lane.room else 1, head[0], h * 10 // g if g else _NO_SHARE, head[1])
+                team = lane.team
+                rank = (0 if held_of(team, 0) <= lane.covered_up_to else 1, head[0], share[team], head[1])
                 if rank < first:
                     second, first, found = first, rank, lane
                 elif rank < second:
@@ -168,6 +173,7 @@ def estimate_starts(
             heapq.heappush(ready, (found[0], seq, shape_key))
             seq += 1
 
+    take_shares()
     for shape_key in shapes:
         offer(shape_key)
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
@@ -279,6 +285,7 @@ def estimate_starts(
             else:
                 cap.give(slots)
             held[team] = held.get(team, 0) - gpus
+        take_shares()
         # Retry only the shapes that the freed GPUs could possibly serve; the rest stay blocked.
         total = sum(block_free.values())
         largest = max((p.largest_free() for p in cap.pools.values()), default=0)
