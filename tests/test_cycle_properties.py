@@ -454,6 +454,23 @@ def test_every_cycle_keeps_the_invariants(snap, victims_gone, later):
     _describe(result, result2)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(snap=snapshots(), data=st.data())
+def test_estimating_some_jobs_gives_them_the_estimates_of_a_full_walk(snap, data):
+    """The simulator asks only for the jobs that just arrived; the walk stops early for them."""
+    ids = sorted(q.spec.job_id for q in snap.queue)
+    wanted = frozenset(data.draw(st.lists(st.sampled_from(ids), unique=True), label="wanted")) if ids else frozenset()
+    full = cycle(snap)
+    some = cycle(snap.model_copy(update={"estimate_only": wanted}))
+    assert some.placements == full.placements and some.preemptions == full.preemptions
+    whole = {p.job_id: p for p in full.pending}
+    for p in some.pending:
+        assert p.position == whole[p.job_id].position and p.reason == whole[p.job_id].reason
+        if p.job_id in wanted:
+            assert p.estimated_start == whole[p.job_id].estimated_start
+            assert p.misses_deadline == whole[p.job_id].misses_deadline
+
+
 def _describe(result: CycleResult, result2: CycleResult) -> None:
     """What the example exercised (pytest --hypothesis-show-statistics)."""
     for label, r in (("cycle 1", result), ("cycle 2", result2)):
