@@ -107,6 +107,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
     in_order = state.waiting  # appended in queue order
+    wanted = snapshot.estimate_only
     starts = eta.estimate_starts(
         cap.clone(),
         releases,
@@ -117,9 +118,8 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         max_holds=config.max_reservations,
         horizon=config.eta_horizon,
         keep_whole=state.keep_whole,
-        wanted=snapshot.estimate_only,
+        wanted=wanted,
     )
-    wanted = snapshot.estimate_only
     out = []
     for position, (job, reason) in enumerate(in_order, start=1):
         start = starts.get(job.spec.job_id)

@@ -58,12 +58,12 @@ def remaining_work(job: QueuedJob) -> float:
 class _Lane:
     """One team's jobs of one shape, in queue order: interchangeable for fitting."""
 
-    __slots__ = ("jobs", "team", "limit", "guaranteed", "covered_up_to", "aside")
+    __slots__ = ("jobs", "team", "limit", "covered_up_to", "aside")
 
     def __init__(self, team: str, limit: int | None, guaranteed: int, n: int):
         # (class rank, place in the queue, job, remaining work)
         self.jobs: deque[tuple[int, int, QueuedJob, float]] = deque()
-        self.team, self.limit, self.guaranteed = team, limit, guaranteed
+        self.team, self.limit = team, limit
         self.covered_up_to = guaranteed - n  # its team's guarantee covers the next job while it holds no more
         self.aside = False  # blocked until GPUs come back
 
@@ -131,7 +131,7 @@ def estimate_starts(
         lane.jobs.append((s.priority.rank, order, job, remaining_work(job)))
 
     held_of = held.get
-    guaranteed = {lane.team: lane.guaranteed for shape in shapes.values() for lane in shape.lanes}
+    guaranteed = {team: usage.quota(team).guaranteed for team in {job.spec.team for job in pending}}
     share: dict[str, float] = {}
 
     def take_shares() -> None:
@@ -153,9 +153,7 @@ def estimate_starts(
         first = second = _NEVER
         for lane in shape.lanes:
             if lane.jobs and not lane.aside:
-                head = lane.jobs[0]
-                team = lane.team
-                rank = (0 if held_of(team, 0) <= lane.covered_up_to else 1, head[0], share[team], head[1])
+                rank = turn(lane)
                 if rank < first:
                     second, first, found = first, rank, lane
                 elif rank < second:
