@@ -17,6 +17,7 @@ from __future__ import annotations
 from scheduler import admission, eta, health, ordering, quotas, staggering
 from scheduler.admission import Admission
 from scheduler.capacity import Capacity
+from scheduler.forecast import ArrivalLoad
 from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
 
 
@@ -119,6 +120,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         horizon=config.eta_horizon,
         keep_whole=state.keep_whole,
         wanted=wanted,
+        arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
     )
     out = []
     for position, (job, reason) in enumerate(in_order, start=1):

@@ -14,10 +14,11 @@ Algorithm overview
   4. A job that would have waited past the starvation threshold holds its soonest place, as
      the real cycle does; later jobs may use it only if they end before it starts.
   5. Advance to the next release, give its GPUs back, and repeat from 2.
-  6. What it does not know: work that arrives later. A more important job submitted tomorrow
-     will overtake, so the estimate is a start time *if no more important work arrives*; the
-     simulator measures how far that is from what happens (docs/results.md). Nor does it
-     preempt: a job that will reclaim or preempt is estimated to wait for releases.
+  6. Work that arrives later is known only as a forecast (scheduler/forecast.py): a job that
+     more important expected arrivals would go before waits, after its place in the walk, until
+     the walk has given back those arrivals' GPUs as well. The simulator measures how far the
+     estimates are from what happens (docs/results.md). The walk does not preempt: a job that
+     will reclaim or preempt is estimated to wait for releases.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
 from scheduler.capacity import Capacity
+from scheduler.forecast import ArrivalLoad
 from scheduler.models import GpuSlot, QueuedJob, Topology
 from scheduler.placement import NO_AVOID, find_picks
 from scheduler.quotas import TeamUsage
@@ -93,13 +95,16 @@ def estimate_starts(
     horizon: float,
     keep_whole: float = 0.0,
     wanted: Collection[str] | None = None,
+    arrivals: ArrivalLoad | None = None,
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
-    the horizon. With `wanted`, the walk stops once those jobs have theirs: nothing it does later
-    changes them (the others it has not reached are missing too). Mutates `cap`."""
+    the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
+    theirs: nothing it does later changes them. Mutates `cap` and `arrivals`."""
     left = len(pending) if wanted is None else sum(1 for job in pending if job.spec.job_id in wanted)
     if left == 0:
         return {}
+    load = arrivals if arrivals else None
+    late: set[int] = set()  # calendar entries of jobs that wait for expected arrivals
     # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts).
     calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines) for seq, r in enumerate(releases)]
     heapq.heapify(calendar)
@@ -251,8 +256,13 @@ def estimate_starts(
                 # Otherwise no lane of the shape fits until GPUs come back: taking GPUs never
                 # makes room.
                 continue
-            raw[spec.job_id] = t
-            if wanted is None or spec.job_id in wanted:
+            # A borrower waits, after its place in the walk, for the more important work expected
+            # to arrive; a job its team's guarantee covers does not.
+            if load is not None and held_of(spec.team, 0) > lane.covered_up_to and not load.started(
+                    spec.job_id, lane.jobs[0][0], t, n, duration):
+                late.add(seq)
+            elif wanted is None or spec.job_id in wanted:
+                raw[spec.job_id] = t
                 left -= 1
                 if left == 0:
                     return raw
@@ -269,20 +279,34 @@ def estimate_starts(
                 seq += 1
             else:
                 offer(shape_key)
-        if not ready and (not blocked or not calendar or calendar[0][0] > end):
+        if not ready and (not (blocked or load and load.delaying) or not calendar or calendar[0][0] > end):
             break
         no_room.clear()
         # Releases close together are taken as one step: an estimate is good to a minute, or to
         # 2% of how far ahead it looks, and the walk's cost follows the number of steps.
         t = calendar[0][0]
         window = t + max(STEP_FLOOR, STEP_SHARE * (t - now))
+        returned = 0
+        placing = bool(blocked)  # once nothing is left to start, only the forecast counts releases
         while calendar and calendar[0][0] <= window:
-            t, _, team, gpus, taken, slots, _ = heapq.heappop(calendar)
-            if taken is not None:
-                cap.give_back(taken)
-            else:
-                cap.give(slots)
-            held[team] = held.get(team, 0) - gpus
+            t, entry, team, gpus, taken, slots, _ = heapq.heappop(calendar)
+            if placing:
+                if taken is not None:
+                    cap.give_back(taken)
+                else:
+                    cap.give(slots)
+                held[team] = held.get(team, 0) - gpus
+            if entry not in late:
+                returned += gpus
+        if load is not None:
+            for job_id, at in load.released(returned, t):
+                if wanted is None or job_id in wanted:
+                    raw[job_id] = at
+                    left -= 1
+            if left == 0:
+                return raw
+        if not placing:
+            continue
         take_shares()
         # Retry only the shapes that the freed GPUs could possibly serve; the rest stay blocked.
         total = sum(block_free.values())
@@ -300,6 +324,8 @@ def estimate_starts(
                 offer(shape_key)
         blocked = still
 
+    if load is not None:
+        raw.update((job_id, at) for job_id, at in load.drain(end) if wanted is None or job_id in wanted)
     return raw
 
 

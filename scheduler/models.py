@@ -182,6 +182,13 @@ class PolicyConfig(Frozen):
     consolidation_wait: float = Field(default=300.0, ge=0)  # then small jobs may move for a gang job
     max_consolidations: int = Field(default=2, ge=0)  # searches per cycle; 0 turns moves off
     eta_horizon: float = Field(default=30 * 86400.0, gt=0)
+    # The forecast of arrivals behind estimates (scheduler/forecast.py): the submissions of the
+    # last `forecast_window` seconds are expected again one window later (0 turns it off); an
+    # arrival due t seconds from now counts for min(1, t / forecast_ramp) of its GPUs, since the
+    # sooner it comes, the likelier it starts by preemption instead of taking the releases a
+    # waiting job counts on.
+    forecast_window: float = Field(default=86400.0, ge=0)
+    forecast_ramp: float = Field(default=7200.0, ge=0)
 
 
 class Earmark(Frozen):
@@ -190,6 +197,15 @@ class Earmark(Frozen):
     job_id: str
     gpus: tuple[GpuSlot, ...]
     expires: float  # a promise not taken up by then lapses (the job was cancelled, say)
+
+
+class ExpectedArrival(Frozen):
+    """Work the forecast expects to be submitted after now (scheduler/forecast.py)."""
+
+    at: float
+    priority: Priority
+    num_gpus: int = Field(ge=1)
+    expected_duration: float = Field(gt=0)
 
 
 class Snapshot(Frozen):
@@ -208,6 +224,9 @@ class Snapshot(Frozen):
     # jobs that arrived since its last cycle, as it records the ETA a job is given at submit.
     estimate: bool = True
     estimate_only: frozenset[str] | None = None
+    # More important work expected to arrive takes the releases a waiting job counts on: the
+    # estimates allow for it (scheduler/forecast.py makes the forecast from past submissions).
+    expected_arrivals: tuple[ExpectedArrival, ...] = ()
 
 
 # --- Decisions -------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from scheduler.cycle import run_cycle
 from scheduler.models import (
     CycleResult,
     Earmark,
+    ExpectedArrival,
     GpuSlot,
     JobKind,
     JobSpec,
@@ -233,13 +234,18 @@ def _queued(x):
     return x.queued() if isinstance(x, JobBuilder) else x
 
 
+def arrival(at: float, priority: str = "normal", gpus: int = 8, duration: float = 3600.0) -> ExpectedArrival:
+    """Work the forecast expects to arrive at `at`."""
+    return ExpectedArrival(at=at, priority=priority, num_gpus=gpus, expected_duration=duration)
+
+
 def config(**overrides) -> PolicyConfig:
     return PolicyConfig(**overrides)
 
 
 def snapshot(machines: Sequence[Machine], *, running: Sequence = (), queue: Sequence = (),
              quotas: dict | None = None, earmarks: Sequence[Earmark] = (), now: float = NOW,
-             cfg: PolicyConfig | None = None, cluster: str = CLUSTER,
+             cfg: PolicyConfig | None = None, cluster: str = CLUSTER, arrivals: Sequence[ExpectedArrival] = (),
              **config_overrides) -> Snapshot:
     if cfg is None:
         cfg = PolicyConfig(**config_overrides)
@@ -254,6 +260,7 @@ def snapshot(machines: Sequence[Machine], *, running: Sequence = (), queue: Sequ
         quotas={team: (q if isinstance(q, Quota) else Quota(**q)) for team, q in (quotas or {}).items()},
         earmarks=tuple(earmarks),
         config=cfg,
+        expected_arrivals=tuple(arrivals),
     )
 
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler.models import (
+    ExpectedArrival,
     INFERENCE_PARTITION,
     CycleResult,
     JobKind,
@@ -158,7 +159,17 @@ configs = st.builds(
     max_preemption_searches=st.integers(0, 8),
     consolidation_wait=st.sampled_from([0.0, 300.0, 1800.0]),
     max_consolidations=st.integers(0, 3),
+    forecast_ramp=st.sampled_from([0.0, 600.0, 7200.0]),
 )
+
+# What the estimates' forecast expects to arrive: soon or later, of every class.
+expected_arrivals = st.lists(st.builds(
+    ExpectedArrival,
+    at=st.integers(0, 20_000).map(lambda s: NOW + s),
+    priority=st.sampled_from(list(Priority)),
+    num_gpus=st.sampled_from([1, 2, 4, 8, 16]),
+    expected_duration=st.sampled_from([60.0, 600.0, 3600.0, 20_000.0]),
+), max_size=6)
 
 
 @st.composite
@@ -167,6 +178,7 @@ def snapshots(draw) -> Snapshot:
     return Snapshot(
         cluster="c1", now=NOW, machines=tuple(machines), running=tuple(draw(running_jobs(machines))),
         queue=tuple(draw(queues())), quotas=draw(quota_maps()), config=draw(configs),
+        expected_arrivals=tuple(draw(expected_arrivals)),
     )
 
 

@@ -28,6 +28,7 @@ from scheduler import quotas as quota_rules
 from scheduler.capacity import Capacity
 from scheduler.cycle import run_cycle
 from scheduler.fleet import Fleet
+from scheduler.forecast import SubmissionLog
 from scheduler.gc_policy import few_collections
 from scheduler.models import (
     CycleResult,
@@ -105,6 +106,7 @@ class ClusterState:
         self.queue: dict[str, QueuedJob] = {}
         self.running: dict[str, RunningJob] = {}
         self.arrived: list[str] = []  # jobs that arrived since the last cycle: estimate their starts
+        self.submissions = SubmissionLog()  # what the estimates' forecast of arrivals is made from
         self.wake: float | None = None
         self.earmarks: tuple = ()
         self.never_fits: dict[tuple, str | None] = {}
@@ -241,6 +243,7 @@ class Simulation:
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
         cluster.arrived.append(job_id)
+        cluster.submissions.add(now, spec.priority, spec.num_gpus, spec.expected_duration)
         return {cluster.name}
 
     def route(self, life: JobLife) -> ClusterState:
@@ -422,6 +425,7 @@ class Simulation:
             running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
             quotas=self.quotas, config=self.settings.policy, earmarks=cluster.earmarks, estimate=bool(arrived),
             estimate_only=frozenset(arrived),
+            expected_arrivals=cluster.submissions.expected_arrivals(now, self.settings.policy) if arrived else (),
         )
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
