@@ -151,6 +151,10 @@ SELECT id, request, priority, submit_time, queued_since, progress, preemptions
 FROM jobs WHERE cluster = $1 AND state = 'queued'
 ORDER BY id"""
 SNAPSHOT_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas"
+# The submissions the estimates' forecast of arrivals is made from (scheduler/forecast.py).
+SNAPSHOT_SUBMISSIONS = """
+SELECT submit_time, priority, num_gpus, (request->>'expected_duration')::double precision AS expected_duration
+FROM jobs WHERE cluster = $1 AND submit_time > $2 AND submit_time <= $3"""
 NEXT_ATTEMPT = "SELECT coalesce(max(attempt), 0) + 1 FROM allocations WHERE job_id = $1"
 INSERT_ALLOCATION = """
 INSERT INTO allocations (job_id, cluster, attempt, gpus, state, cycle_seq, checkpoint_phase,

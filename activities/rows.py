@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
+from scheduler.forecast import expected_arrivals
 from scheduler.models import (
     INFERENCE_PARTITION,
     Earmark,
@@ -82,8 +83,13 @@ def quota(row: Row) -> Quota:
     return Quota(guaranteed=row["guaranteed"], max=row["max_gpus"], queue_cap=row["queue_cap"])
 
 
+def policy(lock: Row) -> PolicyConfig:
+    return PolicyConfig(**json_value(lock["policy"]))
+
+
 def snapshot(*, cluster: str, now: float, lock: Row, machines: Iterable[Row], running: Iterable[Row],
-             queue: Iterable[Row], quotas: Iterable[Row]) -> Snapshot:
+             queue: Iterable[Row], quotas: Iterable[Row], submissions: Iterable[Row] = ()) -> Snapshot:
+    config = policy(lock)
     return Snapshot(
         cluster=cluster,
         now=now,
@@ -116,7 +122,10 @@ def snapshot(*, cluster: str, now: float, lock: Row, machines: Iterable[Row], ru
         ),
         quotas={r["team"]: quota(r) for r in quotas},
         earmarks=tuple(Earmark.model_validate(e) for e in json_value(lock["earmarks"])),
-        config=PolicyConfig(**json_value(lock["policy"])),
+        config=config,
+        expected_arrivals=expected_arrivals(
+            ((s["submit_time"], s["priority"], s["num_gpus"], s["expected_duration"]) for s in submissions),
+            now, config),
     )
 
 

@@ -352,6 +352,8 @@ class Store:
             running=await conn.fetch(q.SNAPSHOT_RUNNING, cluster),
             queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster),
             quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),
+            submissions=await conn.fetch(q.SNAPSHOT_SUBMISSIONS, cluster,
+                                         now - rows.policy(lock).forecast_window, now),
         )
 
     async def _commit(self, conn, cluster: str, seq: int, snapshot: Snapshot, result: CycleResult) -> None:

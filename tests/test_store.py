@@ -52,7 +52,7 @@ def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []
     versions = run(store.pool.fetch("SELECT version FROM schema_migrations ORDER BY version"))
-    assert [r["version"] for r in versions] == [1, 2]
+    assert [r["version"] for r in versions] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("request_, field, words", [
@@ -187,3 +187,13 @@ def test_every_decision_and_state_change_is_audited(store_env):
     run(store.end_attempt("a", alloc, EndReason.failed, 3, JobState.failed, "exit code 3"))
     events = [e["event"] for e in run(store.audit_trail("a"))]
     assert events == ["submitted", "placed", "started", "released", "failed"]
+
+
+def test_the_snapshot_expects_the_last_days_submissions_again_a_day_later(store_env):
+    run, store = store_env
+    run(store.admit(job("a", priority="high", expected_duration=1800.0)))
+    run(store.admit(job("b", gpus=1, priority="low")))
+    snap = run(store.snapshot("c1"))
+    got = sorted((a.priority.value, a.num_gpus, a.expected_duration) for a in snap.expected_arrivals)
+    assert got == [("high", 2, 1800.0), ("low", 1, 3600.0)]
+    assert all(snap.now < a.at <= snap.now + snap.config.forecast_window for a in snap.expected_arrivals)
