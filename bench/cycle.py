@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Benchmark: how long one scheduling cycle takes on a full seed-scale cluster.
 
-    python bench/cycle.py [--cycles N] [--seed S] [--step SECONDS] [--no-estimate] [--default-gc] [--profile]
+    python bench/cycle.py [--cycles N] [--seed S] [--step SECONDS] [--no-estimate] [--no-forecast]
+                          [--default-gc] [--profile]
 
 The snapshot is the design's seed-scale cluster at its worst: 640 machines × 8 H100 GPUs in 5
 blocks (examples/fleet-seed.yaml), every GPU held by one of ~600 running jobs, and 2,000 jobs
 queued. Nothing fits on free GPUs, so each queued job goes down the expensive paths of the cycle:
 placement fails, critical/high jobs and teams under their guarantee search for victims, big jobs
-that have starved take reservations, and every waiting job gets a reason and an estimated start.
+that have starved take reservations, and every waiting job gets a reason and an estimated start,
+allowing for a day of expected arrivals (the forecast the live loop makes from the last day's
+~1,000 submissions, scheduler/forecast.py).
 
 Each timed cycle runs on the same cluster with ``now`` a few seconds later than the last one, so
 no call sees the same snapshot twice. Three warm-up calls come first. Each cycle runs as the live
@@ -40,6 +43,7 @@ from scheduler.gc_policy import few_collections
 from scheduler.fleet import parse_fleet
 from scheduler.models import (
     Earmark,
+    ExpectedArrival,
     JobSpec,
     Machine,
     Priority,
@@ -73,6 +77,7 @@ CHECKPOINT_INTERVALS = (1800.0, 3600.0)
 DRAINING = 4  # running jobs already preempted, with earmarks for the jobs they make room for
 QUEUED = 2000  # including the jobs the draining ones make room for
 STARVING_BIG = 8  # 32/64-GPU queued jobs that have waited hours
+ARRIVALS_PER_DAY = 1000  # the seed trace's rate: 3,000 jobs in 3 days
 
 
 def pick(rng: random.Random, weights: dict):
@@ -236,7 +241,14 @@ def drain_some(rng: random.Random, running: list[RunningJob], queue: list[Queued
     return running, queue, earmarks
 
 
-def build_snapshot(seed: int, span: float, estimate: bool = True) -> Snapshot:
+def expected_arrivals(rng: random.Random, now: float) -> list[ExpectedArrival]:
+    """The forecast: yesterday's submissions, expected again over the next day."""
+    return sorted((ExpectedArrival(at=round(now + rng.uniform(0, DAY)), priority=pick(rng, RUNNING_PRIORITIES),
+                                   num_gpus=pick(rng, QUEUED_SIZES), expected_duration=expected_duration(rng))
+                   for _ in range(ARRIVALS_PER_DAY)), key=lambda a: a.at)
+
+
+def build_snapshot(seed: int, span: float, estimate: bool = True, forecast: bool = True) -> Snapshot:
     rng = random.Random(seed)
     machines, quotas = load_fleet()
     running = running_jobs(rng, machines, NOW)
@@ -244,9 +256,12 @@ def build_snapshot(seed: int, span: float, estimate: bool = True) -> Snapshot:
     running, queue, earmarks = drain_some(rng, running, queue, NOW, expires=NOW + span + 300)
     held = [slot for job in running for slot in job.gpus]
     assert len(held) == len(set(held)) == sum(m.gpus for m in machines), "the cluster is not exactly full"
+    # Their own generator, so that the rest of the snapshot is the one earlier builds measured.
+    arrivals = expected_arrivals(random.Random(seed + 1), NOW) if forecast else []
     # The live loop estimates start times every cycle; --no-estimate shows the cost without them.
     return Snapshot(cluster=machines[0].cluster, now=NOW, machines=tuple(machines), running=tuple(running),
-                    queue=tuple(queue), quotas=quotas, earmarks=tuple(earmarks), estimate=estimate)
+                    queue=tuple(queue), quotas=quotas, earmarks=tuple(earmarks), estimate=estimate,
+                    expected_arrivals=tuple(arrivals))
 
 
 def describe(snapshot: Snapshot) -> str:
@@ -267,6 +282,7 @@ def describe(snapshot: Snapshot) -> str:
         f"  held/guaranteed: {teams}",
         (f"  queued sizes: {dict(sorted(qsizes.items()))}; classes: {dict(sorted(qprio.items()))}; "
          f"past the starvation threshold: {starving}"),
+        f"  expected arrivals (the forecast): {len(snapshot.expected_arrivals)}",
     ])
 
 
@@ -282,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=float, default=3.0, help="seconds `now` advances per cycle (default 3)")
     parser.add_argument("--no-estimate", action="store_true",
                         help="skip step 7 (estimated starts), as the simulator does on cycles without arrivals")
+    parser.add_argument("--no-forecast", action="store_true",
+                        help="no expected arrivals: estimates from the walk alone")
     parser.add_argument("--default-gc", action="store_true",
                         help="leave the garbage collector at Python's defaults instead of holding it back "
                              "for each cycle, as the live planner does (scheduler/gc_policy.py)")
@@ -295,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     total = WARMUP + args.cycles
     began = time.perf_counter()
-    base = build_snapshot(args.seed, span=total * args.step, estimate=not args.no_estimate)
+    base = build_snapshot(args.seed, span=total * args.step, estimate=not args.no_estimate,
+                          forecast=not args.no_forecast)
     build_s = time.perf_counter() - began
     print(describe(base))
     snapshots = [base.model_copy(update={"now": NOW + k * args.step}) for k in range(total)]
@@ -354,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": sum(m.gpus for m in base.machines),
         "running": len(base.running),
         "queued": len(base.queue),
+        "expected_arrivals": len(base.expected_arrivals),
         "placements_per_cycle": round(sum(placements) / len(placements), 2),
         "preemptions_per_cycle": round(sum(preemptions) / len(preemptions), 2),
         "pending_per_cycle": round(sum(pending) / len(pending), 2),
