@@ -106,6 +106,7 @@ class ArrivalLoad:
         # started them, seq, job id); each starts once as many have come back beyond what the
         # arrivals ahead of it hold.
         self.waiting: list[list[tuple[int, int, str, int, float]]] = [[] for _ in range(_CLASSES)]
+        self.count = 0  # jobs waiting
         self.due: list[tuple[str, float]] = []
         self.ends: list[tuple[float, int]] = []  # (when, GPUs): the waiting jobs' real ends
         self.seq = 0
@@ -115,7 +116,7 @@ class ArrivalLoad:
 
     @property
     def delaying(self) -> bool:
-        return any(self.waiting)
+        return self.count > 0
 
     def started(self, job_id: str, rank: int, t: float, gpus: int, duration: float) -> bool:
         if self.next < len(self.events) and self.events[self.next][0] <= t or self.ends:
@@ -124,6 +125,7 @@ class ArrivalLoad:
             return True
         heapq.heappush(self.waiting[rank], (self.returned, self.seq, job_id, gpus, duration))
         self.seq += 1
+        self.count += 1
         return False
 
     def released(self, gpus: int, t: float) -> list[tuple[str, float]]:
@@ -145,8 +147,9 @@ class ArrivalLoad:
     def _advance(self, t: float) -> None:
         """Up to t: arrivals come and go, and jobs that waited here end; either may let others start."""
         events, ahead, ends = self.events, self.ahead, self.ends
+        last = len(events)
         while True:
-            arrival = events[self.next][0] if self.next < len(events) else None
+            arrival = events[self.next][0] if self.next < last else None
             if ends and ends[0][0] <= t and (arrival is None or ends[0][0] < arrival):
                 at, gpus = heapq.heappop(ends)
                 self.returned += gpus
@@ -159,7 +162,7 @@ class ArrivalLoad:
                     continue
             else:
                 return
-            if self.delaying:
+            if self.count:
                 self._check(at)
 
     def _check(self, t: float) -> None:
@@ -168,6 +171,7 @@ class ArrivalLoad:
                 free = self.returned - self.ahead[rank]
                 while queue and queue[0][0] <= free:
                     _, _, job_id, gpus, duration = heapq.heappop(queue)
+                    self.count -= 1
                     self.due.append((job_id, t))
                     heapq.heappush(self.ends, (t + duration, gpus))
 
