@@ -87,9 +87,10 @@ def policy(lock: Row) -> PolicyConfig:
     return PolicyConfig(**json_value(lock["policy"]))
 
 
-def snapshot(*, cluster: str, now: float, lock: Row, machines: Iterable[Row], running: Iterable[Row],
-             queue: Iterable[Row], quotas: Iterable[Row], submissions: Iterable[Row] = ()) -> Snapshot:
-    config = policy(lock)
+def snapshot(*, cluster: str, now: float, lock: Row, config: PolicyConfig, machines: Iterable[Row],
+             running: Iterable[Row], queue: Iterable[Row], quotas: Iterable[Row],
+             submissions: Iterable[Row] = ()) -> Snapshot:
+    """`config` is `policy(lock)`, read once by the caller: it also says which submissions to read."""
     return Snapshot(
         cluster=cluster,
         now=now,

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from activities import queries as q
 from activities import rows
-from scheduler.models import CycleResult, Machine, PolicyConfig, Quota, Snapshot
+from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
     Admission,
     AttemptView,
@@ -344,16 +344,18 @@ class Store:
             return await self._snapshot(conn, cluster, lock, await conn.fetchval(q.NOW))
 
     async def _snapshot(self, conn, cluster: str, lock, now: float) -> Snapshot:
+        config = rows.policy(lock)
         return rows.snapshot(
             cluster=cluster,
             now=now,
             lock=lock,
+            config=config,
             machines=await conn.fetch(q.SNAPSHOT_MACHINES, cluster, lock["machine_timeout"]),
             running=await conn.fetch(q.SNAPSHOT_RUNNING, cluster),
             queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster),
             quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),
             submissions=await conn.fetch(q.SNAPSHOT_SUBMISSIONS, cluster,
-                                         now - rows.policy(lock).forecast_window, now),
+                                         now - config.forecast_window, now),
         )
 
     async def _commit(self, conn, cluster: str, seq: int, snapshot: Snapshot, result: CycleResult) -> None:
@@ -401,7 +403,7 @@ class Store:
         placed = [r for r in await conn.fetch(q.UNACKED_PLACEMENTS, cluster, now) if due(r["placed_at"])]
         draining = [r for r in await conn.fetch(q.UNACKED_PREEMPTIONS, cluster, now)
                     if due(r["preempt_ordered_at"])]
-        grace = PolicyConfig(**rows.json_value(lock["policy"])).grace_period
+        grace = rows.policy(lock).grace_period
         return CycleOutcome(
             cycle_seq=seq if committed else lock["cycle_seq"],
             committed=committed,
