@@ -28,6 +28,7 @@ class Pool:
     key: PoolKey
     members: list[int] = field(default_factory=list)
     buckets: list[set[int]] = field(default_factory=list)  # buckets[c]: machines with c free GPUs
+    free: int = 0  # free GPUs in all its machines, kept in step with the buckets
 
     @property
     def whole_machines(self) -> int:
@@ -177,6 +178,7 @@ class Capacity:
             buckets = pool.buckets
             for i in members:
                 buckets[sizes[i]].add(i)
+            pool.free = sum(sizes[i] for i in members)
         self.pool_of: list[Pool] = [self.pools[key] for key in layout.pool_key]
         self.block_of = layout.block_of
         self.block_free: dict[str, int] = dict.fromkeys(layout.blocks, 0)
@@ -191,7 +193,7 @@ class Capacity:
     # --- reading -----------------------------------------------------------------------------
 
     def total_free(self, pools: Sequence[Pool]) -> int:
-        return sum(c * len(p.buckets[c]) for p in pools for c in range(1, p.key.gpus + 1))
+        return sum(p.free for p in pools)
 
     def fit_terms(self, spec: JobSpec) -> tuple[list[Pool], int, Topology]:
         """(eligible pools, their largest machine, the job's resolved topology), remembered."""
@@ -305,9 +307,11 @@ class Capacity:
 
     def _moved(self, i: int, before: int) -> None:
         after = len(self.free[i])
-        buckets = self.pool_of[i].buckets
+        pool = self.pool_of[i]
+        buckets = pool.buckets
         buckets[before].discard(i)
         buckets[after].add(i)
+        pool.free += after - before
         self.block_free[self.block_of[i]] += after - before
 
     def clone(self) -> "Capacity":
@@ -319,7 +323,7 @@ class Capacity:
         twin.pools = {}
         twin.pool_of = []
         for key, pool in self.pools.items():
-            twin.pools[key] = Pool(key, pool.members, [set(b) for b in pool.buckets])
+            twin.pools[key] = Pool(key, pool.members, [set(b) for b in pool.buckets], pool.free)
         twin.pool_of = [twin.pools[p.key] for p in self.pool_of]
         twin.block_of = self.block_of
         twin.block_free = dict(self.block_free)
