@@ -17,9 +17,10 @@ The forecast
 
 How it delays an estimate (`ArrivalLoad`, used by the walk)
   3. While they run, expected arrivals of a more important class hold GPUs (their counted
-     share): a fluid load over time, without placement. A job the walk starts at t, after the walk has seen `x` GPUs come
-     back since now, really starts once the GPUs come back since now, less those the more
-     important arrivals then hold, reach `x` again: the arrivals are served first.
+     share): a fluid load over time, without placement. A job the walk starts at t, after the
+     walk has seen `x` GPUs come back since now, really starts once the GPUs come back since
+     now, less those the more important arrivals then hold, reach `x` again: the arrivals are
+     served first.
   4. A job that its team's guarantee covers is not delayed: guarantees are reclaimed, whatever
      the class of the borrower holding them. Nor is a critical job: nothing goes before it.
 """
@@ -103,8 +104,8 @@ class ArrivalLoad:
         self.ahead = [0.0] * _CLASSES  # GPUs held by arrivals more important than each class rank
         self.returned = 0  # GPUs the walk has given back since now
         # Jobs waiting for the arrivals ahead of them, by class: (GPUs given back when the walk
-        # started them, seq, job id); each starts once as many have come back beyond what the
-        # arrivals ahead of it hold.
+        # started them, seq, job id, its GPUs, its duration); each starts once as many have come
+        # back beyond what the arrivals ahead of it hold.
         self.waiting: list[list[tuple[int, int, str, int, float]]] = [[] for _ in range(_CLASSES)]
         self.count = 0  # jobs waiting
         self.due: list[tuple[str, float]] = []
