@@ -75,7 +75,7 @@ class Admission:
     consolidations: int = 0
     movable: dict[object, dict] = field(default_factory=dict)  # per domain kind: jobs a move may take, by domain
     victim_keys: dict[str, tuple] = field(default_factory=dict)
-    exposed: list[RunningJob] | None = None  # running jobs not protected from preemption
+    exposed: preemption.Exposed | None = None  # running jobs not protected from preemption
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
@@ -85,8 +85,16 @@ class Admission:
 
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
           leaving: set[str], queue: list[QueuedJob]) -> Admission:
-    config = snapshot.config
-    usage.preemptible = lambda job: preemption.protection(job, snapshot.now, config) is None
+    now, config = snapshot.now, snapshot.config
+    unprotected: dict[str, bool] = {}  # asked of most running jobs twice a cycle: by quotas and by preemption
+
+    def preemptible(job: RunningJob) -> bool:
+        answer = unprotected.get(job.spec.job_id)
+        if answer is None:
+            answer = unprotected[job.spec.job_id] = preemption.protection(job, now, config) is None
+        return answer
+
+    usage.preemptible = preemptible
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
         keep_whole=config.reserved_pool_fraction if _pool_would_serve(cap, queue, config) else 0.0,
@@ -316,10 +324,10 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     return True
 
 
-def _exposed(state: Admission) -> list[RunningJob]:
+def _exposed(state: Admission) -> preemption.Exposed:
     """Running jobs not protected from preemption (or a move), found once per cycle."""
     if state.exposed is None:
-        state.exposed = preemption.unprotected(state.running, state.now, state.config)
+        state.exposed = preemption.Exposed(state.running, state.usage.preemptible)
     return state.exposed
 
 
@@ -357,7 +365,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
         return False
     movable = state.movable.get(kind)
     if movable is None:
-        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, _exposed(state))
+        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, _exposed(state).jobs)
     state.consolidations += 1
     plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole)
     if plan is None:

@@ -66,6 +66,8 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
 
 
 def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:
+    if not placed:  # most cycles place nothing: no write plan to make
+        return []
     intervals = [j.spec.checkpoint_interval for j in running if j.spec.checkpoints]
     intervals += [q.spec.checkpoint_interval for q, _, _ in placed if q.spec.checkpoints]
     plan = staggering.WritePlan(config.checkpoint_slot, staggering.plan_period(intervals))
@@ -154,6 +156,8 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
         if job.spec.priority.rank <= most_important and not (reclaiming and job.spec.job_id in usage.borrowed):
             continue  # nobody waiting may displace it, protected or not
         times.append(job.started_at + config.min_runtime)
+        if not job.preemptions:
+            continue
         recent = sorted(t for t in job.preemptions if now - t <= config.thrash_window)
         if len(recent) >= config.thrash_max_preemptions:
             times.append(recent[-config.thrash_max_preemptions] + config.thrash_window + 1.0)

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from scheduler.capacity import Capacity
 from scheduler.models import JobSpec, PolicyConfig, RunningJob, Topology
@@ -39,10 +39,11 @@ def protection(job: RunningJob, now: float, config: PolicyConfig) -> str | None:
     """Why this running job may not be preempted now, or None."""
     if now - job.started_at < config.min_runtime:
         return "has run less than the minimum runtime"
-    recent = [t for t in job.preemptions if now - t <= config.thrash_window]
-    if len(recent) >= config.thrash_max_preemptions:
-        return f"was preempted {len(recent)} times in the last {config.thrash_window / 60:g} minutes"
-    if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
+    if job.preemptions:  # most jobs never were: skip building the list
+        recent = [t for t in job.preemptions if now - t <= config.thrash_window]
+        if len(recent) >= config.thrash_max_preemptions:
+            return f"was preempted {len(recent)} times in the last {config.thrash_window / 60:g} minutes"
+    if not job.spec.checkpoint_interval and now - job.started_at > config.max_unsaved_run:
         return "cannot checkpoint and has run too long to throw away"
     return None
 
@@ -54,23 +55,35 @@ def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:
     return (-spec.priority.rank, borrowed, -job.started_at, job.work_at_risk(now), spec.job_id)
 
 
-def unprotected(running: Sequence[RunningJob], now: float, config: PolicyConfig) -> list[RunningJob]:
-    """Running jobs that some claimant could displace: not draining, not protected."""
-    return [j for j in running if not j.draining and protection(j, now, config) is None]
+class Exposed:
+    """The running jobs that some claimant could displace (not draining, not protected), found
+    once per cycle, in the order given; and, asked for by class, those below a class."""
+
+    def __init__(self, running: Sequence[RunningJob], preemptible: Callable[[RunningJob], bool]):
+        self.jobs = [j for j in running if not j.draining and preemptible(j)]
+        self._below: dict[int, list[RunningJob]] = {}
+
+    def below(self, rank: int) -> list[RunningJob]:
+        """Those of a class less important than `rank`. Remembered: most claimants are of the
+        lowest classes, for whom this is a short list or none, and a cycle asks many times."""
+        found = self._below.get(rank)
+        if found is None:
+            found = self._below[rank] = [j for j in self.jobs if j.spec.priority.rank > rank]
+        return found
 
 
-def displaceable(claimant: JobSpec, exposed: Sequence[RunningJob], usage: TeamUsage) -> list[RunningJob]:
+def displaceable(claimant: JobSpec, exposed: Exposed, usage: TeamUsage) -> list[RunningJob]:
     """Of the unprotected jobs, those this claimant may displace (a lower class, or reclaim)."""
     rank = claimant.priority.rank
     borrowed, team = usage.borrowed, claimant.team
     if usage.under_guarantee_with(team, claimant.num_gpus):
         return [
-            j for j in exposed
+            j for j in exposed.jobs
             if j.spec.priority.rank > rank or (j.spec.team != team and j.spec.job_id in borrowed)
         ]
     # A job that would borrow takes nothing from another team's guarantee: that team would
     # reclaim it at once, and the two would take turns preempting each other.
-    return [j for j in exposed if j.spec.priority.rank > rank and (j.spec.team == team or j.spec.job_id in borrowed)]
+    return [j for j in exposed.below(rank) if j.spec.team == team or j.spec.job_id in borrowed]
 
 
 def choose_victims(
