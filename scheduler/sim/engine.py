@@ -105,6 +105,9 @@ class ClusterState:
         self.machine_tuple = machines
         self.queue: dict[str, QueuedJob] = {}
         self.running: dict[str, RunningJob] = {}
+        self.busy_gpus = 0  # held by its running and draining jobs, kept in step with `running`
+        self.queued_gpus = 0  # asked for by its queue, kept in step with `queue`
+        self.checkpoints_due: list[tuple[float, str, int]] = []  # heap: (time, job, attempt)
         self.arrived: list[str] = []  # jobs that arrived since the last cycle: estimate their starts
         self.submissions = SubmissionLog()  # what the estimates' forecast of arrivals is made from
         self.wake: float | None = None
@@ -242,6 +245,7 @@ class Simulation:
         life.reclaiming = life.under_guarantee and held + ahead + spec.num_gpus <= quota.guaranteed
         life.state, life.queued_since = "queued", now
         cluster.queue[job_id] = QueuedJob(spec=spec, submit_time=now, queued_since=now)
+        cluster.queued_gpus += spec.num_gpus
         cluster.arrived.append(job_id)
         cluster.submissions.add(now, spec.priority, spec.num_gpus, spec.expected_duration)
         return {cluster.name}
@@ -275,6 +279,7 @@ class Simulation:
     def place(self, cluster: ClusterState, now: float, job_id: str, gpus, phase) -> None:
         life = self.jobs[job_id]
         queued = cluster.queue.pop(job_id)
+        cluster.queued_gpus -= queued.spec.num_gpus
         life.attempt += 1
         life.state = "running"
         if life.first_start is None:
@@ -287,7 +292,10 @@ class Simulation:
             progress_at_start=life.progress, preemptions=tuple(life.preemptions), checkpoint_phase=phase,
         )
         life.next_checkpoint = self.checkpoint_after(now, now, interval, phase) if interval else math.inf
+        if interval:
+            heapq.heappush(cluster.checkpoints_due, (life.next_checkpoint, job_id, life.attempt))
         cluster.running[job_id] = life.running
+        cluster.busy_gpus += life.spec.num_gpus
         self.push(now + life.trace.duration - life.progress, FINISH, (job_id, life.attempt))
 
     @staticmethod
@@ -355,10 +363,13 @@ class Simulation:
             spec=life.spec, submit_time=life.trace.submit_time, queued_since=now,
             progress=life.progress, preemptions=tuple(life.preemptions),
         )
+        cluster.queued_gpus += life.spec.num_gpus
 
     def close_allocation(self, life: JobLife, now: float, reason: str, lost: float) -> None:
         run = life.running
-        self.clusters[life.cluster].running.pop(life.spec.job_id, None)
+        cluster = self.clusters[life.cluster]
+        if cluster.running.pop(life.spec.job_id, None) is not None:
+            cluster.busy_gpus -= life.spec.num_gpus
         life.lost_work += lost
         interval = life.spec.checkpoint_interval
         if interval:
@@ -430,14 +441,19 @@ class Simulation:
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
         """Tell the snapshot about interval checkpoints completed since the last cycle."""
-        for job_id, run in cluster.running.items():
+        due = cluster.checkpoints_due
+        while due and due[0][0] <= now:
+            at, job_id, attempt = heapq.heappop(due)
             life = self.jobs[job_id]
-            if life.state == "running" and life.next_checkpoint <= now:
-                _, last = self.saved_progress(life, now)
-                life.running = run.model_copy(update={"last_checkpoint_at": last})
-                cluster.running[job_id] = life.running
-                life.next_checkpoint = self.checkpoint_after(now, run.started_at, life.spec.checkpoint_interval,
-                                                             run.checkpoint_phase)
+            if life.attempt != attempt or life.state != "running" or life.next_checkpoint != at:
+                continue  # that attempt has been stopped since: it will not checkpoint again
+            run = life.running
+            _, last = self.saved_progress(life, now)
+            life.running = run.model_copy(update={"last_checkpoint_at": last})
+            cluster.running[job_id] = life.running
+            life.next_checkpoint = self.checkpoint_after(now, run.started_at, life.spec.checkpoint_interval,
+                                                         run.checkpoint_phase)
+            heapq.heappush(due, (life.next_checkpoint, job_id, attempt))
 
     def run_cycle(self, cluster: ClusterState, now: float) -> None:
         snapshot = self.snapshot(cluster, now)
@@ -476,10 +492,10 @@ class Simulation:
     def sample(self, now: float) -> None:
         busy = healthy = queued_jobs = queued_gpus = 0
         for cluster in self.clusters.values():
-            busy += sum(r.spec.num_gpus for r in cluster.running.values())
+            busy += cluster.busy_gpus
             healthy += cluster.healthy_gpus
             queued_jobs += len(cluster.queue)
-            queued_gpus += sum(q.spec.num_gpus for q in cluster.queue.values())
+            queued_gpus += cluster.queued_gpus
         self.samples.append(Sample(time=now, busy_gpus=busy, healthy_gpus=healthy,
                                    queued_jobs=queued_jobs, queued_gpus=queued_gpus))
 
