@@ -77,6 +77,7 @@ class Admission:
     victim_keys: dict[str, tuple] = field(default_factory=dict)
     exposed: preemption.Exposed | None = None  # running jobs not protected from preemption
     candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)
+    ends: list[tuple[RunningJob, float, list[tuple[int, int]]]] | None = None  # see expected_ends
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
@@ -86,15 +87,7 @@ class Admission:
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
           leaving: set[str], queue: list[QueuedJob]) -> Admission:
     now, config = snapshot.now, snapshot.config
-    unprotected: dict[str, bool] = {}  # asked of most running jobs twice a cycle: by quotas and by preemption
-
-    def preemptible(job: RunningJob) -> bool:
-        answer = unprotected.get(job.spec.job_id)
-        if answer is None:
-            answer = unprotected[job.spec.job_id] = preemption.protection(job, now, config) is None
-        return answer
-
-    usage.preemptible = preemptible
+    usage.preemptible = lambda job: preemption.protection(job, now, config) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
         keep_whole=config.reserved_pool_fraction if _pool_would_serve(cap, queue, config) else 0.0,
@@ -192,7 +185,7 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
     if not _starving(state, job) or len(state.holds) >= config.max_reservations:
         return False
     if state.book is None:
-        state.book = reservation.ReleaseBook(cap, state.running, state.now)
+        state.book = reservation.ReleaseBook((end, machines) for _, end, machines in expected_ends(state))
     taken = frozenset(i for h in state.holds for i in h.machines)
     hold = reservation.plan_hold(cap, spec, state.book, state.now, taken)
     if hold is None:
@@ -324,6 +317,17 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     return True
 
 
+def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[int, int]]]]:
+    """(job, expected end, (machine, GPU count) of its GPUs) for every running job, in order.
+
+    Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
+    once per cycle instead of once by each."""
+    if state.ends is None:
+        now, cap = state.now, state.cap
+        state.ends = [(job, job.expected_end(now), cap.machines_of(job)) for job in state.running]
+    return state.ends
+
+
 def _exposed(state: Admission) -> preemption.Exposed:
     """Running jobs not protected from preemption (or a move), found once per cycle."""
     if state.exposed is None:
@@ -396,9 +400,9 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
     if state.ending_soon is None:
         state.ending_soon = {}
         horizon = now + state.config.grace_period / 2
-        for job in state.running:
-            if not job.draining and job.spec.job_id not in state.going and job.expected_end(now) <= horizon:
-                for i, count in cap.machines_of(job):
+        for job, end, machines in expected_ends(state):
+            if end <= horizon and not job.draining and job.spec.job_id not in state.going:
+                for i, count in machines:
                     state.ending_soon[i] = state.ending_soon.get(i, 0) + count
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of

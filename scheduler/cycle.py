@@ -103,9 +103,9 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
                         misses_deadline=None, reason=reason)
                 for position, (job, reason) in enumerate(state.waiting, start=1)]
     releases = []
-    for job in state.running:
-        at = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
-        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, cap.machines_of(job)))
+    for job, end, machines in admission.expected_ends(state):
+        at = now + config.grace_period if job.spec.job_id in state.going else end
+        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines))
     for (job, slots, _), p in zip(state.placed, placements):
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))

@@ -237,10 +237,7 @@ def estimate_starts(
                 ):
                     # The calendar per machine, made only here: planning is rare (bounded by
                     # max_holds), releases are many.
-                    book = ReleaseBook(cap, (), t)
-                    for entry in calendar:
-                        for i, count in _counts(cap, entry):
-                            book.by_machine.setdefault(i, []).append((entry[0], count))
+                    book = ReleaseBook((entry[0], _counts(cap, entry)) for entry in calendar)
                     taken = frozenset(i for _, h in holds for i in h.machines)
                     hold = plan_hold(cap, spec, book, t, taken)
                     holds_left -= 1

@@ -10,10 +10,10 @@ expected to finish before the reservation starts — that is backfill that never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from scheduler.capacity import Capacity
-from scheduler.models import JobSpec, RunningJob, Topology
+from scheduler.models import JobSpec, Topology
 from scheduler.placement import resolved_topology
 
 
@@ -27,14 +27,12 @@ class Hold:
 class ReleaseBook:
     """When each machine's GPUs come back, by the running jobs' expected ends."""
 
-    def __init__(self, cap: Capacity, running: Sequence[RunningJob], now: float):
+    def __init__(self, releases: Iterable[tuple[float, Sequence[tuple[int, int]]]]):
+        """`releases`: (expected end, (machine, GPU count) of what it frees) per running job."""
         self.by_machine: dict[int, list[tuple[float, int]]] = {}
-        for job in running:
-            end = job.expected_end(now)
-            for i, count in cap.machines_of(job):
+        for end, machines in releases:
+            for i, count in machines:
                 self.by_machine.setdefault(i, []).append((end, count))
-        for releases in self.by_machine.values():
-            releases.sort()
 
 
 def plan_hold(

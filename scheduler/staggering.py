@@ -25,8 +25,10 @@ class WritePlan:
             yield int(((phase + k * interval) % self.period) // self.slot)
 
     def add(self, interval: float, phase: float, weight: float) -> None:
-        for b in self._times(interval, phase):
-            self.load[b] += weight
+        # _times inlined: the cycle adds every running job that checkpoints, each cycle that places
+        period, slot, load = self.period, self.slot, self.load
+        for k in range(max(1, round(period / interval))):
+            load[int(((phase + k * interval) % period) // slot)] += weight
 
     def choose(self, interval: float, weight: float) -> float:
         """The least loaded phase for a new job, lowest on ties; recorded in the plan."""

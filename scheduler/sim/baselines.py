@@ -57,7 +57,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
         if slots is None:
             reason = placement.explain_no_fit(cap, job.spec)
             if hold is None:
-                book = reservation.ReleaseBook(cap, running, now)
+                book = reservation.ReleaseBook((j.expected_end(now), cap.machines_of(j)) for j in running)
                 hold = reservation.plan_hold(cap, job.spec, book, now, frozenset())
             pending.append(Pending(job_id=job.spec.job_id, position=len(pending) + 1, estimated_start=None,
                                    misses_deadline=None, reason=reason))
