@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from scheduler.forecast import expected_arrivals
 from scheduler.models import (
@@ -87,40 +87,72 @@ def policy(lock: Row) -> PolicyConfig:
     return PolicyConfig(**json_value(lock["policy"]))
 
 
+class Reuse:
+    """The models built from one cluster's last snapshot, handed out again for rows that come back
+    unchanged.
+
+    A cycle reads every machine, running job and queued job of its cluster, and most are as they
+    were a cycle ago. Handing the core the very same objects saves building them again, and lets
+    what the core remembers per object (the fleet's layout, each running job's GPUs by machine)
+    serve the live loop as it serves the simulator. A row is reused only when every one of its
+    values is equal to last time's."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, Any], tuple[tuple, Any]] = {}
+        self._seen: dict[tuple[str, Any], tuple[tuple, Any]] = {}
+
+    def model(self, kind: str, key: Any, row: Row, build: Callable[[Row], Any]) -> Any:
+        values = tuple(row.values())
+        found = self._last.get((kind, key))
+        if found is None or found[0] != values:
+            found = (values, build(row))
+        self._seen[(kind, key)] = found
+        return found[1]
+
+    def done(self) -> None:
+        """Forget the rows this snapshot did not read (ended jobs, machines gone)."""
+        self._last, self._seen = self._seen, {}
+
+
+def machine(m: Row) -> Machine:
+    return Machine(id=m["id"], cluster=m["cluster"], block=m["block"], rack=m["rack"], gpus=m["gpus"],
+                   gpu_type=m["gpu_type"], gpu_memory_gb=m["gpu_memory_gb"], partition=m["partition"],
+                   reachable=m["reachable"], unhealthy_gpus=frozenset(m["unhealthy"]))
+
+
+def running_job(r: Row) -> RunningJob:
+    return RunningJob(
+        spec=job_spec(r["request"], r["priority"]),
+        submit_time=r["submit_time"],
+        gpus=tuple(split_path(p) for p in r["gpus"]),
+        started_at=r["started_at"] if r["started_at"] is not None else r["placed_at"],
+        progress_at_start=r["progress_at_start"],
+        preemptions=tuple(r["preemptions"]),
+        checkpoint_phase=r["checkpoint_phase"],
+        draining_until=r["draining_until"],
+        preempted_for=r["preempted_for"],
+        last_checkpoint_at=r["last_checkpoint_at"],
+    )
+
+
+def queued_job(j: Row) -> QueuedJob:
+    return QueuedJob(spec=job_spec(j["request"], j["priority"]), submit_time=j["submit_time"],
+                     queued_since=max(j["queued_since"], j["submit_time"]), progress=j["progress"],
+                     preemptions=tuple(j["preemptions"]))
+
+
 def snapshot(*, cluster: str, now: float, lock: Row, config: PolicyConfig, machines: Iterable[Row],
              running: Iterable[Row], queue: Iterable[Row], quotas: Iterable[Row],
-             submissions: Iterable[Row] = ()) -> Snapshot:
-    """`config` is `policy(lock)`, read once by the caller: it also says which submissions to read."""
-    return Snapshot(
+             submissions: Iterable[Row] = (), reuse: Reuse | None = None) -> Snapshot:
+    """`config` is `policy(lock)`, read once by the caller: it also says which submissions to read.
+    `reuse`: the cluster's models from its last snapshot (none: every model is built afresh)."""
+    reuse = reuse or Reuse()
+    snap = Snapshot(
         cluster=cluster,
         now=now,
-        machines=tuple(
-            Machine(id=m["id"], cluster=m["cluster"], block=m["block"], rack=m["rack"], gpus=m["gpus"],
-                    gpu_type=m["gpu_type"], gpu_memory_gb=m["gpu_memory_gb"], partition=m["partition"],
-                    reachable=m["reachable"], unhealthy_gpus=frozenset(m["unhealthy"]))
-            for m in machines
-        ),
-        running=tuple(
-            RunningJob(
-                spec=job_spec(r["request"], r["priority"]),
-                submit_time=r["submit_time"],
-                gpus=tuple(split_path(p) for p in r["gpus"]),
-                started_at=r["started_at"] if r["started_at"] is not None else r["placed_at"],
-                progress_at_start=r["progress_at_start"],
-                preemptions=tuple(r["preemptions"]),
-                checkpoint_phase=r["checkpoint_phase"],
-                draining_until=r["draining_until"],
-                preempted_for=r["preempted_for"],
-                last_checkpoint_at=r["last_checkpoint_at"],
-            )
-            for r in running
-        ),
-        queue=tuple(
-            QueuedJob(spec=job_spec(j["request"], j["priority"]), submit_time=j["submit_time"],
-                      queued_since=max(j["queued_since"], j["submit_time"]), progress=j["progress"],
-                      preemptions=tuple(j["preemptions"]))
-            for j in queue
-        ),
+        machines=tuple(reuse.model("machine", m["id"], m, machine) for m in machines),
+        running=tuple(reuse.model("running", r["allocation_id"], r, running_job) for r in running),
+        queue=tuple(reuse.model("queued", j["id"], j, queued_job) for j in queue),
         quotas={r["team"]: quota(r) for r in quotas},
         earmarks=tuple(Earmark.model_validate(e) for e in json_value(lock["earmarks"])),
         config=config,
@@ -128,6 +160,8 @@ def snapshot(*, cluster: str, now: float, lock: Row, config: PolicyConfig, machi
             ((s["submit_time"], s["priority"], s["num_gpus"], s["expected_duration"]) for s in submissions),
             now, config),
     )
+    reuse.done()
+    return snap
 
 
 def placement_order(row: Row, grace_period: float) -> PlacementOrder:

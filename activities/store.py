@@ -54,6 +54,7 @@ RESEND_AFTER = 3.0
 class Store:
     def __init__(self, pool: asyncpg.Pool):
         self.pool = pool
+        self.reuse: dict[str, rows.Reuse] = {}  # per cluster: the models of its last snapshot
 
     @classmethod
     async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10) -> "Store":
@@ -356,6 +357,7 @@ class Store:
             quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),
             submissions=await conn.fetch(q.SNAPSHOT_SUBMISSIONS, cluster,
                                          now - config.forecast_window, now),
+            reuse=self.reuse.setdefault(cluster, rows.Reuse()),
         )
 
     async def _commit(self, conn, cluster: str, seq: int, snapshot: Snapshot, result: CycleResult) -> None:

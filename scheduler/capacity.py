@@ -9,6 +9,7 @@ instead of a scan of the fleet. Only machines that are reachable and GPUs that a
 from __future__ import annotations
 
 from bisect import insort
+from operator import is_
 from dataclasses import dataclass, field
 from typing import NamedTuple
 from typing import Iterable, Sequence
@@ -63,12 +64,14 @@ _last_layout: tuple[Sequence[Machine], Layout] | None = None
 
 
 def _layout_of(machines: Sequence[Machine]) -> Layout:
-    # The machines are immutable and usually the very same tuple cycle after cycle, so the
-    # last layout is reused when the caller passes the same object (an identity check, never a
-    # guess: any change of a machine means a new tuple).
+    # The machines are immutable and usually the very same objects cycle after cycle, so the
+    # last layout is reused when the caller passes the same machine objects in the same order
+    # (identity checks, never a guess: a changed machine is a new object).
     global _last_layout
-    if _last_layout is not None and _last_layout[0] is machines:
-        return _last_layout[1]
+    if _last_layout is not None:
+        last = _last_layout[0]
+        if last is machines or (len(last) == len(machines) and all(map(is_, last, machines))):
+            return _last_layout[1]
     usable = [m for m in machines if m.reachable]
     pools: dict[PoolKey, list[int]] = {}
     pool_key = []

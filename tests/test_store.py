@@ -197,3 +197,24 @@ def test_the_snapshot_expects_the_last_days_submissions_again_a_day_later(store_
     got = sorted((a.priority.value, a.num_gpus, a.expected_duration) for a in snap.expected_arrivals)
     assert got == [("high", 2, 1800.0), ("low", 1, 3600.0)]
     assert all(snap.now < a.at <= snap.now + snap.config.forecast_window for a in snap.expected_arrivals)
+
+
+def test_consecutive_snapshots_hand_back_the_same_models_for_rows_that_did_not_change(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    run(store.admit(job("b", gpus=4)))
+    run(store.admit(job("c", gpus=4)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    first, second = run(store.snapshot("c1")), run(store.snapshot("c1"))
+    assert all(map(lambda x, y: x is y, first.machines, second.machines))
+    assert first.running[0] is second.running[0] and first.queue[0] is second.queue[0]
+
+    run(store.start_attempt("a", alloc))  # the allocation row changes: a new model for it alone
+    sick = [GpuReport(index=i, healthy=i != 3) for i in range(4)]
+    run(store.machine_heartbeat("c1/b0/r0/m1", 1, sick))
+    third = run(store.snapshot("c1"))
+    assert third.running[0] is not second.running[0] and third.running[1] is second.running[1]
+    assert third.queue[0] is second.queue[0]
+    by_id = {m.id: m for m in second.machines}
+    assert [m is by_id[m.id] for m in third.machines] == [True, False]
+    assert third.machines[1].unhealthy_gpus == {3}
