@@ -441,7 +441,7 @@ class Simulation:
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
         """Tell the snapshot about interval checkpoints completed since the last cycle."""
-        due = cluster.checkpoints_due
+        due, refreshed = cluster.checkpoints_due, []
         while due and due[0][0] <= now:
             at, job_id, attempt = heapq.heappop(due)
             life = self.jobs[job_id]
@@ -453,7 +453,11 @@ class Simulation:
             cluster.running[job_id] = life.running
             life.next_checkpoint = self.checkpoint_after(now, run.started_at, life.spec.checkpoint_interval,
                                                          run.checkpoint_phase)
-            heapq.heappush(due, (life.next_checkpoint, job_id, attempt))
+            refreshed.append((life.next_checkpoint, job_id, attempt))
+        # Pushed back only now: rounding can put the next checkpoint at `now` itself, and a job
+        # is refreshed once a cycle, as it always was.
+        for entry in refreshed:
+            heapq.heappush(due, entry)
 
     def run_cycle(self, cluster: ClusterState, now: float) -> None:
         snapshot = self.snapshot(cluster, now)
