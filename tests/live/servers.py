@@ -141,8 +141,8 @@ def start_live_servers(root: Path) -> LiveServers:
     for future in futures:
         try:
             started.append(future.result())
-        except srv.ServerError as e:
-            errors.append(str(e))
+        except Exception as e:  # not only ServerError: a binary it may not run (PermissionError), say
+            errors.append(f"{type(e).__name__}: {e}")
     if errors:
         for server in started:
             server.stop()
