@@ -9,8 +9,8 @@ instead of a scan of the fleet. Only machines that are reachable and GPUs that a
 from __future__ import annotations
 
 from bisect import insort
-from operator import is_
 from dataclasses import dataclass, field
+from operator import is_
 from typing import NamedTuple
 from typing import Iterable, Sequence
 
