@@ -43,7 +43,7 @@ def protection(job: RunningJob, now: float, config: PolicyConfig) -> str | None:
         recent = [t for t in job.preemptions if now - t <= config.thrash_window]
         if len(recent) >= config.thrash_max_preemptions:
             return f"was preempted {len(recent)} times in the last {config.thrash_window / 60:g} minutes"
-    if not job.spec.checkpoint_interval and now - job.started_at > config.max_unsaved_run:
+    if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
         return "cannot checkpoint and has run too long to throw away"
     return None
 

@@ -19,16 +19,15 @@ class WritePlan:
         self.period = self.bins * slot
         self.load = [0.0] * self.bins
 
-    def _times(self, interval: float, phase: float) -> Iterable[int]:
-        count = max(1, round(self.period / interval))
-        for k in range(count):
-            yield int(((phase + k * interval) % self.period) // self.slot)
+    def _times(self, interval: float, phase: float) -> list[int]:
+        """The bins a job of this interval and phase writes in over one period."""
+        period, slot = self.period, self.slot
+        return [int(((phase + k * interval) % period) // slot) for k in range(max(1, round(period / interval)))]
 
     def add(self, interval: float, phase: float, weight: float) -> None:
-        # _times inlined: the cycle adds every running job that checkpoints, each cycle that places
-        period, slot, load = self.period, self.slot, self.load
-        for k in range(max(1, round(period / interval))):
-            load[int(((phase + k * interval) % period) // slot)] += weight
+        load = self.load
+        for b in self._times(interval, phase):
+            load[b] += weight
 
     def choose(self, interval: float, weight: float) -> float:
         """The least loaded phase for a new job, lowest on ties; recorded in the plan."""
