@@ -421,14 +421,15 @@ def _remove_stale_lock(data_dir: Path) -> None:
 
 
 def _hand_over(data_dir: Path, user: str) -> None:
-    """Give the data directory to ``user`` and let it reach it: traverse (o+x, not read) on
-    every parent that lacks it. Done on every start: pytest resets its temp root to 0700 at each
-    session start, and a restart must still find its folder."""
+    """Give the data directory to ``user`` and let it reach it and the Postgres binaries:
+    traverse (o+x, not read) on every parent that lacks it. Done on every start: pytest resets
+    its temp root to 0700 at each session start, a restart must still find its folder, and a
+    checkout in a 0700 folder (``mktemp -d``) holds the binaries in its virtualenv."""
     import pwd
 
     entry = pwd.getpwnam(user)
     os.chown(data_dir, entry.pw_uid, entry.pw_gid)
-    for parent in data_dir.parents:
+    for parent in [*data_dir.parents, *Path(pg_binary("postgres")).parents]:
         mode = parent.stat().st_mode
         if not mode & stat.S_IXOTH:
             parent.chmod(mode | stat.S_IXOTH)
