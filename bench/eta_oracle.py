@@ -70,7 +70,7 @@ class FirstCycles(Simulation):
                 self.first[job_id] = snap
 
 
-Variant = Callable[[Snapshot, float], Snapshot]
+Variant = Callable[[Snapshot], Snapshot]
 
 
 def study(trace: list[TraceJob], fleet) -> list[tuple[str, dict]]:
@@ -86,20 +86,20 @@ def study(trace: list[TraceJob], fleet) -> list[tuple[str, dict]]:
     later = sorted(trace, key=lambda t: t.submit_time)
     submit_times = [t.submit_time for t in later]
 
-    def arrivals(now: float, real_durations: bool) -> tuple[ExpectedArrival, ...]:
+    def arrivals(snap: Snapshot, real_durations: bool) -> tuple[ExpectedArrival, ...]:
         return tuple(ExpectedArrival.model_construct(
             at=t.submit_time, priority=t.spec.priority, num_gpus=t.spec.num_gpus,
             expected_duration=t.duration if real_durations else t.spec.expected_duration)
-            for t in later[bisect.bisect_right(submit_times, now):])
+            for t in later[bisect.bisect_right(submit_times, snap.now):])
 
     def ramp(snap: Snapshot, seconds: float) -> Snapshot:
         return snap.model_copy(update={"config": snap.config.model_copy(update={"forecast_ramp": seconds})})
 
     def known_arrivals(seconds: float) -> Variant:
-        return lambda snap, now: ramp(snap.model_copy(update={"expected_arrivals": arrivals(now, False)}), seconds)
+        return lambda snap: ramp(snap.model_copy(update={"expected_arrivals": arrivals(snap, False)}), seconds)
 
     def all_known(seconds: float) -> Variant:
-        def variant(snap: Snapshot, now: float) -> Snapshot:
+        def variant(snap: Snapshot) -> Snapshot:
             running = tuple(
                 r if r.draining else r.model_copy(update={"spec": r.spec.model_copy(update={
                     "expected_duration": came_back[(r.spec.job_id, r.started_at)] - r.started_at + r.progress_at_start})})
@@ -107,12 +107,12 @@ def study(trace: list[TraceJob], fleet) -> list[tuple[str, dict]]:
             queue = tuple(q.model_copy(update={"spec": q.spec.model_copy(update={
                 "expected_duration": true_duration[q.spec.job_id]})}) for q in snap.queue)
             return ramp(snap.model_copy(update={"running": running, "queue": queue,
-                                                "expected_arrivals": arrivals(now, True)}), seconds)
+                                                "expected_arrivals": arrivals(snap, True)}), seconds)
         return variant
 
     variants: list[tuple[str, Variant]] = [
-        ("as shipped (forecast, 2 h ramp)", lambda snap, now: snap),
-        ("no forecast", lambda snap, now: snap.model_copy(update={"expected_arrivals": ()})),
+        ("as shipped (forecast, 2 h ramp)", lambda snap: snap),
+        ("no forecast", lambda snap: snap.model_copy(update={"expected_arrivals": ()})),
     ]
     variants += [(f"arrivals known, {label}", known_arrivals(s)) for label, s in
                  (("in full", 1.0), ("1 h ramp", HOUR), ("2 h ramp", 2 * HOUR), ("4 h ramp", 4 * HOUR))]
@@ -123,11 +123,11 @@ def study(trace: list[TraceJob], fleet) -> list[tuple[str, dict]]:
         errors: list[tuple[float, float]] = []  # (relative error, actual wait)
         for job_id, job in judged.items():
             snap = sim.first[job_id]
-            asked = variant(snap, snap.now).model_copy(update={"estimate_only": frozenset({job_id})})
-            result = run_cycle(asked)
+            asked = variant(snap).model_copy(update={"estimate_only": frozenset({job_id})})
+            decided = run_cycle(asked)
             # Told the truth about durations, the cycle may place the job at once.
-            placed = any(p.job_id == job_id for p in result.placements)
-            start = snap.now if placed else next(p.estimated_start for p in result.pending if p.job_id == job_id)
+            placed = any(p.job_id == job_id for p in decided.placements)
+            start = snap.now if placed else next(p.estimated_start for p in decided.pending if p.job_id == job_id)
             if start is not None:
                 wait = job.first_start - job.submit
                 errors.append((abs(start - job.first_start) / wait, wait))
