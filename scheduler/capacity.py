@@ -215,11 +215,21 @@ class Capacity:
 
     def has_room(self, pools: Sequence[Pool], topology: Topology, n: int) -> bool:
         """`could_fit` for terms already known (the estimate keeps them per lane of jobs)."""
+        # Loops rather than any()/sum() over generators: the estimate asks this thousands of
+        # times a cycle, mostly of one pool.
         if topology == Topology.machine:
-            return any(p.largest_free() >= n for p in pools)
+            for pool in pools:  # a machine with n or more free GPUs
+                buckets = pool.buckets
+                for count in range(n, pool.key.gpus + 1):
+                    if buckets[count]:
+                        return True
+            return False
         if topology == Topology.block and max(self.block_free.values(), default=0) < n:
             return False
-        return self.total_free(pools) >= n
+        free = 0
+        for pool in pools:
+            free += pool.free
+        return free >= n
 
     def eligible_pools(self, spec: JobSpec) -> list[Pool]:
         """The pools a job may run on: partition by kind, then GPU type and memory."""

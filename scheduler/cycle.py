@@ -142,13 +142,23 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
     if not state.waiting:
         return None
     now, config, cap, usage = snapshot.now, snapshot.config, state.cap, state.usage
-    times = [
-        job.queued_since + config.starvation_threshold
-        for job, _ in state.waiting
-        if job.spec.num_gpus >= cap.gpus_per_machine
-    ]
-    most_important = min(job.spec.priority.rank for job, _ in state.waiting)
-    reclaiming = any(usage.under_guarantee_with(j.spec.team, j.spec.num_gpus) for j, _ in state.waiting)
+    # One pass over the waiting jobs: large ones reaching the starvation threshold, the classes
+    # waiting, and each team's smallest waiting job (a team reclaims if that one fits under its
+    # guarantee: one question per team, not per job).
+    times = []
+    classes = set()
+    smallest: dict[str, int] = {}
+    big, threshold = cap.gpus_per_machine, config.starvation_threshold
+    for job, _ in state.waiting:
+        spec = job.spec
+        n = spec.num_gpus
+        if n >= big:
+            times.append(job.queued_since + threshold)
+        classes.add(spec.priority)
+        if n < smallest.get(spec.team, n + 1):
+            smallest[spec.team] = n
+    most_important = min(priority.rank for priority in classes)
+    reclaiming = any(usage.under_guarantee_with(team, n) for team, n in smallest.items())
     for job in state.running:
         if job.draining_until is not None:
             times.append(job.draining_until)

@@ -31,7 +31,7 @@ from typing import Collection, Iterable, Sequence
 from scheduler.capacity import Capacity
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import GpuSlot, QueuedJob, Topology
-from scheduler.placement import NO_AVOID, find_picks
+from scheduler.placement import NO_AVOID, picks_for
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
@@ -73,10 +73,11 @@ class _Lane:
 class _Shape:
     """Jobs that need the same GPUs (count, topology, eligible pools), one lane per team."""
 
-    __slots__ = ("n", "pools", "topology", "lanes", "by_team", "offered", "second")
+    __slots__ = ("n", "terms", "pools", "topology", "lanes", "by_team", "offered", "second")
 
-    def __init__(self, n: int, pools, topology: Topology):
-        self.n, self.pools, self.topology = n, pools, topology
+    def __init__(self, n: int, terms: tuple):
+        self.n, self.terms = n, terms  # terms: Capacity.fit_terms of its jobs
+        self.pools, _, self.topology = terms
         self.lanes: list[_Lane] = []
         self.by_team: dict[str, _Lane] = {}
         self.offered: _Lane | None = None  # the lane whose turn the shape's offer carries
@@ -122,11 +123,12 @@ def estimate_starts(
     total = sum(m.gpus for m in cap.machines)
     for order, job in enumerate(pending):
         s = job.spec
-        pools, _, topology = cap.fit_terms(s)
+        terms = cap.fit_terms(s)
+        pools, _, topology = terms
         shape_key = (s.num_gpus, topology, tuple(id(p) for p in pools))
         shape = shapes.get(shape_key)
         if shape is None:
-            shape = shapes[shape_key] = _Shape(s.num_gpus, pools, topology)
+            shape = shapes[shape_key] = _Shape(s.num_gpus, terms)
         lane = shape.by_team.get(s.team)
         if lane is None:
             quota = usage.quota(s.team)
@@ -226,7 +228,7 @@ def estimate_starts(
             picks = None
             room = cap.has_room(shape.pools, shape.topology, n)
             if room and (shape_key, avoid) not in no_room:
-                picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
+                picks = picks_for(cap, shape.terms, n, avoid, keep_whole)
             if picks is None:
                 blocked.append(shape_key)
                 planning = n >= cap.gpus_per_machine and holds_left > 0 and len(holds) < max_holds

@@ -50,10 +50,21 @@ def find_picks(
     keep_whole: float = 0.0,
 ) -> list[tuple[int, int]] | None:
     """Where the job should go, as (machine, GPU count) picks, or None if it cannot start."""
-    pools, largest, topology = cap.fit_terms(spec)
+    return picks_for(cap, cap.fit_terms(spec), spec.num_gpus, avoid, keep_whole)
+
+
+def picks_for(
+    cap: Capacity,
+    terms: tuple[list[Pool], int, Topology],
+    n: int,
+    avoid: frozenset[int] = NO_AVOID,
+    keep_whole: float = 0.0,
+) -> list[tuple[int, int]] | None:
+    """`find_picks` for a job of n GPUs whose fit terms (`Capacity.fit_terms`) are known: the
+    estimate keeps them per shape of job and asks thousands of times a cycle."""
+    pools, largest, topology = terms
     if not pools:
         return None
-    n = spec.num_gpus
     if n <= largest:  # one machine satisfies every topology
         i = best_machine(cap, pools, n, avoid, keep_whole)
         if i is not None:

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from scheduler.capacity import Capacity
 from scheduler.models import JobSpec, PolicyConfig, RunningJob, Topology
@@ -94,8 +94,10 @@ def choose_victims(
     usage: TeamUsage,
     key_cache: dict[str, tuple],
     avoid: frozenset[int] = frozenset(),
+    leaving: Collection[str] = frozenset(),
 ) -> VictimChoice | None:
-    """The victims to displace for `claimant`, or None; `key_cache` lives for one cycle."""
+    """The victims to displace for `claimant`, or None; `key_cache` lives for one cycle.
+    Candidates in `leaving` (already told to go this cycle) are passed over."""
     pools = cap.eligible_pools(claimant)
     if not pools or not candidates:
         return None
@@ -103,11 +105,22 @@ def choose_victims(
     topology = resolved_topology(cap, claimant)
     domain_of = cap.domains(_scope(topology, claimant.num_gpus, pools))
 
-    # What each candidate would free in each domain (only the eligible machines count).
-    freed: dict[object, dict[str, int]] = {}
+    by_id = {}
+    keys = {}
     for job in candidates:
         job_id = job.spec.job_id
-        for i, count in cap.machines_of(job):
+        if job_id in leaving:
+            continue
+        key = key_cache.get(job_id)
+        if key is None:
+            key = key_cache[job_id] = victim_key(job, now, usage)
+        by_id[job_id] = job
+        keys[job_id] = key
+    # What each candidate would free in each domain (only the eligible machines count), taken in
+    # victim order so that each domain's candidates come out already sorted.
+    freed: dict[object, dict[str, int]] = {}
+    for job_id in sorted(by_id, key=keys.__getitem__):
+        for i, count in cap.machines_of(by_id[job_id]):
             if i not in avoid and pool_of[i] in pools:
                 per = freed.get(domain_of[i])
                 if per is None:
@@ -124,19 +137,12 @@ def choose_victims(
                     domain = domain_of[i]
                     free_in[domain] = free_in.get(domain, 0) + count
 
-    by_id = {job.spec.job_id: job for job in candidates}
-    keys = {}
-    for job_id, job in by_id.items():
-        key = key_cache.get(job_id)
-        if key is None:
-            key = key_cache[job_id] = victim_key(job, now, usage)
-        keys[job_id] = key
     n = claimant.num_gpus
     options = []
     for domain, gains in freed.items():
         have = free_in.get(domain, 0)
         taken = []
-        for job_id in sorted(gains, key=keys.__getitem__):
+        for job_id in gains:  # in victim order
             taken.append(job_id)
             have += gains[job_id]
             if have >= n:
