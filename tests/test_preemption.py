@@ -174,6 +174,17 @@ def test_a_claimant_over_its_team_maximum_preempts_nobody():
     assert "maximum" in pending(result)["claim"].reason
 
 
+def test_claimants_in_one_cycle_each_take_victims_the_ones_before_them_left():
+    # low-a started last, so it goes first; the second claimant must not count it again, and the
+    # third finds nobody left to displace.
+    m2 = mid(0, 0, 2)
+    running_jobs = [_run("low-a", M0, started=NOW - 1000), _run("low-b", M1, started=NOW - 5000), _guard(m2)]
+    claimants = [job(f"claim-{k}").gpus(8).priority("critical").submitted(NOW + k) for k in (1, 2, 3)]
+    result = cycle(snapshot(fleet(machines=3), running=running_jobs, queue=claimants))
+    assert [(p.for_job, p.job_id) for p in result.preemptions] == [("claim-1", "low-a"), ("claim-2", "low-b")]
+    assert "preempting" not in pending(result)["claim-3"].reason
+
+
 def test_the_preempted_jobs_are_named_in_the_claimants_reason():
     result = cycle(snapshot(fleet(machines=2), running=[_run("low", M0), _guard(M1)], queue=[CRIT], grace_period=90))
     reason = pending(result)["claim"].reason
