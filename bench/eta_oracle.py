@@ -144,10 +144,13 @@ def summarise(errors: list[tuple[float, float]]) -> dict:
     return out
 
 
+def span(lo: float, hi: float) -> str:
+    """A bucket of waits in words: "10–60 min", "1–4 h", "> 12 h"."""
+    return f"{lo / 60:.0f}–60 min" if hi == HOUR else (f"> {lo / HOUR:.0f} h" if hi == float("inf")
+                                                        else f"{lo / HOUR:.0f}–{hi / HOUR:.0f} h")
+
+
 def table(rows: list[tuple[str, dict]]) -> str:
-    def span(lo: float, hi: float) -> str:
-        return f"{lo / 60:.0f}–60 min" if hi == HOUR else (f"> {lo / HOUR:.0f} h" if hi == float("inf")
-                                                            else f"{lo / HOUR:.0f}–{hi / HOUR:.0f} h")
     first = rows[0][1]
     head = ["estimate", "median error", "within 30%"] + [f"{span(lo, hi)} ({first[(lo, hi)][0]})" for lo, hi in BUCKETS]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]

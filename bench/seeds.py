@@ -8,7 +8,8 @@ One trace is one draw: the jobs that wait over 10 minutes, on which the ETA erro
 only 130 to 180 of its 3,000. This script makes the same trace with other seeds (the same mix,
 load and fleet), simulates each with gpusched's policy, and prints per seed the figures the
 targets are about, then the ETA error pooled over every judged job of every seed, by how long
-the jobs waited. The baselines are not run: the targets below do not depend on them. The last line is one JSON object with the same figures.
+the jobs waited. The baselines are not run: the targets below do not depend on them. The last
+line is one JSON object with the same figures.
 
 About 50 s of simulation per seed; `--workers` runs that many seeds at once.
 """
@@ -30,8 +31,7 @@ from scheduler.sim.engine import simulate  # noqa: E402
 from scheduler.sim.report import ETA_MIN_WAIT_S, percentile, summarize  # noqa: E402
 from scheduler.sim.workloads import generate_trace  # noqa: E402
 
-HOUR = 3600.0
-BUCKETS = ((ETA_MIN_WAIT_S, HOUR), (HOUR, 4 * HOUR), (4 * HOUR, 12 * HOUR), (12 * HOUR, float("inf")))
+from eta_oracle import BUCKETS, span  # noqa: E402  (bench/ is this script's folder)
 
 
 def run_seed(seed: int, fleet_path: str) -> tuple[int, dict, list[tuple[float, float, float]]]:
@@ -47,12 +47,6 @@ def run_seed(seed: int, fleet_path: str) -> tuple[int, dict, list[tuple[float, f
             told = job.predicted_start - job.submit
             judged.append((abs(told - wait) / wait, told / wait, wait))
     return seed, summarize(result), judged
-
-
-def span(lo: float, hi: float) -> str:
-    if hi == HOUR:
-        return f"{lo / 60:.0f}–60 min"
-    return f"> {lo / HOUR:.0f} h" if hi == float("inf") else f"{lo / HOUR:.0f}–{hi / HOUR:.0f} h"
 
 
 def seed_table(runs: list[tuple[int, dict, list]]) -> str:
