@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scheduler.eta import MIN_RUN  # noqa: E402
 from scheduler.sim.engine import FINISH, SUBMIT, JobLife, Simulation, SimSettings, simulate  # noqa: E402
 from scheduler.sim.report import ETA_MIN_WAIT_S  # noqa: E402
 from scheduler.sim.trace import TraceJob  # noqa: E402
@@ -138,7 +139,7 @@ class ForwardRuns(Simulation):
     def place(self, cluster, now, job_id, gpus, phase):
         if self.changed:
             life = self.jobs[job_id]
-            if life.trace.duration < life.progress + 60.0:
+            if life.trace.duration < life.progress + MIN_RUN:
                 # Preempted after outrunning its estimate: like the walk, expect a minute more.
                 self.expect(life, life.trace.submit_time)
         super().place(cluster, now, job_id, gpus, phase)
@@ -189,7 +190,7 @@ class ForwardRuns(Simulation):
     @staticmethod
     def expect(life: JobLife, submit_time: float) -> None:
         """The job runs for its user's estimate (at least a minute beyond the work it has saved)."""
-        duration = max(life.progress + 60.0, life.spec.expected_duration)
+        duration = max(life.progress + MIN_RUN, life.spec.expected_duration)
         life.trace = TraceJob.model_construct(spec=life.spec, submit_time=submit_time, duration=duration)
 
 
