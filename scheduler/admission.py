@@ -322,8 +322,8 @@ def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[
     Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
     once per cycle instead of once by each."""
     if state.ends is None:
-        now, cap = state.now, state.cap
-        state.ends = [(job, job.expected_end(now), cap.machines_of(job)) for job in state.running]
+        now, machines_of = state.now, state.cap.machines_of
+        state.ends = [(job, job.expected_end(now), machines_of(job)) for job in state.running]
     return state.ends
 
 

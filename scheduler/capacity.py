@@ -172,8 +172,10 @@ class Capacity:
                 held[i] = held.get(i, 0) | mask
         healthy = layout.healthy_mask
         self.free: list[list[int]] = list(map(list, layout.healthy))
+        free = self.free
         for i, mask in held.items():
-            self.free[i] = list(_gpus_in(healthy[i] & ~mask))
+            left = healthy[i] & ~mask
+            free[i] = list(_gpus_in(left)) if left else []  # on a busy cluster most machines are full
         sizes = list(map(len, self.free))
         self.pools: dict[tuple, Pool] = {}
         for key, members in layout.pools.items():

@@ -64,6 +64,11 @@ def movable_by_domain(cap: Capacity, kind: Topology, exposed: Sequence[RunningJo
         if not job.spec.checkpoints:
             continue
         machines = cap.machines_of(job)
+        if len(machines) == 1:  # most jobs: one machine, so one domain of any kind
+            (i, count), = machines
+            if count == job.spec.num_gpus:
+                out.setdefault(domain_of[i], []).append(job)
+            continue
         if sum(count for _, count in machines) != job.spec.num_gpus:
             continue  # partly on a machine that is down: health requeues it instead
         domains = {domain_of[i] for i, _ in machines}

@@ -56,19 +56,30 @@ def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:
 
 
 class Exposed:
-    """The running jobs that some claimant could displace (not draining, not protected), found
-    once per cycle, in the order given; and, asked for by class, those below a class."""
+    """The running jobs that some claimant could displace (not draining, not protected), in the
+    order given; and, asked for by class, those below a class. Each list is found when first
+    asked for and kept for the cycle; protection is asked only of the jobs a list could hold."""
 
     def __init__(self, running: Sequence[RunningJob], preemptible: Callable[[RunningJob], bool]):
-        self.jobs = [j for j in running if not j.draining and preemptible(j)]
+        self.running, self.preemptible = running, preemptible
+        self._jobs: list[RunningJob] | None = None
         self._below: dict[int, list[RunningJob]] = {}
+
+    @property
+    def jobs(self) -> list[RunningJob]:
+        if self._jobs is None:
+            preemptible = self.preemptible
+            self._jobs = [j for j in self.running if not j.draining and preemptible(j)]
+        return self._jobs
 
     def below(self, rank: int) -> list[RunningJob]:
         """Those of a class less important than `rank`. Remembered: most claimants are of the
         lowest classes, for whom this is a short list or none, and a cycle asks many times."""
         found = self._below.get(rank)
         if found is None:
-            found = self._below[rank] = [j for j in self.jobs if j.spec.priority.rank > rank]
+            preemptible = self.preemptible
+            found = self._below[rank] = [j for j in self.running
+                                         if j.spec.priority.rank > rank and not j.draining and preemptible(j)]
         return found
 
 

@@ -76,14 +76,26 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
     held: dict[str, int] = {}
     by_team: dict[str, list[RunningJob]] = {}
     for job in running:
-        held[job.spec.team] = held.get(job.spec.team, 0) + job.spec.num_gpus
-        by_team.setdefault(job.spec.team, []).append(job)
+        spec = job.spec
+        held[spec.team] = held.get(spec.team, 0) + spec.num_gpus
+        by_team.setdefault(spec.team, []).append(job)
     borrowed = set()
     for team, jobs in by_team.items():
         over = held[team] - usage.quota(team).guaranteed
         if over <= 0:
             continue
-        for job in sorted(jobs, key=lambda j: (not usage.preemptible(j), -j.started_at, j.spec.job_id)):
+        # Preemptible jobs first, each group most recently started first. Whether a job is
+        # preemptible is asked only of the jobs looked at: most of a team's jobs never are.
+        protected = []
+        for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
+            if over <= 0:
+                break
+            if usage.preemptible(job):
+                borrowed.add(job.spec.job_id)
+                over -= job.spec.num_gpus
+            else:
+                protected.append(job)
+        for job in protected:
             if over <= 0:
                 break
             borrowed.add(job.spec.job_id)

@@ -25,9 +25,10 @@ class WritePlan:
         return [int(((phase + k * interval) % period) // slot) for k in range(max(1, round(period / interval)))]
 
     def add(self, interval: float, phase: float, weight: float) -> None:
-        load = self.load
-        for b in self._times(interval, phase):
-            load[b] += weight
+        # _times written out: a cycle that places a job adds every running job to the plan.
+        load, period, slot = self.load, self.period, self.slot
+        for k in range(max(1, round(period / interval))):
+            load[int(((phase + k * interval) % period) // slot)] += weight
 
     def choose(self, interval: float, weight: float) -> float:
         """The least loaded phase for a new job, lowest on ties; recorded in the plan."""
