@@ -201,7 +201,7 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     cap = state.cap
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
     waiting = {job.spec.job_id: job.spec for job in snapshot.queue}
-    holders = waiting.keys() | {j.spec.job_id for j in snapshot.running if j.draining}
+    holders = waiting.keys() | {j.spec.job_id for j in snapshot.running if j.draining_until is not None}
     for earmark in snapshot.earmarks:
         if earmark.expires <= snapshot.now or earmark.job_id not in holders:
             continue
@@ -247,7 +247,7 @@ def _pool_would_serve(cap: Capacity, queue: list[QueuedJob], config: PolicyConfi
 def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
     out: dict[str, list[RunningJob]] = {}
     for job in running:
-        if job.draining and job.preempted_for:
+        if job.preempted_for and job.draining:
             out.setdefault(job.preempted_for, []).append(job)
     return out
 
@@ -322,9 +322,31 @@ def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[
     Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
     once per cycle instead of once by each."""
     if state.ends is None:
-        now, machines_of = state.now, state.cap.machines_of
-        state.ends = [(job, job.expected_end(now), machines_of(job)) for job in state.running]
+        now, layout = state.now, state.cap.layout
+        ends = state.ends = []
+        for job in state.running:
+            found = _planned.get(id(job))
+            if found is None or found[0] is not job or found[1] is not layout:
+                found = _planned[id(job)] = (job, layout, _plain_end(job), state.cap.machines_of(job))
+                if len(_planned) > 100_000:
+                    _planned.clear()
+            end = found[2]
+            ends.append((job, end if end > now else job.expected_end(now), found[3]))
     return state.ends
+
+
+# (job, layout, plain end or -inf, its machines) per running job object: a running job is immutable
+# and lives for many cycles, and every cycle that plans asks for its end (remembered by identity,
+# as capacity.py remembers its GPUs by machine, so a changed job is always worked out afresh).
+_planned: dict[int, tuple[RunningJob, object, float, list[tuple[int, int]]]] = {}
+
+
+def _plain_end(job: RunningJob) -> float:
+    """When the job ends by its user's estimate, or -inf for a draining job (its end is the end of
+    its grace): `RunningJob.expected_end` gives either whenever it is later than now."""
+    if job.draining:
+        return -math.inf
+    return job.started_at + max(0.0, job.spec.expected_duration - job.progress_at_start)
 
 
 def _exposed(state: Admission) -> preemption.Exposed:

@@ -61,7 +61,7 @@ def movable_by_domain(cap: Capacity, kind: Topology, exposed: Sequence[RunningJo
     out: dict[object, list[RunningJob]] = {}
     domain_of = cap.domains(kind)
     for job in exposed:
-        if not job.spec.checkpoints:
+        if not job.spec.checkpoint_interval:  # JobSpec.checkpoints, without a call per job
             continue
         machines = cap.machines_of(job)
         if len(machines) == 1:  # most jobs: one machine, so one domain of any kind

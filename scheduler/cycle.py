@@ -68,14 +68,15 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
 def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:
     if not placed:  # most cycles place nothing: no write plan to make
         return []
-    intervals = [j.spec.checkpoint_interval for j in running if j.spec.checkpoints]
+    # (interval, phase, GPUs) of the running jobs that checkpoint (an interval of None or 0 never does)
+    writers = [(j.spec.checkpoint_interval, j.checkpoint_phase if j.checkpoint_phase is not None else j.started_at,
+                j.spec.num_gpus) for j in running if j.spec.checkpoint_interval]
+    intervals = [interval for interval, _, _ in writers]
     intervals += [q.spec.checkpoint_interval for q, _, _ in placed if q.spec.checkpoints]
     plan = staggering.WritePlan(config.checkpoint_slot, staggering.plan_period(intervals))
     if config.stagger_checkpoints and any(q.spec.checkpoints for q, _, _ in placed):
-        for j in running:
-            if j.spec.checkpoints:
-                phase = j.checkpoint_phase if j.checkpoint_phase is not None else j.started_at
-                plan.add(j.spec.checkpoint_interval, phase, j.spec.num_gpus)
+        for interval, phase, gpus in writers:
+            plan.add(interval, phase, gpus)
     out = []
     for job, slots, backfilled in placed:
         spec = job.spec

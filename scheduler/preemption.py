@@ -69,7 +69,8 @@ class Exposed:
     def jobs(self) -> list[RunningJob]:
         if self._jobs is None:
             preemptible = self.preemptible
-            self._jobs = [j for j in self.running if not j.draining and preemptible(j)]
+            # draining_until rather than the `draining` property: this is asked of every running job
+            self._jobs = [j for j in self.running if j.draining_until is None and preemptible(j)]
         return self._jobs
 
     def below(self, rank: int) -> list[RunningJob]:
@@ -79,7 +80,7 @@ class Exposed:
         if found is None:
             preemptible = self.preemptible
             found = self._below[rank] = [j for j in self.running
-                                         if j.spec.priority.rank > rank and not j.draining and preemptible(j)]
+                                         if j.spec.priority.rank > rank and j.draining_until is None and preemptible(j)]
         return found
 
 
