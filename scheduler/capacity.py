@@ -301,6 +301,25 @@ class Capacity:
         for i, count in before.items():
             self._moved(i, count)
 
+    def give_held(self, masks: Sequence[tuple[int, int]]) -> None:
+        """`give` for a running job's GPUs as its grouping holds them, (machine, bit mask): the
+        healthy ones that are not free already come back, without a lookup per GPU."""
+        healthy = self.layout.healthy_mask
+        for i, mask in masks:
+            free = self.free[i]
+            for g in free:
+                mask &= ~(1 << g)
+            back = mask & healthy[i]
+            if back:
+                before = len(free)
+                free.extend(_gpus_in(back))
+                free.sort()
+                self._moved(i, before)
+
+    def masks_of(self, job: RunningJob) -> list[tuple[int, int]]:
+        """(machine, its GPUs held, as a bit mask) of a running job's usable GPUs."""
+        return _grouped(self.layout, job).masks
+
     def take_picks(self, picks: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Take the lowest free GPUs of each picked machine; returns what was taken, for give_back."""
         taken = []

@@ -106,7 +106,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
-        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines))
+        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines, cap.masks_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))

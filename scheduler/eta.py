@@ -51,6 +51,7 @@ class Release:
     team: str
     gpus: int
     machines: list[tuple[int, int]] | None = None  # (machine, GPU count), when already known
+    masks: list[tuple[int, int]] | None = None  # (machine, its GPUs as a bit mask): a running job's
 
 
 def remaining_work(job: QueuedJob) -> float:
@@ -106,8 +107,9 @@ def estimate_starts(
         return {}
     load = arrivals if arrivals else None
     late: set[int] = set()  # calendar entries of jobs that wait for expected arrivals
-    # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts).
-    calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines) for seq, r in enumerate(releases)]
+    # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts,
+    # a running job's GPUs as masks or None).
+    calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines, r.masks) for seq, r in enumerate(releases)]
     heapq.heapify(calendar)
     seq = len(calendar)
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
@@ -266,7 +268,7 @@ def estimate_starts(
                 if left == 0:
                     return raw
             held[spec.team] = held.get(spec.team, 0) + n
-            heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks))
+            heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks, None))
             seq += 1
             if holds and any(o == order for o, _ in holds):
                 holds = [(o, h) for o, h in holds if o != order]
@@ -288,10 +290,12 @@ def estimate_starts(
         returned = 0
         placing = bool(blocked)  # once nothing is left to start, only the forecast counts releases
         while calendar and calendar[0][0] <= window:
-            t, entry, team, gpus, taken, slots, _ = heapq.heappop(calendar)
+            t, entry, team, gpus, taken, slots, _, masks = heapq.heappop(calendar)
             if placing:
                 if taken is not None:
                     cap.give_back(taken)
+                elif masks is not None:
+                    cap.give_held(masks)
                 else:
                     cap.give(slots)
                 held[team] = held.get(team, 0) - gpus
