@@ -75,9 +75,13 @@ def picks_for(
             avoid = avoid | _reserved_whole(pools, n, keep_whole)
     elif topology == Topology.machine:
         return None
-    picks = best_block(cap, pools, n, avoid)
+    usable = _usable(cap, pools, avoid)
+    free = cap.free
+    if sum(len(free[i]) for i in usable) < n:
+        return None  # too few free GPUs outside `avoid` for any block, or the cluster
+    picks = best_block(cap, usable, n)
     if picks is None and topology == Topology.any:
-        picks = greedy_fill(cap, _usable(cap, pools, avoid), n)
+        picks = greedy_fill(cap, usable, n)
     return picks
 
 
@@ -95,7 +99,7 @@ def best_machine(
                 continue
             if count == size and n < size and pool.whole_machines <= reserve:
                 continue  # the reserved pool of whole machines waits for a big job
-            candidates = bucket if not avoid else [i for i in bucket if i not in avoid]
+            candidates = bucket - avoid if avoid else bucket
             if candidates:
                 found = (count, min(candidates))
                 if best is None or found < best:
@@ -118,13 +122,12 @@ def _usable(cap: Capacity, pools: Sequence[Pool], avoid: frozenset[int]) -> list
     return [i for p in pools for bucket in p.buckets[1:] for i in bucket if i not in avoid]
 
 
-def best_block(
-    cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int]
-) -> list[tuple[int, int]] | None:
-    """(machine, GPU count) picks inside the one block that hosts n GPUs with least spread."""
+def best_block(cap: Capacity, usable: Iterable[int], n: int) -> list[tuple[int, int]] | None:
+    """(machine, GPU count) picks inside the one block that hosts n GPUs with least spread, of
+    the `usable` machines (those with a free GPU that the job may use)."""
     free, block_of, rack_of = cap.free, cap.block_of, cap.layout.rack_of
     by_block: dict[str, list[int]] = {}
-    for i in _usable(cap, pools, avoid):
+    for i in usable:
         by_block.setdefault(block_of[i], []).append(i)
     best: tuple[tuple, list[tuple[int, int]]] | None = None
     for machines in by_block.values():
