@@ -126,6 +126,29 @@ def test_borrowed_jobs_are_the_newest_beyond_the_guarantee(guaranteed, jobs, bor
     assert usage.borrowed == borrowed
 
 
+@pytest.mark.parametrize(
+    "guaranteed,jobs,protected,borrowed",
+    [
+        (8, [("old", 8, 0), ("new", 8, 100)], {"new"}, {"old"}),
+        (4, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], {"a", "c"}, {"b", "c"}),
+        (8, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], {"a", "b", "c"}, {"c"}),
+        (4, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], set(), {"b", "c"}),
+    ],
+    ids=[
+        "a protected newest job is passed over for the preemptible one",
+        "when the preemptible jobs do not cover the excess, the protected ones count too, newest first",
+        "with every job protected, the newest are borrowed",
+        "with none protected, the newest are borrowed",
+    ],
+)
+def test_borrowed_jobs_are_the_preemptible_ones_first(guaranteed, jobs, protected, borrowed):
+    run = [_ran(job_id, "b", mid(0, 0, i), range(n), started=started).build()
+           for i, (job_id, n, started) in enumerate(jobs)]
+    usage = team_usage({"b": Quota(guaranteed=guaranteed)}, run)
+    usage.preemptible = lambda job: job.spec.job_id not in protected
+    assert usage.borrowed == borrowed
+
+
 # --- reclaim ----------------------------------------------------------------------------------------
 
 
