@@ -30,10 +30,9 @@ class ReleaseBook:
     def __init__(self, releases: Iterable[tuple[float, Sequence[tuple[int, int]]]]):
         """`releases`: (expected end, (machine, GPU count) of what it frees) per running job."""
         self.by_machine: dict[int, list[tuple[float, int]]] = {}
-        on = self.by_machine.setdefault
         for end, machines in releases:
             for i, count in machines:
-                on(i, []).append((end, count))
+                self.by_machine.setdefault(i, []).append((end, count))
 
 
 def plan_hold(
