@@ -94,19 +94,39 @@ def plan_move(
     n = claimant.num_gpus
     free, pool_of = cap.free, cap.pool_of
     members: dict[object, list[int]] = {}
-    for i, domain in enumerate(cap.domains(kind)):
-        if domain in movable and pool_of[i] in pools:
-            members.setdefault(domain, []).append(i)
+    if kind == Topology.machine:  # a domain is its one machine: only those holding movable jobs
+        for i in movable:
+            if pool_of[i] in pools:
+                members[i] = [i]
+    else:
+        for i, domain in enumerate(cap.domains(kind)):
+            if domain in movable and pool_of[i] in pools:
+                members.setdefault(domain, []).append(i)
     rank = claimant.priority.rank
     options = []
     for domain, machines in members.items():
-        if any(i in avoid for i in machines):
-            continue  # held for a reservation: not ours to clear
-        need = n - sum(len(free[i]) for i in machines)
+        # Loops, not generators: a busy fleet has a few hundred machines to look at, each time.
+        if len(machines) == 1:
+            if machines[0] in avoid:
+                continue  # held for a reservation: not ours to clear
+            need = n - len(free[machines[0]])
+        else:
+            if not avoid.isdisjoint(machines):
+                continue
+            need = n
+            for i in machines:
+                need -= len(free[i])
         if need <= 0:
             continue  # it fits already, but the reserved pool keeps it whole
+        eligible, total = [], 0
+        for job in movable[domain]:
+            spec = job.spec
+            if spec.priority.rank >= rank and spec.job_id not in going:
+                eligible.append(job)
+                total += spec.num_gpus
+        if total < need:
+            continue  # all of them would not be enough, in any order
         movers, gained = [], 0
-        eligible = [j for j in movable[domain] if j.spec.priority.rank >= rank and j.spec.job_id not in going]
         for job in sorted(eligible, key=lambda j: (-j.spec.priority.rank, j.work_at_risk(now), j.spec.job_id)):
             if gained >= need:
                 break
