@@ -3,6 +3,7 @@
 
     python bench/replay.py capture --trace T.csv --fleet F.yaml --from 144000 --to 180000 --out out/replay.pkl
     python bench/replay.py run --snapshots out/replay.pkl [--first N]
+    python bench/replay.py spans --trace T.csv --fleet F.yaml [--hours 6]
     valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
         python bench/replay.py run --snapshots out/replay.pkl --first 100     # instruction count
 
@@ -11,7 +12,9 @@ trace times (seconds), in one pickle, so running jobs shared by consecutive snap
 same objects, as the simulator and the live store hand them to the core. `run` calls `run_cycle`
 on each of them in order, as the simulator's loop does (the collector held back), and prints
 the wall time and a digest of every decision and estimate: two builds that decide alike print
-the same digest.
+the same digest. `spans` simulates the whole trace and prints, per span of trace time, how long its
+cycles took, how many there were and the mean running jobs and queue: where a window worth
+capturing is.
 
 Timings on a shared 2-core machine move by 30% from one minute to the next, more than most
 changes save. Under valgrind's callgrind the instructions a replay executes are counted instead,
@@ -96,6 +99,42 @@ def replay(args: argparse.Namespace) -> dict:
     return {"cycles": cycles, "seconds": round(elapsed, 3), "digest": digest.hexdigest()[:16]}
 
 
+class Spans(Simulation):
+    """The simulation, timing its cycles by span of trace time."""
+
+    def __init__(self, *args, span: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.span = span
+        self.by_span: dict[int, list[float]] = {}  # span -> [seconds, cycles, running, queued]
+
+    def run_cycle(self, cluster, now):
+        began = time.perf_counter()
+        super().run_cycle(cluster, now)
+        entry = self.by_span.setdefault(int(now // self.span), [0.0, 0, 0, 0])
+        entry[0] += time.perf_counter() - began
+        entry[1] += 1
+        entry[2] += len(cluster.running)
+        entry[3] += len(cluster.queue)
+
+
+def spans(args: argparse.Namespace) -> dict:
+    trace, fleet = load_inputs(args.trace, args.fleet)
+    sim = Spans(trace, fleet, "gpusched", SimSettings(), span=args.hours * 3600.0)
+    began = time.perf_counter()
+    sim.run()
+    total = time.perf_counter() - began
+    rows = []
+    for k, (seconds, cycles, running, queued) in sorted(sim.by_span.items()):
+        start = k * args.hours
+        rows.append({"from_h": start, "seconds": round(seconds, 2), "cycles": cycles,
+                     "ms_per_cycle": round(1000 * seconds / cycles, 1),
+                     "running": running // cycles, "queued": queued // cycles})
+        print(f"{start:5g}-{start + args.hours:g} h: {seconds:6.1f} s in {cycles:5d} cycles "
+              f"({1000 * seconds / cycles:5.1f} ms each), running {running // cycles}, queued {queued // cycles}")
+    print(f"{total:.1f} s in all, {sum(r['seconds'] for r in rows):.1f} s of it in cycles")
+    return {"seconds": round(total, 2), "spans": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the cycle on captured snapshots, in order")
     run.add_argument("--snapshots", required=True, help="a pickle written by capture")
     run.add_argument("--first", type=int, default=None, help="only the first N snapshots")
+    spn = sub.add_parser("spans", help="simulate and time the cycles by span of trace time")
+    spn.add_argument("--trace", required=True)
+    spn.add_argument("--fleet", required=True)
+    spn.add_argument("--hours", type=float, default=6.0, help="length of a span (default 6)")
     args = parser.parse_args(argv)
-    print(json.dumps(capture(args) if args.command == "capture" else replay(args)))
+    commands = {"capture": capture, "run": replay, "spans": spans}
+    print(json.dumps(commands[args.command](args)))
     return 0
 
 
