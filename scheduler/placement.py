@@ -126,25 +126,32 @@ def best_block(cap: Capacity, usable: Iterable[int], n: int) -> list[tuple[int, 
     """(machine, GPU count) picks inside the one block that hosts n GPUs with least spread, of
     the `usable` machines (those with a free GPU that the job may use)."""
     free, block_of, rack_of = cap.free, cap.block_of, cap.layout.rack_of
-    by_block: dict[str, list[int]] = {}
+    # One pass: per block its free GPUs and, per rack, its free GPUs and (-free, machine) pairs,
+    # the order greedy filling takes them in once sorted.
+    blocks: dict[str, list] = {}  # block -> [free GPUs, {rack: [free GPUs, pairs]}]
     for i in usable:
-        by_block.setdefault(block_of[i], []).append(i)
+        size = len(free[i])
+        block = blocks.get(block_of[i])
+        if block is None:
+            block = blocks[block_of[i]] = [0, {}]
+        block[0] += size
+        rack = block[1].get(rack_of[i])
+        if rack is None:
+            block[1][rack_of[i]] = [size, [(-size, i)]]
+        else:
+            rack[0] += size
+            rack[1].append((-size, i))
     best: tuple[tuple, list[tuple[int, int]]] | None = None
-    for machines in by_block.values():
-        block_free = sum(len(free[i]) for i in machines)
+    for block_free, racks in blocks.values():
         if block_free < n:
             continue
-        by_rack: dict[str, list[int]] = {}
-        for i in machines:
-            by_rack.setdefault(rack_of[i], []).append(i)
         # A rack with too few free GPUs cannot host the job alone: no need to try it.
-        options = [greedy_fill(cap, rack, n) for rack in by_rack.values()
-                   if sum(len(free[i]) for i in rack) >= n]
+        options = [(1, _fill(sorted(pairs), n)) for rack_free, pairs in racks.values() if rack_free >= n]
         if not options:
-            options = [greedy_fill(cap, machines, n)]
-        for picks in options:
-            racks = len({rack_of[i] for i, _ in picks})
-            score = (racks, len(picks), block_free - n, picks[0][0])
+            picks = _fill(sorted(pair for _, pairs in racks.values() for pair in pairs), n)
+            options = [(len({rack_of[i] for i, _ in picks}), picks)]
+        for spread, picks in options:
+            score = (spread, len(picks), block_free - n, picks[0][0])
             if best is None or score < best[0]:
                 best = (score, picks)
     return None if best is None else best[1]
@@ -156,6 +163,11 @@ def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[in
     ordered = sorted([(-len(free[i]), i) for i in machines])  # freest first, then machine order
     if -sum(size for size, _ in ordered) < n:
         return None
+    return _fill(ordered, n)
+
+
+def _fill(ordered: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """`greedy_fill` over (-free GPUs, machine) pairs already sorted, holding n GPUs in all."""
     picks: list[tuple[int, int]] = []
     remaining = n
     for pos, (size, i) in enumerate(ordered):
@@ -165,7 +177,7 @@ def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[in
             return picks
         picks.append((i, -size))
         remaining += size
-    return None
+    raise ValueError("fewer free GPUs than asked for")  # callers check the total first
 
 
 def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
