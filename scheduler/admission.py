@@ -344,9 +344,7 @@ _planned: dict[int, tuple[RunningJob, object, float, list[tuple[int, int]]]] = {
 def _plain_end(job: RunningJob) -> float:
     """When the job ends by its user's estimate, or -inf for a draining job (its end is the end of
     its grace): `RunningJob.expected_end` gives either whenever it is later than now."""
-    if job.draining:
-        return -math.inf
-    return job.started_at + max(0.0, job.spec.expected_duration - job.progress_at_start)
+    return -math.inf if job.draining else job.estimated_end
 
 
 def _exposed(state: Admission) -> preemption.Exposed:

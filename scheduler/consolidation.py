@@ -105,17 +105,12 @@ def plan_move(
     rank = claimant.priority.rank
     options = []
     for domain, machines in members.items():
+        if not avoid.isdisjoint(machines):
+            continue  # held for a reservation: not ours to clear
         # Loops, not generators: a busy fleet has a few hundred machines to look at, each time.
-        if len(machines) == 1:
-            if machines[0] in avoid:
-                continue  # held for a reservation: not ours to clear
-            need = n - len(free[machines[0]])
-        else:
-            if not avoid.isdisjoint(machines):
-                continue
-            need = n
-            for i in machines:
-                need -= len(free[i])
+        need = n
+        for i in machines:
+            need -= len(free[i])
         if need <= 0:
             continue  # it fits already, but the reserved pool keeps it whole
         eligible, total = [], 0

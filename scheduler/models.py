@@ -117,6 +117,11 @@ class RunningJob(Frozen):
     def draining(self) -> bool:
         return self.draining_until is not None
 
+    @property
+    def estimated_end(self) -> float:
+        """When it ends by the user's estimate alone, past or not (draining aside)."""
+        return self.started_at + max(0.0, self.spec.expected_duration - self.progress_at_start)
+
     def expected_end(self, now: float) -> float:
         """When it should release its GPUs, by the user's estimate; never in the past.
 
@@ -125,8 +130,7 @@ class RunningJob(Frozen):
         an honest answer for a job that is already late."""
         if self.draining_until is not None:
             return max(now, self.draining_until)
-        remaining = self.spec.expected_duration - self.progress_at_start
-        end = self.started_at + max(0.0, remaining)
+        end = self.estimated_end
         if end <= now:
             return now + max(OVERRUN_FLOOR, OVERRUN_SHARE * self.spec.expected_duration)
         return end
