@@ -18,6 +18,7 @@ from botocore.exceptions import ClientError
 from workers import devstack
 from workers import servers as srv
 from workers.cli_dev import add_dev_commands
+from workers.settings import ready_path
 
 
 def fetch(dsn: str, sql: str, *args):
@@ -191,6 +192,58 @@ def test_dev_status_and_down_of_a_folder_without_a_stack_do_nothing(tmp_path):
     with pytest.raises(devstack.StackError, match="not a gpusched stack"):
         devstack.down(tmp_path / "precious", purge=True)
     assert (tmp_path / "precious" / "file").exists()
+
+
+# A worker that ends its first ``ends`` starts as asked (``how``), then serves: it marks itself
+# ready, as the real workers do, and sleeps.
+FLAKY_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+starts, ready, ends, how = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+n = int(starts.read_text()) if starts.exists() else 0
+starts.write_text(str(n + 1))
+if n < ends:
+    os.kill(os.getpid(), signal.SIGSEGV) if how == "segfault" else sys.exit(2)
+ready.parent.mkdir(parents=True, exist_ok=True)
+ready.write_text(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def start_flaky_worker(data_dir, ends: int, how: str):
+    """A stack of one worker (as "control") that ends its first ``ends`` starts by ``how``;
+    returns how many times it was started and the worker's log."""
+    starts, log = data_dir / "starts", data_dir / "logs" / "control.log"
+    cmd = [sys.executable, "-c", FLAKY_WORKER, str(starts), str(ready_path(data_dir, "control")),
+           str(ends), how]
+    devstack._save(data_dir, devstack.StackState(
+        components={"control": devstack.Component(kind="worker", cmd=cmd, log=str(log))}))
+    try:
+        devstack.start_component(data_dir, "control", timeout=30)
+        error = None
+    except devstack.StackError as e:
+        error = str(e)
+    finally:
+        devstack.down(data_dir)
+    return int(starts.read_text()), log.read_text(), error
+
+
+@pytest.mark.parametrize("ends, how, starts, error", [
+    (1, "segfault", 2, None),
+    (devstack.WORKER_RESTARTS, "segfault", devstack.WORKER_RESTARTS + 1, None),
+    (devstack.WORKER_RESTARTS + 1, "segfault", devstack.WORKER_RESTARTS + 1, "exited (killed by SIGSEGV)"),
+    (1, "exit 2", 1, "exited (exit code 2)"),
+])
+def test_a_worker_killed_by_a_signal_while_starting_is_started_again_and_one_that_exits_is_reported_with_its_code(
+        tmp_path, ends, how, starts, error):
+    started, log, raised = start_flaky_worker(tmp_path / "stack", ends, how)
+    assert started == starts
+    assert (raised or "").startswith(f"control {error};" if error else "")
+    assert bool(raised) == bool(error)
+    if how == "segfault":
+        # faulthandler leaves the crashed worker's Python stack in its log
+        assert "Fatal Python error: Segmentation fault" in log
+        assert log.count("was killed by SIGSEGV while starting; starting it again") == min(ends, devstack.WORKER_RESTARTS)
 
 
 @pytest.mark.parametrize("argv", [["dev", "up", "--machines", "-1"], ["dev", "up", "--gpus-per-machine", "0"],

@@ -49,6 +49,8 @@ STANDARD_PORTS = {"postgres": {"port": 5432}, "temporal": {"port": 7233, "ui": 8
                   "s3": {"s3": 8333, "master": 9333, "volume": 9340, "filer": 8888},
                   "api": {"port": 8080}}
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# How many times `up` starts again a worker that a signal killed while it started.
+WORKER_RESTARTS = 2
 
 
 class StackError(Exception):
@@ -321,17 +323,20 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
         comp = state.components.get(name)
         if comp is not None and comp.running():
             continue
-        ready_path(data_dir, name).unlink(missing_ok=True)
-        log = _log(data_dir, name)
-        proc = servers.spawn(cmd, log, env=env, cwd=PROJECT_ROOT)
         state.components[name] = Component(
-            kind="worker", pid=proc.pid, port=api_port if name == "api" else None,
+            kind="worker", port=api_port if name == "api" else None,
             ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
-            cmd=[str(c) for c in cmd], log=str(log))
+            cmd=[str(c) for c in cmd], log=str(_log(data_dir, name)))
+        _launch_worker(data_dir, name, state.components[name], env)
     _save(data_dir, state)
     # All of them, not only those just started: one that runs but hangs is reported too.
     ours = [n for n, c in state.components.items() if c.kind == "server"]
-    _wait_healthy(data_dir, state, ours + list(wanted), timeout)
+    _wait_healthy(data_dir, state, ours + list(wanted), timeout, env)
+
+
+def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, str]) -> None:
+    ready_path(data_dir, name).unlink(missing_ok=True)
+    comp.pid = servers.spawn(comp.cmd, Path(comp.log), env=env, cwd=PROJECT_ROOT).pid
 
 
 def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:
@@ -342,18 +347,36 @@ def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:
     # Run this checkout's code, whatever the current directory or the installed copy.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # A worker that crashes in native code (a segfault, an abort) leaves its threads' Python
+    # stacks in its log instead of nothing.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 
-def _wait_healthy(data_dir: Path, state: StackState, names: list[str], timeout: float) -> None:
+def _wait_healthy(data_dir: Path, state: StackState, names: list[str], timeout: float,
+                  env: dict[str, str]) -> None:
+    """Wait until every named component is healthy. A worker killed by a signal while it starts
+    (a native crash in a library, the OOM killer) is started again, up to ``WORKER_RESTARTS``
+    times: what a supervisor would do. One that exits with a code refused to run (bad
+    configuration, no GPUs) and is reported at once, as is one that does not get healthy."""
     deadline = time.monotonic() + timeout
     pending = set(names)
     failed: dict[str, str] = {}
+    restarts: dict[str, int] = {}
     while pending and time.monotonic() < deadline:
         for name in sorted(pending):
             comp = state.components[name]
             if not comp.running():
-                failed[name] = "exited"
+                how = servers.how_it_ended(comp.pid)
+                if (comp.kind == "worker" and how.startswith("killed by")
+                        and restarts.get(name, 0) < WORKER_RESTARTS):
+                    restarts[name] = restarts.get(name, 0) + 1
+                    with open(comp.log, "a") as log:
+                        log.write(f"--- {name} was {how} while starting; starting it again\n")
+                    _launch_worker(data_dir, name, comp, env)
+                    _save(data_dir, state)
+                    continue
+                failed[name] = f"exited ({how})" if how else "exited"
                 pending.discard(name)
             elif _healthy(data_dir, name, comp):
                 pending.discard(name)
@@ -510,12 +533,10 @@ def start_component(data_dir: Path | str | None, name: str, timeout: float = 60.
             _start_servers(data_dir, state, {}, ui=bool(state.temporal_ui_url), standard_ports=False,
                            timeout=timeout, only=(name,))
         elif not comp.running():
-            ready_path(data_dir, name).unlink(missing_ok=True)
-            proc = servers.spawn(comp.cmd, Path(comp.log),
-                                 env=_worker_env(data_dir, Settings(**state.settings)), cwd=PROJECT_ROOT)
-            comp.pid = proc.pid
+            env = _worker_env(data_dir, Settings(**state.settings))
+            _launch_worker(data_dir, name, comp, env)
             _save(data_dir, state)
-            _wait_healthy(data_dir, state, [name], timeout)
+            _wait_healthy(data_dir, state, [name], timeout, env)
         _save(data_dir, state)
         return next(s for s in _statuses(data_dir, state) if s.name == name)
 

@@ -189,10 +189,32 @@ def spawn(cmd: list[str], log_path: Path, *, env: dict[str, str] | None = None,
     with open(log_path, "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
         log.flush()
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
             start_new_session=True, close_fds=True, **_as_user(user),
         )
+    _children[proc.pid] = proc
+    return proc
+
+
+# What this process started, by pid: reaping through the Popen keeps each one's exit status,
+# so a component that dies is reported with how it ended (a code, or the signal that killed it).
+_children: dict[int, subprocess.Popen] = {}
+
+
+def how_it_ended(pid: int | None) -> str:
+    """How a child started by ``spawn`` ended ("exit code 1", "killed by SIGKILL"), or "" when
+    it is not known (not our child, or still running)."""
+    proc = _children.get(pid) if pid else None
+    code = proc.poll() if proc is not None else None
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _as_user(user: str | None) -> dict:
@@ -217,10 +239,15 @@ def cmdline(pid: int) -> list[str] | None:
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (our exited child not yet waited for) counts as dead
     and is reaped here."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+    proc = _children.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:
+            return False
+    else:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
