@@ -115,6 +115,8 @@ def estimate_starts(
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
     held = dict(usage.used)
     block_free = cap.block_free
+    has_room = cap.has_room
+    gpus_per_machine = cap.gpus_per_machine
     machine_wide = Topology.machine
     block_wide = Topology.block
 
@@ -195,6 +197,12 @@ def estimate_starts(
         while ready:
             rank, _, shape_key = heapq.heappop(ready)
             shape = shapes[shape_key]
+            room = has_room(shape.pools, shape.topology, shape.n)
+            if not room and not (shape.n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds):
+                # The jobs offered before it took what came back, and nothing comes back before
+                # the next release: whichever lane's turn it is, none fits, and none plans a hold.
+                blocked.append(shape_key)
+                continue
             lane = shape.offered
             # Between releases turns only get later (teams take GPUs, heads start), so the lane
             # offered is still the shape's best while its turn is no later than the runner-up's
@@ -228,12 +236,11 @@ def estimate_starts(
                         avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
             # Cheap test first: most blocked shapes are blocked because too little is free at all.
             picks = None
-            room = cap.has_room(shape.pools, shape.topology, n)
             if room and (shape_key, avoid) not in no_room:
                 picks = picks_for(cap, shape.terms, n, avoid, keep_whole)
             if picks is None:
                 blocked.append(shape_key)
-                planning = n >= cap.gpus_per_machine and holds_left > 0 and len(holds) < max_holds
+                planning = n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds
                 if (
                     planning
                     and t - job.queued_since >= starvation_threshold
