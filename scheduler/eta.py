@@ -164,7 +164,8 @@ def estimate_starts(
         first = second = _NEVER
         for lane in shape.lanes:
             if lane.jobs and not lane.aside:
-                rank = turn(lane)
+                head, team = lane.jobs[0], lane.team  # turn(lane), written out: the walk's most run loop
+                rank = (0 if held_of(team, 0) <= lane.covered_up_to else 1, head[0], share[team], head[1])
                 if rank < first:
                     second, first, found = first, rank, lane
                 elif rank < second:
