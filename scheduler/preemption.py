@@ -128,19 +128,6 @@ def choose_victims(
             key = key_cache[job_id] = victim_key(job, now, usage)
         by_id[job_id] = job
         keys[job_id] = key
-    # What each candidate would free in each domain (only the eligible machines count), taken in
-    # victim order so that each domain's candidates come out already sorted.
-    freed: dict[object, dict[str, int]] = {}
-    for job_id in sorted(by_id, key=keys.__getitem__):
-        for i, count in cap.machines_of(by_id[job_id]):
-            if i not in avoid and pool_of[i] in pools:
-                per = freed.get(domain_of[i])
-                if per is None:
-                    freed[domain_of[i]] = {job_id: count}
-                else:
-                    per[job_id] = per.get(job_id, 0) + count
-    if not freed:
-        return None
     free_in: dict[object, int] = {}
     for pool in pools:
         for count in range(1, pool.key.gpus + 1):  # only machines with a free GPU add anything
@@ -149,28 +136,43 @@ def choose_victims(
                     domain = domain_of[i]
                     free_in[domain] = free_in.get(domain, 0) + count
 
+    # Candidates are taken in victim order, each adding what it frees in each domain (only the
+    # eligible machines count). A domain becomes an option at the candidate that makes enough
+    # room there, its worst victim; options of a later candidate are worse, so those of one
+    # candidate are checked (least work at risk, then fewest victims, then the domain met first)
+    # before the next candidate is looked at, and the search stops at the first that works.
     n = claimant.num_gpus
-    options = []
-    for domain, gains in freed.items():
-        have = free_in.get(domain, 0)
-        taken = []
-        for job_id in gains:  # in victim order
-            taken.append(job_id)
-            have += gains[job_id]
-            if have >= n:
-                break
-        if have >= n:
-            # keys are sorted, so the last taken is the worst; key[3] is the work at risk.
-            at_risk = sum(keys[j][3] for j in taken)
-            options.append(((keys[taken[-1]], at_risk, len(taken)), taken))
-    for _, taken in sorted(options, key=lambda o: o[0]):
-        victims = tuple(by_id[j] for j in taken)
-        gpus = placement_without(cap, claimant, victims, avoid)
-        if gpus is not None:
-            # The real placement may not need every victim counted for the place: spare the rest.
-            used = set(gpus)
-            needed = tuple(v for v in victims if any(slot in used for slot in v.gpus))
-            return VictimChoice(needed, gpus)
+    have: dict[object, int] = {}
+    taken: dict[object, list[str]] = {}
+    met: dict[object, int] = {}  # domain -> when first met: the last tie-break
+    for job_id in sorted(by_id, key=keys.__getitem__):
+        gains: dict[object, int] = {}
+        for i, count in cap.machines_of(by_id[job_id]):
+            if i not in avoid and pool_of[i] in pools:
+                domain = domain_of[i]
+                gains[domain] = gains.get(domain, 0) + count
+        options = []
+        for domain, count in gains.items():
+            victims = taken.get(domain)
+            if victims is None:
+                met[domain] = len(met)
+                victims = taken[domain] = []
+                have[domain] = free_in.get(domain, 0)
+            elif have[domain] >= n:
+                continue  # an option already, at an earlier candidate
+            victims.append(job_id)
+            have[domain] += count
+            if have[domain] >= n:
+                # key[3] is the work at risk
+                options.append((sum(keys[j][3] for j in victims), len(victims), met[domain], victims))
+        for *_, victim_ids in sorted(options):
+            victims = tuple(by_id[j] for j in victim_ids)
+            gpus = placement_without(cap, claimant, victims, avoid)
+            if gpus is not None:
+                # The real placement may not need every victim counted for the place: spare the rest.
+                used = set(gpus)
+                needed = tuple(v for v in victims if any(slot in used for slot in v.gpus))
+                return VictimChoice(needed, gpus)
     return None
 
 
