@@ -76,7 +76,8 @@ class Admission:
     movable: dict[object, dict] = field(default_factory=dict)  # per domain kind: jobs a move may take, by domain
     victim_keys: dict[str, tuple] = field(default_factory=dict)
     exposed: preemption.Exposed | None = None  # running jobs not protected from preemption
-    candidates: dict[tuple, list[RunningJob]] = field(default_factory=dict)  # by claimant rights; some may be going
+    # by claimant rights, in victim order with their keys; some may be going
+    candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: list[tuple[RunningJob, float, list[tuple[int, int]]]] | None = None  # see expected_ends
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
@@ -287,15 +288,16 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     exposed = _exposed(state)
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
     rights = (spec.priority.rank, spec.team, reclaim)
-    candidates = state.candidates.get(rights)
-    if candidates is None:
-        candidates = state.candidates[rights] = preemption.displaceable(spec, exposed, usage)
+    ranked = state.candidates.get(rights)
+    if ranked is None:
+        ranked = state.candidates[rights] = preemption.in_victim_order(
+            preemption.displaceable(spec, exposed, usage), now, usage, state.victim_keys)
     going = state.going
-    if not any(j.spec.job_id not in going for j in candidates):
+    if not any(j.spec.job_id not in going for _, j in ranked):
         state.no_victims.add(key)
         return False
     state.searches += 1
-    choice = preemption.choose_victims(cap, spec, candidates, now, usage, state.victim_keys, avoid, going)
+    choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
     if choice is None:
         state.no_victims.add(key)
         return False

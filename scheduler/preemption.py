@@ -98,36 +98,36 @@ def displaceable(claimant: JobSpec, exposed: Exposed, usage: TeamUsage) -> list[
     return [j for j in exposed.below(rank) if j.spec.team == team or j.spec.job_id in borrowed]
 
 
+def in_victim_order(candidates: Sequence[RunningJob], now: float, usage: TeamUsage,
+                    key_cache: dict[str, tuple]) -> list[tuple[tuple, RunningJob]]:
+    """The candidates with their victim keys, the first to displace first; `key_cache` lives
+    for one cycle (what the keys depend on does not change within it)."""
+    ranked = []
+    for job in candidates:
+        key = key_cache.get(job.spec.job_id)
+        if key is None:
+            key = key_cache[job.spec.job_id] = victim_key(job, now, usage)
+        ranked.append((key, job))
+    ranked.sort(key=lambda pair: pair[0])
+    return ranked
+
+
 def choose_victims(
     cap: Capacity,
     claimant: JobSpec,
-    candidates: Sequence[RunningJob],
-    now: float,
-    usage: TeamUsage,
-    key_cache: dict[str, tuple],
+    ranked: Sequence[tuple[tuple, RunningJob]],
     avoid: frozenset[int] = frozenset(),
     leaving: Collection[str] = frozenset(),
 ) -> VictimChoice | None:
-    """The victims to displace for `claimant`, or None; `key_cache` lives for one cycle.
-    Candidates in `leaving` (already told to go this cycle) are passed over."""
+    """The victims to displace for `claimant`, or None. `ranked` is the candidates in victim
+    order (`in_victim_order`); those in `leaving` (already told to go this cycle) are passed over."""
     pools = cap.eligible_pools(claimant)
-    if not pools or not candidates:
+    if not pools or not ranked:
         return None
     pool_of = cap.pool_of
     topology = resolved_topology(cap, claimant)
     domain_of = cap.domains(_scope(topology, claimant.num_gpus, pools))
 
-    by_id = {}
-    keys = {}
-    for job in candidates:
-        job_id = job.spec.job_id
-        if job_id in leaving:
-            continue
-        key = key_cache.get(job_id)
-        if key is None:
-            key = key_cache[job_id] = victim_key(job, now, usage)
-        by_id[job_id] = job
-        keys[job_id] = key
     free_in: dict[object, int] = {}
     for pool in pools:
         for count in range(1, pool.key.gpus + 1):  # only machines with a free GPU add anything
@@ -143,30 +143,32 @@ def choose_victims(
     # before the next candidate is looked at, and the search stops at the first that works.
     n = claimant.num_gpus
     have: dict[object, int] = {}
-    taken: dict[object, list[str]] = {}
+    taken: dict[object, list[tuple[tuple, RunningJob]]] = {}
     met: dict[object, int] = {}  # domain -> when first met: the last tie-break
-    for job_id in sorted(by_id, key=keys.__getitem__):
+    for key, job in ranked:
+        if job.spec.job_id in leaving:
+            continue
         gains: dict[object, int] = {}
-        for i, count in cap.machines_of(by_id[job_id]):
+        for i, count in cap.machines_of(job):
             if i not in avoid and pool_of[i] in pools:
                 domain = domain_of[i]
                 gains[domain] = gains.get(domain, 0) + count
         options = []
         for domain, count in gains.items():
-            victims = taken.get(domain)
-            if victims is None:
+            listed = taken.get(domain)
+            if listed is None:
                 met[domain] = len(met)
-                victims = taken[domain] = []
+                listed = taken[domain] = []
                 have[domain] = free_in.get(domain, 0)
             elif have[domain] >= n:
                 continue  # an option already, at an earlier candidate
-            victims.append(job_id)
+            listed.append((key, job))
             have[domain] += count
             if have[domain] >= n:
                 # key[3] is the work at risk
-                options.append((sum(keys[j][3] for j in victims), len(victims), met[domain], victims))
-        for *_, victim_ids in sorted(options):
-            victims = tuple(by_id[j] for j in victim_ids)
+                options.append((sum(k[3] for k, _ in listed), len(listed), met[domain], listed))
+        for *_, pairs in sorted(options):
+            victims = tuple(job for _, job in pairs)
             gpus = placement_without(cap, claimant, victims, avoid)
             if gpus is not None:
                 # The real placement may not need every victim counted for the place: spare the rest.
