@@ -288,6 +288,11 @@ def estimate_starts(
                 seq += 1
             else:
                 offer(shape_key)
+            if not any(block_free.values()) and not (holds_left > 0 and len(holds) < max_holds):
+                # Every GPU is taken (the usual end of a release's turn on a full cluster): the
+                # shapes still waiting their turn would each be found without room.
+                blocked.extend(key for _, _, key in ready)
+                ready.clear()
         if not ready and (not (blocked or load and load.delaying) or not calendar or calendar[0][0] > end):
             break
         no_room.clear()
