@@ -124,15 +124,19 @@ def estimate_starts(
     # team's guarantee covers go before the borrowers). Jobs of one shape compete for the same
     # GPUs, so the walk takes the shapes in turn, and within a shape its best lane.
     shapes: dict[tuple, _Shape] = {}
+    of_terms: dict[int, _Shape] = {}  # by the identity of the capacity's remembered fit terms
     total = sum(m.gpus for m in cap.machines)
     for order, job in enumerate(pending):
         s = job.spec
         terms = cap.fit_terms(s)
-        pools, _, topology = terms
-        shape_key = (s.num_gpus, topology, tuple(id(p) for p in pools))
-        shape = shapes.get(shape_key)
+        shape = of_terms.get(id(terms))
         if shape is None:
-            shape = shapes[shape_key] = _Shape(s.num_gpus, terms)
+            pools, _, topology = terms
+            shape_key = (s.num_gpus, topology, tuple(id(p) for p in pools))
+            shape = shapes.get(shape_key)
+            if shape is None:
+                shape = shapes[shape_key] = _Shape(s.num_gpus, terms)
+            of_terms[id(terms)] = shape
         lane = shape.by_team.get(s.team)
         if lane is None:
             quota = usage.quota(s.team)
