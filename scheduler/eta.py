@@ -193,6 +193,10 @@ def estimate_starts(
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
     holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
 
+    def may_plan(n: int) -> bool:
+        """Whether a job of n GPUs that finds no room may still plan a reservation."""
+        return n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds
+
     raw: dict[str, float] = {}
     no_room: set[tuple] = set()  # (shape, machines kept out) found full since GPUs last came back
     avoid_cache: dict[tuple, frozenset[int]] = {}
@@ -203,7 +207,7 @@ def estimate_starts(
             rank, _, shape_key = heapq.heappop(ready)
             shape = shapes[shape_key]
             room = has_room(shape.pools, shape.topology, shape.n)
-            if not room and not (shape.n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds):
+            if not room and not may_plan(shape.n):
                 # The jobs offered before it took what came back, and nothing comes back before
                 # the next release: whichever lane's turn it is, none fits, and none plans a hold.
                 blocked.append(shape_key)
@@ -245,7 +249,7 @@ def estimate_starts(
                 picks = picks_for(cap, shape.terms, n, avoid, keep_whole)
             if picks is None:
                 blocked.append(shape_key)
-                planning = n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds
+                planning = may_plan(n)
                 if (
                     planning
                     and t - job.queued_since >= starvation_threshold
@@ -292,7 +296,7 @@ def estimate_starts(
                 seq += 1
             else:
                 offer(shape_key)
-            if not any(block_free.values()) and not (holds_left > 0 and len(holds) < max_holds):
+            if not any(block_free.values()) and not may_plan(gpus_per_machine):
                 # Every GPU is taken (the usual end of a release's turn on a full cluster): the
                 # shapes still waiting their turn would each be found without room.
                 blocked.extend(key for _, _, key in ready)

@@ -367,16 +367,17 @@ def _wait_healthy(data_dir: Path, state: StackState, names: list[str], timeout: 
         for name in sorted(pending):
             comp = state.components[name]
             if not comp.running():
-                how = servers.how_it_ended(comp.pid)
-                if (comp.kind == "worker" and how.startswith("killed by")
+                code = servers.exit_code(comp.pid)
+                if (comp.kind == "worker" and code is not None and code < 0
                         and restarts.get(name, 0) < WORKER_RESTARTS):
                     restarts[name] = restarts.get(name, 0) + 1
                     with open(comp.log, "a") as log:
-                        log.write(f"--- {name} was {how} while starting; starting it again\n")
+                        log.write(f"--- {name} was {servers.describe_exit(code)} while starting; "
+                                  "starting it again\n")
                     _launch_worker(data_dir, name, comp, env)
                     _save(data_dir, state)
                     continue
-                failed[name] = f"exited ({how})" if how else "exited"
+                failed[name] = "exited" if code is None else f"exited ({servers.describe_exit(code)})"
                 pending.discard(name)
             elif _healthy(data_dir, name, comp):
                 pending.discard(name)

@@ -202,19 +202,21 @@ def spawn(cmd: list[str], log_path: Path, *, env: dict[str, str] | None = None,
 _children: dict[int, subprocess.Popen] = {}
 
 
-def how_it_ended(pid: int | None) -> str:
-    """How a child started by ``spawn`` ended ("exit code 1", "killed by SIGKILL"), or "" when
-    it is not known (not our child, or still running)."""
+def exit_code(pid: int | None) -> int | None:
+    """How a child started by ``spawn`` ended, as Popen says (negative: the signal that killed
+    it), or None when not known (not our child, or still running)."""
     proc = _children.get(pid) if pid else None
-    code = proc.poll() if proc is not None else None
-    if code is None:
-        return ""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return proc.poll() if proc is not None else None
+
+
+def describe_exit(code: int) -> str:
+    """An exit code in words: "exit code 1", "killed by SIGKILL"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _as_user(user: str | None) -> dict:
