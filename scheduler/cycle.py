@@ -105,7 +105,10 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
     now, config, cap = snapshot.now, snapshot.config, state.cap
     if not state.waiting:
         return ()
-    if not snapshot.estimate:
+    wanted = snapshot.estimate_only
+    if not snapshot.estimate or wanted is not None and not any(job.spec.job_id in wanted for job, _ in state.waiting):
+        # Nothing to estimate (the simulator asks only for the jobs that arrived, and those were
+        # placed): the walk and its calendar would answer for nobody.
         return _PENDING.validate_python([
             {"job_id": job.spec.job_id, "position": position, "estimated_start": None,
              "misses_deadline": None, "reason": reason}
@@ -118,7 +121,6 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
     in_order = state.waiting  # appended in queue order
-    wanted = snapshot.estimate_only
     starts = eta.estimate_starts(
         cap.clone(),
         releases,
