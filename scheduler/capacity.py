@@ -8,6 +8,7 @@ instead of a scan of the fleet. Only machines that are reachable and GPUs that a
 
 from __future__ import annotations
 
+import threading
 from bisect import insort
 from dataclasses import dataclass, field
 from operator import is_
@@ -46,6 +47,7 @@ class Pool:
 class Layout:
     """What does not change between cycles while the machines do not: built once per fleet state."""
 
+    cluster: str
     machines: list[Machine]
     index: dict[str, int]
     healthy: list[tuple[int, ...]]  # sorted
@@ -60,18 +62,26 @@ class Layout:
     all_healthy: bool  # every machine reachable, no sick GPU
 
 
-_last_layout: tuple[Sequence[Machine], Layout] | None = None
+# Per cluster (one process may plan several in turn): the last layout and what its jobs held.
+_last_layout: dict[str, tuple[Sequence[Machine], Layout]] = {}
+_last_held: dict[str, "_Held"] = {}
+_held_lock = threading.Lock()  # _Held changes in place: one cycle at a time reads or changes it
+
+
+def _cluster_of(machines: Sequence[Machine]) -> str:
+    return machines[0].cluster if machines else ""
 
 
 def _layout_of(machines: Sequence[Machine]) -> Layout:
     # The machines are immutable and usually the very same objects cycle after cycle, so the
     # last layout is reused when the caller passes the same machine objects in the same order
     # (identity checks, never a guess: a changed machine is a new object).
-    global _last_layout
-    if _last_layout is not None:
-        last = _last_layout[0]
+    cluster = _cluster_of(machines)
+    found = _last_layout.get(cluster)
+    if found is not None:
+        last = found[0]
         if last is machines or (len(last) == len(machines) and all(map(is_, last, machines))):
-            return _last_layout[1]
+            return found[1]
     usable = [m for m in machines if m.reachable]
     pools: dict[PoolKey, list[int]] = {}
     pool_key = []
@@ -80,6 +90,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         pools.setdefault(key, []).append(i)
         pool_key.append(key)
     layout = Layout(
+        cluster=cluster,
         machines=usable,
         index={m.id: i for i, m in enumerate(usable)},
         healthy=[tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
@@ -94,7 +105,9 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         gpus_per_machine=max((m.gpus for m in usable), default=0),
         all_healthy=all(m.reachable and not m.unhealthy_gpus for m in machines),
     )
-    _last_layout = (machines, layout)
+    if len(_last_layout) > 64:
+        _last_layout.clear()
+    _last_layout[cluster] = (machines, layout)
     return layout
 
 
@@ -137,13 +150,100 @@ def _grouped(layout: Layout, job: RunningJob) -> Grouping:
     return entry
 
 
-def all_on_healthy_machines(machines: Sequence[Machine], running: Iterable[RunningJob]) -> bool:
+def all_on_healthy_machines(machines: Sequence[Machine], running: Sequence[RunningJob]) -> bool:
     """True when every machine is up and healthy and every running job is on known machines:
-    the common case, answered from remembered groupings instead of every GPU of every job."""
+    the common case, answered from what the last cycle's jobs were found to hold."""
     layout = _layout_of(machines)
     if not layout.all_healthy:
         return False
-    return all(_grouped(layout, job).complete for job in running)
+    with _held_lock:
+        return _held_by(layout, running).incomplete == 0
+
+
+class _Held:
+    """What the running jobs hold, per machine, and the free GPUs that leaves, before any
+    decision: kept from one cycle to the next. Consecutive snapshots share most of their running
+    jobs (the very same objects: the simulator keeps them, the live store reuses the models of
+    unchanged rows), so a cycle looks only at the jobs that started or ended since the last one,
+    and at their machines, instead of at every GPU of every job."""
+
+    def __init__(self, layout: Layout, running: Sequence[RunningJob]):
+        self.layout = layout
+        # By identity; holding the objects keeps their ids from being reused by new ones.
+        self.jobs: dict[int, RunningJob] = dict(zip(map(id, running), running))
+        self.last = tuple(running)
+        self.on: dict[int, dict[int, int]] = {}  # machine -> {id(job): its GPUs there, as a mask}
+        self.incomplete = 0  # jobs with a GPU off the usable machines
+        for key, job in self.jobs.items():
+            self._add(key, job)
+        self.base = Capacity.__new__(Capacity)
+        self.base._fill(layout, {i: _mask_of(on) for i, on in self.on.items()})
+
+    def _add(self, key: int, job: RunningJob) -> Iterable[int]:
+        grouping = _grouped(self.layout, job)
+        self.incomplete += not grouping.complete
+        for i, mask in grouping.masks:
+            self.on.setdefault(i, {})[key] = mask
+        return (i for i, _ in grouping.masks)
+
+    def _remove(self, key: int, job: RunningJob) -> Iterable[int]:
+        grouping = _grouped(self.layout, job)
+        self.incomplete -= not grouping.complete
+        for i, _ in grouping.masks:
+            on = self.on[i]
+            del on[key]
+            if not on:
+                del self.on[i]
+        return (i for i, _ in grouping.masks)
+
+    def update(self, running: Sequence[RunningJob]) -> bool:
+        """Follow the jobs that started and ended since; False when too many did (build anew)."""
+        last = self.last
+        if len(last) == len(running) and all(map(is_, last, running)):
+            return True  # the same jobs as the last call (health, then capacity, in one cycle)
+        self.last = tuple(running)
+        now = dict(zip(map(id, running), running))
+        gone = self.jobs.keys() - now.keys()
+        new = now.keys() - self.jobs.keys()
+        if not gone and not new:
+            return True
+        if 2 * (len(gone) + len(new)) > len(now):
+            return False
+        touched: set[int] = set()
+        for key in gone:
+            touched.update(self._remove(key, self.jobs[key]))
+        for key in new:
+            touched.update(self._add(key, now[key]))
+        self.jobs = now
+        base, healthy = self.base, self.layout.healthy_mask
+        for i in touched:
+            before = len(base.free[i])
+            on = self.on.get(i)
+            left = healthy[i] & ~_mask_of(on) if on else healthy[i]
+            base.free[i] = list(_gpus_in(left))
+            base._moved(i, before)
+        return True
+
+
+def _mask_of(on: dict[int, int]) -> int:
+    held = 0
+    for mask in on.values():
+        held |= mask
+    return held
+
+
+def _held_by(layout: Layout, running: Sequence[RunningJob]) -> _Held:
+    """The last cycle's `_Held` of this layout brought up to date, or a new one; call it with
+    `_held_lock` held."""
+    if not isinstance(running, (list, tuple)):
+        running = tuple(running)
+    cluster = layout.cluster
+    held = _last_held.get(cluster)
+    if held is None or held.layout is not layout or not held.update(running):
+        if len(_last_held) > 64:
+            _last_held.clear()
+        held = _last_held[cluster] = _Held(layout, running)
+    return held
 
 
 _GPU_LISTS: dict[int, tuple[int, ...]] = {}
@@ -160,16 +260,17 @@ def _gpus_in(mask: int) -> tuple[int, ...]:
 class Capacity:
     """Free GPUs per usable machine; `take` and `give` keep the buckets in step."""
 
-    def __init__(self, machines: Sequence[Machine], running: Iterable[RunningJob] = ()):
+    def __init__(self, machines: Sequence[Machine], running: Sequence[RunningJob] = ()):
         """The GPUs of `machines` that are healthy and not held by any of `running`."""
-        layout = self.layout = _layout_of(machines)
+        layout = _layout_of(machines)
+        with _held_lock:
+            self._copy(_held_by(layout, running).base)
+
+    def _fill(self, layout: Layout, held: dict[int, int]) -> None:
+        """Build from scratch, given the GPUs held on each machine as a bit mask."""
+        self.layout = layout
         self.machines = layout.machines
         self.index = layout.index
-        # Held GPUs as bit masks per machine: a full machine is then one comparison, not a set.
-        held: dict[int, int] = {}
-        for job in running:
-            for i, mask in _grouped(layout, job).masks:
-                held[i] = held.get(i, 0) | mask
         healthy = layout.healthy_mask
         self.free: list[list[int]] = list(map(list, layout.healthy))
         free = self.free
@@ -350,19 +451,21 @@ class Capacity:
 
     def clone(self) -> "Capacity":
         twin = object.__new__(Capacity)
-        twin.layout = self.layout
-        twin.machines = self.machines
-        twin.index = self.index
-        twin.free = [list(f) for f in self.free]
-        twin.pools = {}
-        twin.pool_of = []
-        for key, pool in self.pools.items():
-            twin.pools[key] = Pool(key, pool.members, [set(b) for b in pool.buckets], pool.free)
-        twin.pool_of = [twin.pools[p.key] for p in self.pool_of]
-        twin.block_of = self.block_of
-        twin.block_free = dict(self.block_free)
-        twin.has_inference_partition = self.has_inference_partition
-        twin.gpus_per_machine = self.gpus_per_machine
-        twin._eligible = {}
-        twin._terms = {}
+        twin._copy(self)
         return twin
+
+    def _copy(self, other: "Capacity") -> None:
+        self.layout = other.layout
+        self.machines = other.machines
+        self.index = other.index
+        self.free = list(map(list, other.free))
+        self.pools = {}
+        for key, pool in other.pools.items():
+            self.pools[key] = Pool(key, pool.members, list(map(set, pool.buckets)), pool.free)
+        self.pool_of = [self.pools[p.key] for p in other.pool_of]
+        self.block_of = other.block_of
+        self.block_free = dict(other.block_free)
+        self.has_inference_partition = other.has_inference_partition
+        self.gpus_per_machine = other.gpus_per_machine
+        self._eligible = {}
+        self._terms = {}
