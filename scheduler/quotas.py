@@ -9,11 +9,14 @@ most recently started jobs beyond the guarantee, since they lose the least when 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable, Mapping, Sequence
 
 from scheduler.models import Quota, RunningJob
 
 NO_QUOTA = Quota()
+_JOB_ID = attrgetter("spec.job_id")
+_STARTED_AT = attrgetter("started_at")
 
 
 @dataclass
@@ -87,7 +90,11 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
         # Preemptible jobs first, each group most recently started first. Whether a job is
         # preemptible is asked only of the jobs looked at: most of a team's jobs never are.
         protected = []
-        for job in sorted(jobs, key=lambda j: (-j.started_at, j.spec.job_id)):
+        # Most recently started first, then by id: two sorts on plain keys (the second keeps
+        # the first's order among equal starts), cheaper than one on a built key.
+        jobs.sort(key=_JOB_ID)
+        jobs.sort(key=_STARTED_AT, reverse=True)
+        for job in jobs:
             if over <= 0:
                 break
             if usage.preemptible(job):
