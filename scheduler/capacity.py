@@ -16,6 +16,7 @@ from typing import NamedTuple
 from typing import Iterable, Sequence
 
 from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob, Topology
+from scheduler.since_last_cycle import RunningChanges
 
 
 class PoolKey(NamedTuple):
@@ -162,33 +163,32 @@ def all_on_healthy_machines(machines: Sequence[Machine], running: Sequence[Runni
 
 class _Held:
     """What the running jobs hold, per machine, and the free GPUs that leaves, before any
-    decision: kept from one cycle to the next. Consecutive snapshots share most of their running
-    jobs (the very same objects: the simulator keeps them, the live store reuses the models of
-    unchanged rows), so a cycle looks only at the jobs that started or ended since the last one,
-    and at their machines, instead of at every GPU of every job."""
+    decision: kept from one cycle to the next (scheduler/since_last_cycle.py), so a cycle looks
+    only at the jobs that started or ended since the last one and at their machines, instead
+    of at every GPU of every job."""
 
     def __init__(self, layout: Layout, running: Sequence[RunningJob]):
         self.layout = layout
-        # By identity; holding the objects keeps their ids from being reused by new ones.
-        self.jobs: dict[int, RunningJob] = dict(zip(map(id, running), running))
-        self.last = tuple(running)
+        self.changes = RunningChanges(running)
         self.on: dict[int, dict[int, int]] = {}  # machine -> {id(job): its GPUs there, as a mask}
         self.incomplete = 0  # jobs with a GPU off the usable machines
-        for key, job in self.jobs.items():
-            self._add(key, job)
+        for job in running:
+            self._add(job)
         self.base = Capacity.__new__(Capacity)
         self.base._fill(layout, {i: _mask_of(on) for i, on in self.on.items()})
 
-    def _add(self, key: int, job: RunningJob) -> Iterable[int]:
+    def _add(self, job: RunningJob) -> Iterable[int]:
         grouping = _grouped(self.layout, job)
         self.incomplete += not grouping.complete
+        key = id(job)
         for i, mask in grouping.masks:
             self.on.setdefault(i, {})[key] = mask
         return (i for i, _ in grouping.masks)
 
-    def _remove(self, key: int, job: RunningJob) -> Iterable[int]:
+    def _remove(self, job: RunningJob) -> Iterable[int]:
         grouping = _grouped(self.layout, job)
         self.incomplete -= not grouping.complete
+        key = id(job)
         for i, _ in grouping.masks:
             on = self.on[i]
             del on[key]
@@ -198,23 +198,17 @@ class _Held:
 
     def update(self, running: Sequence[RunningJob]) -> bool:
         """Follow the jobs that started and ended since; False when too many did (build anew)."""
-        last = self.last
-        if len(last) == len(running) and all(map(is_, last, running)):
-            return True  # the same jobs as the last call (health, then capacity, in one cycle)
-        self.last = tuple(running)
-        now = dict(zip(map(id, running), running))
-        gone = self.jobs.keys() - now.keys()
-        new = now.keys() - self.jobs.keys()
-        if not gone and not new:
-            return True
-        if 2 * (len(gone) + len(new)) > len(now):
+        changes = self.changes.since(running)
+        if changes is None:
             return False
+        ended, started = changes
+        if not ended and not started:
+            return True
         touched: set[int] = set()
-        for key in gone:
-            touched.update(self._remove(key, self.jobs[key]))
-        for key in new:
-            touched.update(self._add(key, now[key]))
-        self.jobs = now
+        for job in ended:
+            touched.update(self._remove(job))
+        for job in started:
+            touched.update(self._add(job))
         base, healthy = self.base, self.layout.healthy_mask
         for i in touched:
             before = len(base.free[i])

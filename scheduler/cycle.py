@@ -46,7 +46,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     admission.admit_queue(state, queue)
 
     # 6. Stagger
-    placements = _with_checkpoint_phases(state.placed, running, now, config)
+    placements = _with_checkpoint_phases(state.placed, running, now, config, snapshot.cluster)
 
     # 7. Estimate
     pending = _estimate(snapshot, state, placements)
@@ -67,18 +67,13 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     )
 
 
-def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config) -> list[Placement]:
+def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, config, cluster: str) -> list[Placement]:
     if not placed:  # most cycles place nothing: no write plan to make
         return []
-    # (interval, phase, GPUs) of the running jobs that checkpoint (an interval of None or 0 never does)
-    writers = [(j.spec.checkpoint_interval, j.checkpoint_phase if j.checkpoint_phase is not None else j.started_at,
-                j.spec.num_gpus) for j in running if j.spec.checkpoint_interval]
-    intervals = [interval for interval, _, _ in writers]
-    intervals += [q.spec.checkpoint_interval for q, _, _ in placed if q.spec.checkpoints]
-    plan = staggering.WritePlan(config.checkpoint_slot, staggering.plan_period(intervals))
+    plan = None
     if config.stagger_checkpoints and any(q.spec.checkpoints for q, _, _ in placed):
-        for interval, phase, gpus in writers:
-            plan.add(interval, phase, gpus)
+        plan = staggering.running_plan(cluster, running, config.checkpoint_slot,
+                                       [q.spec.checkpoint_interval for q, _, _ in placed if q.spec.checkpoints])
     out = []
     for job, slots, backfilled in placed:
         spec = job.spec

@@ -9,7 +9,11 @@ lowest over one common period.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+import threading
+from typing import Iterable, Sequence
+
+from scheduler.models import RunningJob
+from scheduler.since_last_cycle import RunningChanges
 
 
 class WritePlan:
@@ -46,3 +50,79 @@ class WritePlan:
 def plan_period(intervals: Iterable[float]) -> float:
     """One common period: the longest interval, at least an hour."""
     return max([3600.0, *intervals])
+
+
+def _writes(job: RunningJob) -> tuple[float, float, int] | None:
+    """(interval, phase, GPUs) of a running job that checkpoints; None for one that never does."""
+    interval = job.spec.checkpoint_interval
+    if not interval:
+        return None
+    phase = job.checkpoint_phase if job.checkpoint_phase is not None else job.started_at
+    return interval, phase, job.spec.num_gpus
+
+
+class _RunningLoad:
+    """The running jobs' write load, kept from one cycle to the next (scheduler/since_last_cycle.py):
+    a cycle that places jobs adds to it only the jobs that started since the last one, and takes
+    out those that ended. Loads are GPU counts, whole numbers, so the sums are exact in any order."""
+
+    def __init__(self, running: Sequence[RunningJob], slot: float):
+        self.changes = RunningChanges(running)
+        self.slot = slot
+        self.intervals: dict[float, int] = {}  # of the jobs that checkpoint: how many have each
+        for job in running:
+            self._count(job, 1)
+        self.plan: WritePlan | None = None  # for the period it was made with
+
+    def _count(self, job: RunningJob, sign: int) -> tuple[float, float, int] | None:
+        writes = _writes(job)
+        if writes is not None:
+            left = self.intervals.get(writes[0], 0) + sign
+            if left:
+                self.intervals[writes[0]] = left
+            else:
+                del self.intervals[writes[0]]
+        return writes
+
+    def update(self, running: Sequence[RunningJob]) -> bool:
+        changes = self.changes.since(running)
+        if changes is None:
+            return False
+        ended, started = changes
+        plan = self.plan
+        for job, sign in [(j, -1) for j in ended] + [(j, 1) for j in started]:
+            writes = self._count(job, sign)
+            if writes is not None and plan is not None:
+                interval, phase, gpus = writes
+                plan.add(interval, phase, sign * gpus)
+        return True
+
+    def plan_for(self, running: Sequence[RunningJob], placing: Iterable[float]) -> WritePlan:
+        """A plan holding the running jobs' load over the period that also fits `placing`."""
+        period = plan_period([*self.intervals, *placing])
+        plan = self.plan
+        if plan is None or plan.bins != max(1, math.ceil(period / self.slot)):
+            plan = self.plan = WritePlan(self.slot, period)
+            for job in running:
+                writes = _writes(job)
+                if writes is not None:
+                    plan.add(*writes)
+        twin = WritePlan(plan.slot, plan.period)
+        twin.load = list(plan.load)
+        return twin
+
+
+_carried: dict[str, _RunningLoad] = {}
+_carried_lock = threading.Lock()
+
+
+def running_plan(cluster: str, running: Sequence[RunningJob], slot: float, placing: Iterable[float]) -> WritePlan:
+    """A write plan for one cycle's new jobs, loaded with every running job that checkpoints, over
+    one period for the running jobs' intervals and `placing` (those of the jobs being placed)."""
+    with _carried_lock:
+        carried = _carried.get(cluster)
+        if carried is None or carried.slot != slot or not carried.update(running):
+            if len(_carried) > 64:
+                _carried.clear()
+            carried = _carried[cluster] = _RunningLoad(running, slot)
+        return carried.plan_for(running, placing)

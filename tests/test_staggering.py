@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from builders import NOW, cycle, fleet, job, mid, placements, running, snapshot
 
+from scheduler.staggering import WritePlan, plan_period, running_plan
+
 
 def _start_all(queue, **kw):
     result = cycle(snapshot(fleet(machines=8), queue=[q.submitted(NOW) for q in queue], **kw))
@@ -81,3 +83,56 @@ def test_a_running_job_without_a_recorded_phase_counts_at_its_start_time():
     run = [running(job("r").gpus(8).checkpoint(1800)).on(mid(0, 0, 7), range(8)).started(120)]
     result = cycle(snapshot(fleet(machines=8), running=run, queue=[job("new").checkpoint(1800).submitted(NOW)]))
     assert placements(result)["new"].checkpoint_phase not in (120.0, 120.0 + 1800)
+
+
+# --- the running jobs' load, carried from one cycle to the next -----------------------------------
+# Each case is a run of cycles, each naming its running jobs (the same objects from cycle to cycle,
+# as the simulator and the live store pass them) and the intervals of the jobs being placed; the
+# carried plan must equal one made from nothing.
+
+
+def _writer(job_id, interval, phase=None, gpus=2, started=0.0):
+    b = running(job(job_id).gpus(gpus).checkpoint(interval)).on(mid(0, 0, 0), range(gpus)).started(started)
+    return b.phase(phase).build()
+
+
+WRITERS = {
+    "a": _writer("a", 1800, phase=0),
+    "b": _writer("b", 1800, phase=600, gpus=4),
+    "c": _writer("c", 3600, phase=120),
+    "d": _writer("d", 900, started=300.0),  # no recorded phase: counts at its start
+    "long": _writer("long", 14_400, phase=60),  # a longer period while it runs
+    "never": running(job("never").gpus(1)).on(mid(0, 0, 1), [0]).build(),
+    **{f"x{k}": _writer(f"x{k}", 1200, phase=60 * k) for k in range(4)},  # jobs that stay
+}
+STAYING = [f"x{k}" for k in range(4)]
+
+
+def _fresh_plan(jobs, placing):
+    writers = [(j.spec.checkpoint_interval, j.checkpoint_phase if j.checkpoint_phase is not None else j.started_at,
+                j.spec.num_gpus) for j in jobs if j.spec.checkpoint_interval]
+    plan = WritePlan(60.0, plan_period([w[0] for w in writers] + placing))
+    for w in writers:
+        plan.add(*w)
+    return plan
+
+
+CARRY_CASES = [
+    ("a job that ends takes its writes out", [(["a", "b", "c"], [1800]), (["a", "c"], [1800])]),
+    ("a job that starts adds its writes", [(["a"], [1800]), (["a", "b"], [900]), (["a", "b", "d"], [3600])]),
+    ("a longer interval, running or being placed, plans over a longer period",
+     [(["a", "b"], [1800]), (["a", "b", "long"], [1800]), (["a", "b"], [1800]), (["a"], [28_800]), (["a"], [600])]),
+    ("a job that never checkpoints adds nothing", [(["a", "never"], [1800]), (["never"], [1800]), (["a"], [1800])]),
+    ("a decision on one cycle's plan does not carry into the next", [(["a", "b"], [1800]), (["a", "b"], [1800])]),
+]
+
+
+@pytest.mark.parametrize("steps", [s for _, s in CARRY_CASES], ids=[n for n, _ in CARRY_CASES])
+@pytest.mark.parametrize("others", [[], STAYING], ids=["alone", "among jobs that stay"])
+def test_the_carried_running_load_equals_one_made_from_nothing(steps, others):
+    for names, placing in steps:
+        jobs = [WRITERS[n] for n in others + names]
+        plan = running_plan("carry-test", jobs, 60.0, placing)
+        fresh = _fresh_plan(jobs, placing)
+        assert (plan.period, plan.load) == (fresh.period, fresh.load)
+        plan.choose(placing[0], 8)  # what a cycle does with it: must not reach the next cycle's

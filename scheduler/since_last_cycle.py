@@ -1,0 +1,41 @@
+"""What a cycle may carry over from the last one: the running jobs that changed since.
+
+Consecutive snapshots of a cluster share most of their running jobs, as the very same objects:
+the simulator keeps them, and the live store hands back the model of a row that did not change
+(activities/rows.py). Work that depends only on the running jobs (which GPUs they hold, when
+they write checkpoints) can then be kept per cluster and brought up to date from the few jobs
+that started or ended, instead of being done again for every job, every cycle. By identity,
+never by equality: a changed job is a new object, so here it ends and starts again.
+"""
+
+from __future__ import annotations
+
+from operator import is_
+from typing import Sequence
+
+from scheduler.models import RunningJob
+
+
+class RunningChanges:
+    """The running jobs as last seen, to tell which ended and which started since."""
+
+    def __init__(self, running: Sequence[RunningJob]):
+        # Holding the objects keeps their ids from being reused by new ones.
+        self.jobs: dict[int, RunningJob] = dict(zip(map(id, running), running))
+        self.last = tuple(running)
+
+    def since(self, running: Sequence[RunningJob]) -> tuple[list[RunningJob], list[RunningJob]] | None:
+        """(ended, started) since the last call, or None when most of the jobs changed: then
+        starting again from every job costs no more."""
+        last = self.last
+        if len(last) == len(running) and all(map(is_, last, running)):
+            return [], []  # the same jobs as the last call (in one cycle, several stages ask)
+        self.last = tuple(running)
+        now = dict(zip(map(id, running), running))
+        gone = self.jobs.keys() - now.keys()
+        new = now.keys() - self.jobs.keys()
+        if 2 * (len(gone) + len(new)) > len(now):
+            return None
+        ended = [self.jobs[key] for key in gone]
+        self.jobs = now
+        return ended, [now[key] for key in new]
