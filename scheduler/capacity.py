@@ -8,7 +8,6 @@ instead of a scan of the fleet. Only machines that are reachable and GPUs that a
 
 from __future__ import annotations
 
-import threading
 from bisect import insort
 from dataclasses import dataclass, field
 from operator import is_
@@ -16,7 +15,7 @@ from typing import NamedTuple
 from typing import Iterable, Sequence
 
 from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob, Topology
-from scheduler.since_last_cycle import RunningChanges
+from scheduler.since_last_cycle import PerCluster, RunningChanges
 
 
 class PoolKey(NamedTuple):
@@ -63,10 +62,9 @@ class Layout:
     all_healthy: bool  # every machine reachable, no sick GPU
 
 
-# Per cluster (one process may plan several in turn): the last layout and what its jobs held.
+# Per cluster (one process may plan several in turn): the last layout, and what its jobs held.
 _last_layout: dict[str, tuple[Sequence[Machine], Layout]] = {}
-_last_held: dict[str, "_Held"] = {}
-_held_lock = threading.Lock()  # _Held changes in place: one cycle at a time reads or changes it
+_held: PerCluster["_Held"] = PerCluster()
 
 
 def _cluster_of(machines: Sequence[Machine]) -> str:
@@ -157,7 +155,7 @@ def all_on_healthy_machines(machines: Sequence[Machine], running: Sequence[Runni
     layout = _layout_of(machines)
     if not layout.all_healthy:
         return False
-    with _held_lock:
+    with _held.lock:
         return _held_by(layout, running).incomplete == 0
 
 
@@ -228,16 +226,11 @@ def _mask_of(on: dict[int, int]) -> int:
 
 def _held_by(layout: Layout, running: Sequence[RunningJob]) -> _Held:
     """The last cycle's `_Held` of this layout brought up to date, or a new one; call it with
-    `_held_lock` held."""
+    `_held.lock` held."""
     if not isinstance(running, (list, tuple)):
         running = tuple(running)
-    cluster = layout.cluster
-    held = _last_held.get(cluster)
-    if held is None or held.layout is not layout or not held.update(running):
-        if len(_last_held) > 64:
-            _last_held.clear()
-        held = _last_held[cluster] = _Held(layout, running)
-    return held
+    return _held.get(layout.cluster, lambda held: held.layout is layout and held.update(running),
+                     lambda: _Held(layout, running))
 
 
 _GPU_LISTS: dict[int, tuple[int, ...]] = {}
@@ -257,7 +250,7 @@ class Capacity:
     def __init__(self, machines: Sequence[Machine], running: Sequence[RunningJob] = ()):
         """The GPUs of `machines` that are healthy and not held by any of `running`."""
         layout = _layout_of(machines)
-        with _held_lock:
+        with _held.lock:
             self._copy(_held_by(layout, running).base)
 
     def _fill(self, layout: Layout, held: dict[int, int]) -> None:

@@ -97,17 +97,31 @@ _PENDING = TypeAdapter(tuple[Pending, ...])
 
 
 def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement]) -> tuple[Pending, ...]:
-    now, config, cap = snapshot.now, snapshot.config, state.cap
     if not state.waiting:
         return ()
     wanted = snapshot.estimate_only
     if not snapshot.estimate or wanted is not None and not any(job.spec.job_id in wanted for job, _ in state.waiting):
         # Nothing to estimate (the simulator asks only for the jobs that arrived, and those were
         # placed): the walk and its calendar would answer for nobody.
-        return _PENDING.validate_python([
-            {"job_id": job.spec.job_id, "position": position, "estimated_start": None,
-             "misses_deadline": None, "reason": reason}
-            for position, (job, reason) in enumerate(state.waiting, start=1)])
+        wanted, starts = frozenset(), {}
+    else:
+        starts = _walk(snapshot, state, placements, wanted)
+    out = []
+    for position, (job, reason) in enumerate(state.waiting, start=1):  # appended in queue order
+        start = starts.get(job.spec.job_id)
+        deadline = job.spec.deadline
+        misses = None
+        if deadline is not None and (wanted is None or job.spec.job_id in wanted):
+            misses = start is None or start + eta.remaining_work(job) > deadline
+        out.append({"job_id": job.spec.job_id, "position": position, "estimated_start": start,
+                    "misses_deadline": misses, "reason": reason})
+    return _PENDING.validate_python(out)
+
+
+def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement],
+          wanted: frozenset[str] | None) -> dict[str, float]:
+    """The estimate's walk from this cycle's decisions: estimated starts by job id."""
+    now, config, cap = snapshot.now, snapshot.config, state.cap
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
@@ -115,11 +129,10 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
     for (job, slots, _), p in zip(state.placed, placements):
         at = now + eta.remaining_work(job)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
-    in_order = state.waiting  # appended in queue order
-    starts = eta.estimate_starts(
+    return eta.estimate_starts(
         cap.clone(),
         releases,
-        [job for job, _ in in_order],
+        [job for job, _ in state.waiting],
         state.usage,
         now,
         starvation_threshold=config.starvation_threshold,
@@ -129,16 +142,6 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         wanted=wanted,
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
     )
-    out = []
-    for position, (job, reason) in enumerate(in_order, start=1):
-        start = starts.get(job.spec.job_id)
-        deadline = job.spec.deadline
-        misses = None
-        if deadline is not None and (wanted is None or job.spec.job_id in wanted):
-            misses = start is None or start + eta.remaining_work(job) > deadline
-        out.append({"job_id": job.spec.job_id, "position": position, "estimated_start": start,
-                    "misses_deadline": misses, "reason": reason})
-    return _PENDING.validate_python(out)
 
 
 def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:

@@ -10,8 +10,9 @@ never by equality: a changed job is a new object, so here it ends and starts aga
 
 from __future__ import annotations
 
+import threading
 from operator import is_
-from typing import Sequence
+from typing import Callable, Generic, Sequence, TypeVar
 
 from scheduler.models import RunningJob
 
@@ -39,3 +40,25 @@ class RunningChanges:
         ended = [self.jobs[key] for key in gone]
         self.jobs = now
         return ended, [now[key] for key in new]
+
+
+Kept = TypeVar("Kept")
+
+
+class PerCluster(Generic[Kept]):
+    """One kind of work kept from cycle to cycle, one per cluster (a process may plan several in
+    turn). What it keeps changes in place: hold `lock` while getting it and reading it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._kept: dict[str, Kept] = {}
+
+    def get(self, cluster: str, follows: Callable[[Kept], bool], make: Callable[[], Kept]) -> Kept:
+        """The cluster's kept work if `follows` brings it up to date (it says False when it
+        cannot), else a new one from `make`."""
+        kept = self._kept.get(cluster)
+        if kept is None or not follows(kept):
+            if len(self._kept) > 64:
+                self._kept.clear()
+            kept = self._kept[cluster] = make()
+        return kept

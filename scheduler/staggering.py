@@ -9,17 +9,20 @@ lowest over one common period.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Iterable, Sequence
 
 from scheduler.models import RunningJob
-from scheduler.since_last_cycle import RunningChanges
+from scheduler.since_last_cycle import PerCluster, RunningChanges
+
+
+def _bins(period: float, slot: float) -> int:
+    return max(1, math.ceil(period / slot))
 
 
 class WritePlan:
     def __init__(self, slot: float, period: float):
         self.slot = slot
-        self.bins = max(1, math.ceil(period / slot))
+        self.bins = _bins(period, slot)
         self.period = self.bins * slot
         self.load = [0.0] * self.bins
 
@@ -101,7 +104,7 @@ class _RunningLoad:
         """A plan holding the running jobs' load over the period that also fits `placing`."""
         period = plan_period([*self.intervals, *placing])
         plan = self.plan
-        if plan is None or plan.bins != max(1, math.ceil(period / self.slot)):
+        if plan is None or plan.bins != _bins(period, self.slot):
             plan = self.plan = WritePlan(self.slot, period)
             for job in running:
                 writes = _writes(job)
@@ -112,17 +115,13 @@ class _RunningLoad:
         return twin
 
 
-_carried: dict[str, _RunningLoad] = {}
-_carried_lock = threading.Lock()
+_carried: PerCluster[_RunningLoad] = PerCluster()
 
 
 def running_plan(cluster: str, running: Sequence[RunningJob], slot: float, placing: Iterable[float]) -> WritePlan:
     """A write plan for one cycle's new jobs, loaded with every running job that checkpoints, over
     one period for the running jobs' intervals and `placing` (those of the jobs being placed)."""
-    with _carried_lock:
-        carried = _carried.get(cluster)
-        if carried is None or carried.slot != slot or not carried.update(running):
-            if len(_carried) > 64:
-                _carried.clear()
-            carried = _carried[cluster] = _RunningLoad(running, slot)
+    with _carried.lock:
+        carried = _carried.get(cluster, lambda kept: kept.slot == slot and kept.update(running),
+                               lambda: _RunningLoad(running, slot))
         return carried.plan_for(running, placing)
