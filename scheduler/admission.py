@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler import consolidation, eta, placement, preemption, reservation
+from scheduler import consolidation, eta, in_words, placement, preemption, reservation
 from scheduler.capacity import Capacity
 from scheduler.models import (
     Earmark,
@@ -193,7 +193,8 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
         return False
     state.holds.append(hold)
     why = _why_waiting(state, job, placement.NO_AVOID)
-    state.waiting.append((job, f"{why}; holds a reservation, expected to start at {hold.expected_start:.0f}"))
+    state.waiting.append((job, f"{why}; holds a reservation, expected to start "
+                                f"{in_words.from_now(hold.expected_start, state.now)}"))
     return True
 
 
@@ -225,7 +226,7 @@ def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:
         return "waiting for the GPUs earmarked for it to be released"
     grace_end = max(v.draining_until or now for v in victims)
     return (f"waiting for {len(victims)} preempted job(s) to checkpoint and release their GPUs "
-            f"(grace ends at {grace_end:.0f})")
+            f"(grace ends {in_words.from_now(grace_end, now)})")
 
 
 def _shape(job: QueuedJob) -> tuple:

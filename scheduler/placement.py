@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
+from scheduler import in_words
 from scheduler.capacity import Capacity, Pool
 from scheduler.models import GpuSlot, JobSpec, Topology
 
@@ -191,16 +192,16 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
         largest = max(p.largest_free() for p in pools)
         size = max(p.key.gpus for p in pools)
         if n > size:
-            return f"needs {n} GPUs on one machine; machines here have {size}"
-        return f"needs {n} GPUs on one machine; the largest free is {largest}"
+            return f"needs {in_words.gpus(n)} on one machine; machines here have {size}"
+        return f"needs {in_words.gpus(n)} on one machine; the largest free is {largest}"
     if topology == Topology.block:
         by_block: dict[str, int] = {}
         for i in _usable(cap, pools, NO_AVOID):
             block = cap.machines[i].block
             by_block[block] = by_block.get(block, 0) + len(cap.free[i])
         best = max(by_block.values(), default=0)
-        return f"needs {n} GPUs in one block; the most free in a block is {best}"
-    return f"needs {n} GPUs; {cap.total_free(pools)} are free"
+        return f"needs {in_words.gpus(n)} in one block; the most free in a block is {best}"
+    return f"needs {in_words.gpus(n)}; {cap.total_free(pools)} are free"
 
 
 def _wants(spec: JobSpec) -> str:

@@ -19,6 +19,8 @@ from builders import (
     snapshot,
 )
 
+from scheduler import in_words
+
 
 M = [mid(0, 0, i) for i in range(4)]
 CAPPED = {"capped": {"guaranteed": 0, "max": 0}}  # a team that cannot start anything
@@ -181,6 +183,11 @@ REASON_CASES = [
     (fleet(machines=2), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)), filler("f1", M[1], range(8))],
      [job("j").gpus(8).priority("critical")], {},
      "preempting low; starts when they have checkpointed (grace 120 s)"),
+    (fleet(machines=1), [filler("f0", M[0], range(8))], [job("j").gpus(1)], {},
+     "needs 1 GPU on one machine; the largest free is 0"),
+    (fleet(machines=1), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)).draining(NOW + 45, "j")],
+     [job("j").gpus(8).priority("critical")], {},
+     "waiting for 1 preempted job(s) to checkpoint and release their GPUs (grace ends in 45 s)"),
 ]
 REASON_IDS = [
     "a machine job: how many GPUs are free on the best machine",
@@ -190,6 +197,8 @@ REASON_IDS = [
     "no matching hardware: what it asked for",
     "kept off the reserved pool: why",
     "a claimant: whom it preempts and the grace period",
+    "one GPU: said in the singular",
+    "a claimant whose victims drain: when their grace ends, from now",
 ]
 
 
@@ -224,3 +233,28 @@ def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
     p = pending(result)["small"]
     assert p.reason == "the last whole machines are kept for jobs that need a whole machine"
     assert p.estimated_start is not None and p.estimated_start > NOW, p.estimated_start
+
+
+WORDS_CASES = [
+    (in_words.from_now(NOW + 45, NOW), "in 45 s"),
+    (in_words.from_now(NOW + 1000, NOW), "in 16.7 min"),
+    (in_words.from_now(NOW + 9000, NOW), "in 2.5 h"),
+    (in_words.from_now(NOW, NOW), "now"),
+    (in_words.from_now(NOW - 5, NOW), "now"),
+    (in_words.gpus(1), "1 GPU"),
+    (in_words.gpus(0), "0 GPUs"),
+]
+WORDS_IDS = [
+    "under two minutes: in seconds",
+    "under two hours: in minutes",
+    "under three days: in hours",
+    "a time that has come: now",
+    "a time that has passed: still now",
+    "one GPU: singular",
+    "no GPUs: plural",
+]
+
+
+@pytest.mark.parametrize("said,expected", WORDS_CASES, ids=WORDS_IDS)
+def test_times_and_counts_in_reasons_read_as_words(said, expected):
+    assert said == expected

@@ -45,7 +45,7 @@ def test_a_starving_job_reserves_the_machine_where_it_fits_soonest():
     assert res.expected_start == NOW + 1000
     reason = pending(result)["starving"].reason
     assert "needs 8 GPUs on one machine; the largest free is 4" in reason
-    assert "holds a reservation, expected to start at 11000" in reason
+    assert "holds a reservation, expected to start in 16.7 min" in reason
 
 
 def test_a_job_below_the_starvation_threshold_reserves_nothing():

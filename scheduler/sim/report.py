@@ -25,6 +25,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from scheduler import in_words
 from scheduler.models import Priority
 from scheduler.sim.records import AllocationRecord, JobRecord, SimResult
 
@@ -425,17 +426,8 @@ def _get(summary: Mapping[str, Any], *path: str) -> Any:
 
 
 def fmt_duration(seconds: float | None) -> str:
-    """Seconds as a person reads them: 45 s, 12.5 min, 3.2 h, 2.1 d."""
-    if seconds is None:
-        return "—"
-    s = float(seconds)
-    if abs(s) < 120:
-        return f"{s:.0f} s" if abs(s) >= 10 or s == int(s) else f"{s:.1f} s"
-    if abs(s) < 2 * 3600:
-        return f"{s / 60:.1f} min"
-    if abs(s) < 72 * 3600:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
+    """Seconds as a person reads them (in_words.duration), or a dash for none."""
+    return "—" if seconds is None else in_words.duration(seconds)
 
 
 def _fmt_pct(x: float | None) -> str:
