@@ -123,6 +123,7 @@ def _team_without_quota(d):
         (_team_without_quota, [], ["trace.csv", "team", "'audio'", "fleet.yaml"]),
         (lambda d: None, ["--policy", "sjf"], ["unknown policy 'sjf'"]),
         (lambda d: None, ["--compare", "fifo,nope"], ["unknown policy 'nope'"]),
+        (lambda d: None, ["--machine-failures-per-day", "-1"], ["--machine-failures-per-day", "greater than or equal to 0"]),
     ],
     ids=[
         "a malformed trace names its line and field",
@@ -130,6 +131,7 @@ def _team_without_quota(d):
         "a team without a quota and no '*' default",
         "an unknown policy",
         "an unknown policy to compare with",
+        "a negative failure rate",
     ],
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from scheduler.errors import InputError
 from scheduler.fleet import Fleet, parse_fleet
 from scheduler.models import PolicyConfig
@@ -21,6 +23,7 @@ from workers.cli_dev import add_dev_commands
 from workers.cli_jobs import add_job_commands
 from workers.example_job import add_example_job_command
 from workers.cli_trace import add_trace_commands
+from workflows.types import first_error
 
 
 def read_text(path: str, what: str) -> str:
@@ -51,13 +54,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if name not in POLICIES:
             raise InputError("--policy/--compare", None, None,
                              f"unknown policy '{name}'; choose from {', '.join(POLICIES)}")
-    settings = SimSettings(
-        policy=PolicyConfig(stagger_checkpoints=not args.no_stagger),
-        machine_failures_per_day=args.machine_failures_per_day,
-        gpu_failures_per_day=args.gpu_failures_per_day,
-        seed=args.seed,
-        until=args.until,
-    )
+    try:
+        settings = SimSettings(
+            policy=PolicyConfig(stagger_checkpoints=not args.no_stagger),
+            machine_failures_per_day=args.machine_failures_per_day,
+            gpu_failures_per_day=args.gpu_failures_per_day,
+            seed=args.seed,
+            until=args.until,
+        )
+    except ValidationError as e:
+        field, message = first_error(e)
+        flag = "--" + field.split(".")[-1].replace("_", "-")
+        raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
     out = Path(args.out)
     summaries = {}
     for name in names:
