@@ -124,6 +124,7 @@ def _team_without_quota(d):
         (lambda d: None, ["--policy", "sjf"], ["unknown policy 'sjf'"]),
         (lambda d: None, ["--compare", "fifo,nope"], ["unknown policy 'nope'"]),
         (lambda d: None, ["--machine-failures-per-day", "-1"], ["--machine-failures-per-day", "greater than or equal to 0"]),
+        (lambda d: None, ["--restart-s", "-30"], ["--restart-s", "greater than or equal to 0"]),
     ],
     ids=[
         "a malformed trace names its line and field",
@@ -132,6 +133,7 @@ def _team_without_quota(d):
         "an unknown policy",
         "an unknown policy to compare with",
         "a negative failure rate",
+        "a negative restart time",
     ],
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):

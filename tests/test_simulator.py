@@ -194,6 +194,39 @@ def test_a_critical_job_preempts_a_low_job_that_checkpoints_and_resumes_from_it(
     assert set(crit.gpus) == set(first.gpus)
 
 
+@pytest.mark.parametrize("restart_s", [0.0, 300.0], ids=["no restart time", "five minutes to start again"])
+def test_a_resumed_job_spends_its_restart_time_before_it_progresses_and_the_summary_counts_it(restart_s):
+    """Low is preempted at 1,000 and checkpoints all it has done; its second attempt needs the
+    rest of its work plus the restart; its first attempt, a fresh start, pays none."""
+    settings = SimSettings(restart_s=restart_s)
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+
+    first, second = allocs(result, "low")
+    assert first.restart_work == 0.0 and first.lost_work == 0.0
+    assert second.end - second.start == pytest.approx(7200.0 - 1000.0 + restart_s)
+    assert second.restart_work == pytest.approx(restart_s * 8)
+    summary = summarize(result)
+    assert summary["restart_overhead_gpu_hours"] == pytest.approx(restart_s * 8 / 3600.0)
+    assert summary["work_lost_fraction"] == 0.0
+
+
+def test_a_job_preempted_while_it_restarts_loses_nothing_and_pays_the_restart_again():
+    """Low resumes at 1,630 (grace and crit1's 600 s) and spends 600 s starting again; crit2
+    displaces it at 1,700, before it has done anything more: its saved work is what it had."""
+    settings = SimSettings(restart_s=600.0, policy=PolicyConfig(min_runtime=0))
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0),
+             tj("crit1", 1000.0, 600.0, priority="critical"), tj("crit2", 1700.0, 600.0, priority="critical")]
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+
+    first, second, third = allocs(result, "low")
+    assert second.reason == "preempted" and second.start < 1700.0 < second.end
+    assert second.lost_work == 0.0
+    assert second.restart_work == pytest.approx((second.end - second.start) * 8)  # all of it restarting
+    assert third.end - third.start == pytest.approx(7200.0 - 1000.0 + 600.0)
+    check_run_invariants(result, trace)
+
+
 def test_reclaim_latency_counts_the_jobs_a_guarantee_covers_not_the_teams_backlog_beyond_it():
     """Team b borrows both machines from 0; team a (guarantee 8) submits two whole-machine jobs at
     1,000. a1 is a reclaim: it preempts b's newest job and starts after the grace. a2 is beyond

@@ -59,6 +59,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             policy=PolicyConfig(stagger_checkpoints=not args.no_stagger),
             machine_failures_per_day=args.machine_failures_per_day,
             gpu_failures_per_day=args.gpu_failures_per_day,
+            restart_s=args.restart_s,
             seed=args.seed,
             until=args.until,
         )
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--machine-failures-per-day", type=float, default=0.0,
                      help="failure injection: failures per machine per day (repaired after 30 min)")
     sim.add_argument("--gpu-failures-per-day", type=float, default=0.0, help="failures per GPU per day")
+    sim.add_argument("--restart-s", type=float, default=0.0,
+                     help="seconds every attempt after a job's first spends starting again (a new process, "
+                          "its checkpoint loaded) before it progresses (default 0)")
     sim.add_argument("--no-stagger", action="store_true", help="turn checkpoint staggering off")
     sim.add_argument("--seed", type=int, default=0, help="seed of the failure injection")
     sim.add_argument("--until", type=float, default=None, help="stop at this trace time (s)")

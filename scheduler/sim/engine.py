@@ -8,7 +8,10 @@ It keeps the live system's semantics so that what it measures is what production
     cannot finish its checkpoint within the grace, loses the work since its last checkpoint;
   - a job on a failed machine loses the work since its last interval checkpoint and is
     requeued; a job on a failed GPU checkpoints and moves (it is still alive);
-  - interval checkpoints fall at the times the cycle's checkpoint phase says.
+  - interval checkpoints fall at the times the cycle's checkpoint phase says;
+  - with `restart_s`, every attempt after a job's first spends that long starting again (a new
+    process, its checkpoint loaded) before it makes progress: the price of each preemption,
+    move or failure beyond the work it loses, reported as restart overhead.
 A cycle runs whenever something happened (coalesced per timestamp) and when the last cycle
 asked to be woken. Its wall time is measured with a stopwatch the caller hands in (the CLI
 passes time.perf_counter); nothing under scheduler/ reads a clock itself.
@@ -58,6 +61,7 @@ class SimSettings(BaseModel):
     checkpoint_write_s: float = Field(default=30.0, ge=0)  # time to write one checkpoint
     checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB, as in design.md
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
+    restart_s: float = Field(default=0.0, ge=0)  # an attempt after the first starts again before it progresses
     machine_failures_per_day: float = Field(default=0.0, ge=0)  # per machine
     gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
     repair_s: float = Field(default=1800.0, gt=0)
@@ -92,6 +96,7 @@ class JobLife:
     reclaiming: bool = False  # ... counting the team's queued jobs ahead of it too
     release_reason: str = ""
     lost_pending: float = 0.0  # work a draining job loses when it releases
+    progressing_from: float = 0.0  # when this attempt's restart ends and its work goes on
 
     @property
     def spec(self):
@@ -282,6 +287,7 @@ class Simulation:
         cluster.queued_gpus -= queued.spec.num_gpus
         life.attempt += 1
         life.state = "running"
+        life.progressing_from = now + (self.settings.restart_s if life.attempt > 1 else 0.0)
         if life.first_start is None:
             life.first_start = now
             if life.reclaiming and now > life.trace.submit_time:
@@ -296,7 +302,7 @@ class Simulation:
             heapq.heappush(cluster.checkpoints_due, (life.next_checkpoint, job_id, life.attempt))
         cluster.running[job_id] = life.running
         cluster.busy_gpus += life.spec.num_gpus
-        self.push(now + life.trace.duration - life.progress, FINISH, (job_id, life.attempt))
+        self.push(life.progressing_from + life.trace.duration - life.progress, FINISH, (job_id, life.attempt))
 
     @staticmethod
     def checkpoint_after(t: float, start: float, interval: float, phase: float | None) -> float:
@@ -314,13 +320,18 @@ class Simulation:
         last = self.checkpoint_after(now, run.started_at, interval, run.checkpoint_phase) - interval
         if last <= run.started_at:
             return run.progress_at_start, None
-        return run.progress_at_start + (last - run.started_at), last
+        return self.done_by(life, last), last
+
+    @staticmethod
+    def done_by(life: JobLife, t: float) -> float:
+        """The job's progress at t in its current attempt: nothing is done while it restarts."""
+        return life.running.progress_at_start + max(0.0, t - life.progressing_from)
 
     def stop(self, cluster: ClusterState, life: JobLife, now: float, reason: str, graceful: bool,
              for_job: str | None = None) -> None:
         """Preempt (graceful) or kill (not graceful) a running job; account what it loses."""
         run = life.running
-        done = run.progress_at_start + (now - run.started_at)
+        done = self.done_by(life, now)
         can_save = life.spec.checkpoints and self.settings.checkpoint_write_s <= self.settings.policy.grace_period
         if graceful and can_save:
             saved, release = done, now + self.settings.checkpoint_write_s
@@ -383,6 +394,7 @@ class Simulation:
         self.allocations.append(AllocationRecord(
             job_id=life.spec.job_id, start=run.started_at, end=now, reason=reason,
             gpus=tuple(gpu_path(s) for s in run.gpus), lost_work=lost,
+            restart_work=max(0.0, min(now, life.progressing_from) - run.started_at) * life.spec.num_gpus,
             checkpoint_interval=interval or None, checkpoint_phase=run.checkpoint_phase,
         ))
 

@@ -20,6 +20,7 @@ class AllocationRecord(Record):
     reason: str  # completed | preempted | failed | cancelled | machine_failure
     gpus: tuple[str, ...]  # topology paths
     lost_work: float = 0.0  # GPU-seconds of progress thrown away when it ended
+    restart_work: float = 0.0  # GPU-seconds it spent starting again before it progressed
     checkpoint_interval: float | None = None
     checkpoint_phase: float | None = None  # None: checkpoints at start + k * interval
 

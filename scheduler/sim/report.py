@@ -292,6 +292,10 @@ def _work_lost(result: SimResult) -> dict[str, Any]:
             "total": total / 3600.0,
         },
         "work_lost_fraction": _ratio(total, held),
+        # Beyond the work lost: the time attempts after a job's first spend starting again
+        # (SimSettings.restart_s; zero unless the run asked for it).
+        "restart_overhead_gpu_hours": sum(a.restart_work for a in result.allocations) / 3600.0,
+        "restart_overhead_fraction": _ratio(sum(a.restart_work for a in result.allocations), held),
     }
 
 
