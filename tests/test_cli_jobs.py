@@ -16,9 +16,21 @@ from workers.cli import main
     (["submit", "--team", "vision", "--gpus", "1", "--env", "NOEQUALS", "--", "true"], "env"),
     (["submit", "--team", "vision", "--gpus", "1", "--job-id", "bad id!", "--", "true"], "job_id"),
     (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"], "below guaranteed"),
+    (["quota", "set", "vision", "--guaranteed", "-1"], "give --guaranteed a valid value"),
+    (["cluster", "set", "c1", "--policy", "grace_period=abc"], "grace_period=abc"),
+    (["cluster", "set", "c1", "--policy", "min_runtime=-5"], "min_runtime=-5"),
+], ids=[
+    "a job of no GPUs",
+    "a job without a command",
+    "an environment variable without a value",
+    "a job id with spaces",
+    "a maximum below the guarantee",
+    "a negative guarantee names its flag",
+    "a policy knob that is not a number",
+    "a negative policy knob",
 ])
 def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
-    assert main(argv + ["--data-dir", str(tmp_path)] if argv[0] == "quota" else argv) == 2
+    assert main(argv + ["--data-dir", str(tmp_path)] if argv[0] in ("quota", "cluster") else argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and words in err and "Traceback" not in err
 

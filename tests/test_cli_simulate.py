@@ -147,3 +147,12 @@ def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs
     for fragment in expected:
         assert fragment in captured.err, f"{fragment!r} not in {captured.err!r}"
     assert not out.exists(), "nothing should be written for bad input"
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_simulation_runs(tmp_path, inputs, capsys):
+    (tmp_path / "taken").write_text("a file where the folder should go")
+    assert main(simulate_argv(*inputs, tmp_path / "taken" / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--out" in err and "give --out a folder you can write" in err, err
+    assert "simulated" not in err

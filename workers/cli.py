@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         flag = "--" + field.split(".")[-1].replace("_", "-")
         raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
     out = Path(args.out)
+    try:  # before hours of simulation, not after
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise InputError(str(out), None, "--out", f"cannot write the results here ({e.strerror}); "
+                                                  "give --out a folder you can write") from None
     summaries = {}
     for name in names:
         began = time.perf_counter()

@@ -261,7 +261,9 @@ def cmd_quota_set(args) -> int:
     try:
         quota = Quota(guaranteed=args.guaranteed, max=args.max, queue_cap=args.queue_cap)
     except ValidationError as e:
-        print(f"error: {first_error(e)[1]}", file=sys.stderr)
+        field, message = first_error(e)
+        flag = "--" + field.replace("_", "-")
+        print(f"error: {field}: {message} (give {flag} a valid value)", file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
@@ -295,6 +297,13 @@ def cmd_cluster_set(args) -> int:
                   f"{', '.join(PolicyConfig.model_fields)}", file=sys.stderr)
             return EXIT_REFUSED
         knobs[name] = value
+    try:  # each value on its own, before the stack is asked; the cluster's other knobs are checked with them there
+        PolicyConfig(**knobs)
+    except ValidationError as e:
+        field, message = first_error(e)
+        if field in knobs:
+            print(f"error: policy: {field}={knobs[field]}: {message}", file=sys.stderr)
+            return EXIT_REFUSED
     if args.machine_timeout is not None and args.machine_timeout <= 0:
         print("error: machine_timeout: give a positive number of seconds", file=sys.stderr)
         return EXIT_REFUSED
