@@ -6,7 +6,7 @@ from temporalio import activity
 
 from activities.store import CycleConflict, Store
 from scheduler.cycle import run_cycle
-from scheduler.gc_policy import few_collections
+from scheduler.gc_policy import no_collections
 from scheduler.models import CycleResult, Snapshot
 from workflows.types import CycleInput, CycleOutcome
 
@@ -16,9 +16,9 @@ CONFLICT_RETRIES = 5
 
 
 def plan(snapshot: Snapshot) -> CycleResult:
-    """The pure core as the live loop runs it: with the collector held back for the cycle, so a
+    """The pure core as the live loop runs it: with the collector off for the cycle, so a
     collection never lands inside a decision (scheduler/gc_policy.py); bench/cycle.py times this."""
-    with few_collections():
+    with no_collections():
         return run_cycle(snapshot)
 
 

@@ -14,7 +14,7 @@ allowing for a day of expected arrivals (the forecast the live loop makes from t
 
 Each timed cycle runs on the same cluster with ``now`` a few seconds later than the last one, so
 no call sees the same snapshot twice. Three warm-up calls come first. Each cycle runs as the live
-planner runs it (activities/planning.py): with the garbage collector held back for the cycle
+planner runs it (activities/planning.py): with the garbage collector off for the cycle
 (scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults. This is a benchmark, not a
 test: it prints a short summary and, as its last line, one JSON object with the timings.
 """
@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scheduler.cycle import run_cycle
-from scheduler.gc_policy import few_collections
+from scheduler.gc_policy import no_collections
 from scheduler.fleet import parse_fleet
 from scheduler.models import (
     Earmark,
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-forecast", action="store_true",
                         help="no expected arrivals: estimates from the walk alone")
     parser.add_argument("--default-gc", action="store_true",
-                        help="leave the garbage collector at Python's defaults instead of holding it back "
+                        help="leave the garbage collector at Python's defaults instead of switching it off "
                              "for each cycle, as the live planner does (scheduler/gc_policy.py)")
     parser.add_argument("--profile", action="store_true",
                         help="run the timed cycles under cProfile and print the top 25 cumulative entries")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.default_gc:
             result = run_cycle(snap)
         else:
-            with few_collections():
+            with no_collections():
                 result = run_cycle(snap)
         elapsed = time.perf_counter() - t0
         if profiler is not None:
