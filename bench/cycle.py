@@ -2,7 +2,7 @@
 """Benchmark: how long one scheduling cycle takes on a full seed-scale cluster.
 
     python bench/cycle.py [--cycles N] [--seed S] [--step SECONDS] [--no-estimate] [--no-forecast]
-                          [--default-gc] [--profile]
+                          [--default-gc | --held-gc] [--profile]
 
 The snapshot is the design's seed-scale cluster at its worst: 640 machines × 8 H100 GPUs in 5
 blocks (examples/fleet-seed.yaml), every GPU held by one of ~600 running jobs, and 2,000 jobs
@@ -15,8 +15,9 @@ allowing for a day of expected arrivals (the forecast the live loop makes from t
 Each timed cycle runs on the same cluster with ``now`` a few seconds later than the last one, so
 no call sees the same snapshot twice. Three warm-up calls come first. Each cycle runs as the live
 planner runs it (activities/planning.py): with the garbage collector off for the cycle
-(scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults. This is a benchmark, not a
-test: it prints a short summary and, as its last line, one JSON object with the timings.
+(scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults, `--held-gc` only raises
+its thresholds, as the simulator does (and the live planner did before commit 973e126). This is a
+benchmark, not a test: it prints a short summary and, as its last line, one JSON object with the timings.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scheduler.cycle import run_cycle
-from scheduler.gc_policy import no_collections
+from scheduler.gc_policy import few_collections, no_collections
 from scheduler.fleet import parse_fleet
 from scheduler.models import (
     Earmark,
@@ -303,11 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-gc", action="store_true",
                         help="leave the garbage collector at Python's defaults instead of switching it off "
                              "for each cycle, as the live planner does (scheduler/gc_policy.py)")
+    parser.add_argument("--held-gc", action="store_true",
+                        help="only raise the collector's thresholds for each cycle (gc_policy.few_collections), "
+                             "as the simulator does")
     parser.add_argument("--profile", action="store_true",
                         help="run the timed cycles under cProfile and print the top 25 cumulative entries")
     args = parser.parse_args(argv)
     if args.cycles < 1:
         parser.error("--cycles must be at least 1")
+    if args.default_gc and args.held_gc:
+        parser.error("--default-gc and --held-gc are two different settings: give one")
     if args.no_estimate and "estimate" not in Snapshot.model_fields:
         parser.error("--no-estimate: this version of Snapshot has no `estimate` field")
 
@@ -333,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if args.default_gc:
             result = run_cycle(snap)
+        elif args.held_gc:
+            with few_collections():
+                result = run_cycle(snap)
         else:
             with no_collections():
                 result = run_cycle(snap)
@@ -380,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "reservations_per_cycle": round(sum(reservations) / len(reservations), 2),
         "estimate": not args.no_estimate,
         "default_gc": args.default_gc,
+        "held_gc": args.held_gc,
         "profiled": bool(profiler),
         "build_s": round(build_s, 3),
         "python": platform.python_version(),
