@@ -40,6 +40,7 @@ from scheduler.models import (
     GpuSlot,
     PolicyConfig,
     Preemption,
+    Priority,
     QueuedJob,
     RunningJob,
     Snapshot,
@@ -47,6 +48,7 @@ from scheduler.models import (
 )
 from scheduler.quotas import TeamUsage
 
+_LOWEST = max(p.rank for p in Priority)  # a claimant of this class displaces nobody by class
 
 @dataclass
 class Admission:
@@ -83,6 +85,9 @@ class Admission:
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
     settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
+    # by preemption key: what protection keeps from a claimant that found nobody to displace
+    protected_notes: dict[tuple, str] = field(default_factory=dict)
+    protected: list[tuple[RunningJob, float | None]] | None = None  # see preemption.protected_jobs
 
 
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
@@ -170,6 +175,10 @@ def admit(state: Admission, job: QueuedJob) -> None:
         return
     # h. wait
     reason = _why_waiting(state, job, avoid)
+    if state.protected_notes:  # rare: most cycles have no claimant that protection alone keeps waiting
+        note = state.protected_notes.get(_preemption_key(job, avoid))
+        if note:
+            reason = f"{reason}; {note}"
     state.settled[like] = reason
     state.waiting.append((job, reason))
 
@@ -279,7 +288,7 @@ def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
 def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     cap, usage, running, now, config = state.cap, state.usage, state.running, state.now, state.config
     spec = job.spec
-    key = (_shape(job), spec.priority, spec.team, avoid)
+    key = _preemption_key(job, avoid)
     if key in state.no_victims or state.searches >= config.max_preemption_searches:
         return False
     if _frees_up_soon(state, spec, avoid):
@@ -296,6 +305,9 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     going = state.going
     if not any(j.spec.job_id not in going for _, j in ranked):
         state.no_victims.add(key)
+        note = _protection_note(state, spec, reclaim)
+        if note:
+            state.protected_notes[key] = note
         return False
     state.searches += 1
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
@@ -317,6 +329,21 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
                                f"{config.grace_period:.0f} s)"))
     return True
+
+
+def _protection_note(state: Admission, spec, reclaim: bool) -> str | None:
+    """What protection keeps from a claimant that found nobody to displace. Most such claimants
+    are of the lowest class and do not reclaim: nobody could be displaced for them at all."""
+    if not reclaim and spec.priority.rank == _LOWEST:
+        return None
+    if state.protected is None:  # once per cycle, and only in a cycle that needs it
+        state.protected = preemption.protected_jobs(state.running, state.usage.preemptible, state.now, state.config)
+    return preemption.protected_below(spec, state.protected, state.usage, state.now)
+
+
+def _preemption_key(job: QueuedJob, avoid: frozenset[int]) -> tuple:
+    """Claimants alike for the preemption search: the same shape, class, team and machines kept out."""
+    return (_shape(job), job.spec.priority, job.spec.team, avoid)
 
 
 def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[int, int]]]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
+from scheduler import in_words
 from scheduler.capacity import Capacity
 from scheduler.models import JobSpec, PolicyConfig, RunningJob, Topology
 from scheduler.placement import find_gpus, resolved_topology
@@ -46,6 +47,56 @@ def protection(job: RunningJob, now: float, config: PolicyConfig) -> str | None:
     if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
         return "cannot checkpoint and has run too long to throw away"
     return None
+
+
+def protected_until(job: RunningJob, now: float, config: PolicyConfig) -> float | None:
+    """When a protected job's protections have all ended (None: one of them does not end by
+    itself); `now` for a job that is not protected."""
+    ends = [now]
+    if now - job.started_at < config.min_runtime:
+        ends.append(job.started_at + config.min_runtime)
+    if job.preemptions:
+        recent = sorted(t for t in job.preemptions if now - t <= config.thrash_window)
+        if len(recent) >= config.thrash_max_preemptions:
+            # protected until the oldest of its last `thrash_max_preemptions` leaves the window
+            ends.append(recent[-config.thrash_max_preemptions] + config.thrash_window)
+    if not job.spec.checkpoints and now - job.started_at > config.max_unsaved_run:
+        return None
+    return max(ends)
+
+
+def protected_jobs(running: Sequence[RunningJob], preemptible: Callable[[RunningJob], bool], now: float,
+                   config: PolicyConfig) -> list[tuple[RunningJob, float | None]]:
+    """The running jobs protection keeps from every claimant, with when that ends (`protected_until`)."""
+    return [(j, protected_until(j, now, config)) for j in running if j.draining_until is None and not preemptible(j)]
+
+
+def protected_below(claimant: JobSpec, protected: Sequence[tuple[RunningJob, float | None]], usage: TeamUsage,
+                    now: float) -> str | None:
+    """For a claimant that found no job to displace: the jobs of `protected` (`protected_jobs`)
+    that only protection keeps from it, in words, or None if there are none. As in
+    `displaceable`: a job of a lower class (of its own team or of a team over its guarantee when
+    the claimant would borrow), or, when the claimant reclaims, any job of another team over its
+    guarantee."""
+    rank, team = claimant.priority.rank, claimant.team
+    reclaim = usage.under_guarantee_with(team, claimant.num_gpus)
+
+    def over(other: str) -> bool:
+        return other != team and usage.held(other) > usage.quota(other).guaranteed
+
+    ends = []
+    for j, until in protected:
+        lower = j.spec.priority.rank > rank
+        if (lower or over(j.spec.team)) if reclaim else (lower and (j.spec.team == team or over(j.spec.team))):
+            ends.append(until)
+    if not ends:
+        return None
+    ending = [t for t in ends if t is not None]
+    if len(ends) == 1:
+        said = "1 job it could displace is protected from preemption"
+        return said if not ending else f"{said} for {in_words.duration(ending[0] - now)} more"
+    said = f"{len(ends)} jobs it could displace are protected from preemption"
+    return said if not ending else f"{said}, the first for {in_words.duration(min(ending) - now)} more"
 
 
 def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:

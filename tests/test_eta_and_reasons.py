@@ -188,6 +188,23 @@ REASON_CASES = [
     (fleet(machines=1), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)).draining(NOW + 45, "j")],
      [job("j").gpus(8).priority("critical")], {},
      "waiting for 1 preempted job(s) to checkpoint and release their GPUs (grace ends in 45 s)"),
+    (fleet(machines=1), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)).started(NOW - 30)],
+     [job("j").gpus(8).priority("critical")], {},
+     "needs 8 GPUs on one machine; the largest free is 0; "
+     "1 job it could displace is protected from preemption for 9.5 min more"),
+    (fleet(machines=2), [running(job("new").gpus(8).priority("low")).on(M[0], range(8)).started(NOW - 30),
+                         running(job("twice").gpus(8).priority("low")).on(M[1], range(8)).started(NOW - 900)
+                         .preempted_at(NOW - 3500, NOW - 3300)],
+     [job("j").gpus(8).priority("critical")], {},
+     "needs 8 GPUs on one machine; the largest free is 0; "
+     "2 jobs it could displace are protected from preemption, the first for 100 s more"),
+    (fleet(machines=1), [running(job("old").gpus(8).priority("low").no_checkpoint()).on(M[0], range(8))
+                         .started(NOW - 5000)],
+     [job("j").gpus(8).priority("critical")], {},
+     "needs 8 GPUs on one machine; the largest free is 0; 1 job it could displace is protected from preemption"),
+    (fleet(machines=1), [running(job("peer").gpus(8).priority("critical")).on(M[0], range(8)).started(NOW - 30)],
+     [job("j").gpus(8).priority("critical")], {},
+     "needs 8 GPUs on one machine; the largest free is 0"),
 ]
 REASON_IDS = [
     "a machine job: how many GPUs are free on the best machine",
@@ -199,6 +216,10 @@ REASON_IDS = [
     "a claimant: whom it preempts and the grace period",
     "one GPU: said in the singular",
     "a claimant whose victims drain: when their grace ends, from now",
+    "a claimant whose only victim has not run its minimum: for how long it is protected",
+    "a claimant whose victims are protected for different reasons: how many, and when the first is free",
+    "a claimant whose victim cannot checkpoint and ran too long: protected with no end",
+    "a job of the same class is not a victim: no protection to speak of",
 ]
 
 

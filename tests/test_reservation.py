@@ -157,4 +157,6 @@ def test_a_job_its_teams_guarantee_covers_still_respects_the_reservation_of_a_st
     result = cycle(_snap(owner, quotas={"owner": {"guaranteed": 8}}))
     assert [r.job_id for r in result.reservations] == ["starving"]
     assert "owner" not in placements(result)
-    assert pending(result)["owner"].reason == "behind the reservation of job starving"
+    assert pending(result)["owner"].reason == (
+        "behind the reservation of job starving; "
+        "2 jobs it could displace are protected from preemption, the first for 8.3 min more")
