@@ -86,8 +86,7 @@ class Admission:
     explained: dict[tuple, str] = field(default_factory=dict)
     settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
     # by preemption key: what protection keeps from a claimant that found nobody to displace
-    protected_notes: dict[tuple, tuple[str, float | None]] = field(default_factory=dict)  # note, start bound
-    start_bounds: dict[str, float] = field(default_factory=dict)  # job -> when its preemption can start it
+    protected_notes: dict[tuple, str] = field(default_factory=dict)
     protected: list[tuple[RunningJob, float | None]] | None = None  # see preemption.protected_jobs
 
 
@@ -153,8 +152,6 @@ def admit(state: Admission, job: QueuedJob) -> None:
             len(state.earmarks), len(state.holds), len(state.preemptions))
     if like in state.settled and spec.job_id not in state.draining_for:
         state.waiting.append((job, state.settled[like]))
-        if state.protected_notes:
-            _protection_of(state, job, avoid)
         return
     slots = _place(state, job, avoid)
     if slots is not None:
@@ -179,7 +176,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
     # h. wait
     reason = _why_waiting(state, job, avoid)
     if state.protected_notes:  # rare: most cycles have no claimant that protection alone keeps waiting
-        note = _protection_of(state, job, avoid)
+        note = state.protected_notes.get(_preemption_key(job, avoid))
         if note:
             reason = f"{reason}; {note}"
     state.settled[like] = reason
@@ -308,9 +305,9 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     going = state.going
     if not any(j.spec.job_id not in going for _, j in ranked):
         state.no_victims.add(key)
-        found = _protection_note(state, spec, reclaim)
-        if found:
-            state.protected_notes[key] = found
+        note = _protection_note(state, spec, reclaim)
+        if note:
+            state.protected_notes[key] = note
         return False
     state.searches += 1
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
@@ -334,32 +331,14 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     return True
 
 
-def _protection_note(state: Admission, spec, reclaim: bool) -> tuple[str, float | None] | None:
-    """What protection keeps from a claimant that found nobody to displace, and when the
-    claimant could start by displacing them (after their grace). Most such claimants are of the
-    lowest class and do not reclaim: nobody could be displaced for them at all."""
+def _protection_note(state: Admission, spec, reclaim: bool) -> str | None:
+    """What protection keeps from a claimant that found nobody to displace. Most such claimants
+    are of the lowest class and do not reclaim: nobody could be displaced for them at all."""
     if not reclaim and spec.priority.rank == _LOWEST:
         return None
     if state.protected is None:  # once per cycle, and only in a cycle that needs it
         state.protected = preemption.protected_jobs(state.running, state.usage.preemptible, state.now, state.config)
-    cap = state.cap
-    found = preemption.protected_below(spec, state.protected, state.usage, state.now,
-                                       cap.total_free(cap.eligible_pools(spec)))
-    if found is None:
-        return None
-    note, enough_at = found
-    return note, None if enough_at is None else enough_at + state.config.grace_period
-
-
-def _protection_of(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str | None:
-    """The protection note of a waiting claimant, if any; its start bound is kept for the estimate."""
-    found = state.protected_notes.get(_preemption_key(job, avoid))
-    if found is None:
-        return None
-    note, bound = found
-    if bound is not None:
-        state.start_bounds[job.spec.job_id] = bound
-    return note
+    return preemption.protected_below(spec, state.protected, state.usage, state.now)
 
 
 def _preemption_key(job: QueuedJob, avoid: frozenset[int]) -> tuple:

@@ -107,14 +107,8 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
     else:
         starts = _walk(snapshot, state, placements, wanted)
     out = []
-    bounds = state.start_bounds
     for position, (job, reason) in enumerate(state.waiting, start=1):  # appended in queue order
         start = starts.get(job.spec.job_id)
-        if bounds and job.spec.job_id in bounds and (wanted is None or job.spec.job_id in wanted):
-            # The walk does not preempt; a claimant that protection alone keeps waiting displaces
-            # its victims once they are free to go, and starts after their grace.
-            bound = bounds[job.spec.job_id]
-            start = bound if start is None else min(start, bound)
         deadline = job.spec.deadline
         misses = None
         if deadline is not None and (wanted is None or job.spec.job_id in wanted):

@@ -18,9 +18,7 @@ Algorithm overview
      more important expected arrivals would go before waits, after its place in the walk, until
      the walk has given back those arrivals' GPUs as well. The simulator measures how far the
      estimates are from what happens (docs/results.md). The walk does not preempt: a job that
-     will reclaim or preempt is estimated to wait for releases, unless protection alone keeps
-     its victims from it now: then the cycle bounds its estimate by when enough of them are
-     free to displace, plus their grace (admission's `start_bounds`).
+     will reclaim or preempt is estimated to wait for releases.
 """
 
 from __future__ import annotations

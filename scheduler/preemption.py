@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
@@ -73,40 +72,31 @@ def protected_jobs(running: Sequence[RunningJob], preemptible: Callable[[Running
 
 
 def protected_below(claimant: JobSpec, protected: Sequence[tuple[RunningJob, float | None]], usage: TeamUsage,
-                    now: float, free: int) -> tuple[str, float | None] | None:
+                    now: float) -> str | None:
     """For a claimant that found no job to displace: the jobs of `protected` (`protected_jobs`)
-    that only protection keeps from it, in words, and when enough of them are free to displace
-    for its GPUs with the `free` ones (None: not by time alone); None if there are none. As in
+    that only protection keeps from it, in words, or None if there are none. As in
     `displaceable`: a job of a lower class (of its own team or of a team over its guarantee when
     the claimant would borrow), or, when the claimant reclaims, any job of another team over its
-    guarantee. Enough GPUs is not a place: topology may still keep it waiting longer."""
+    guarantee."""
     rank, team = claimant.priority.rank, claimant.team
     reclaim = usage.under_guarantee_with(team, claimant.num_gpus)
 
     def over(other: str) -> bool:
         return other != team and usage.held(other) > usage.quota(other).guaranteed
 
-    ends: list[tuple[float, int]] = []  # (when free to displace, its GPUs); inf: not by time
+    ends = []
     for j, until in protected:
         lower = j.spec.priority.rank > rank
         if (lower or over(j.spec.team)) if reclaim else (lower and (j.spec.team == team or over(j.spec.team))):
-            ends.append((math.inf if until is None else until, j.spec.num_gpus))
+            ends.append(until)
     if not ends:
         return None
-    ends.sort()
-    enough_at = None
-    have = free
-    for until, gpus in ends:
-        have += gpus
-        if have >= claimant.num_gpus:
-            enough_at = None if until == math.inf else until
-            break
-    first = ends[0][0]
-    said = ("1 job it could displace is protected from preemption" if len(ends) == 1
-            else f"{len(ends)} jobs it could displace are protected from preemption")
-    if first != math.inf:
-        said += (" for " if len(ends) == 1 else ", the first for ") + f"{in_words.duration(first - now)} more"
-    return said, enough_at
+    ending = [t for t in ends if t is not None]
+    if len(ends) == 1:
+        said = "1 job it could displace is protected from preemption"
+        return said if not ending else f"{said} for {in_words.duration(ending[0] - now)} more"
+    said = f"{len(ends)} jobs it could displace are protected from preemption"
+    return said if not ending else f"{said}, the first for {in_words.duration(min(ending) - now)} more"
 
 
 def victim_key(job: RunningJob, now: float, usage: TeamUsage) -> tuple:

@@ -73,33 +73,6 @@ def test_a_job_that_can_never_fit_has_no_eta():
     assert p.reason == "needs 24 GPUs in one block; the most free in a block is 16"
 
 
-# --- a claimant that protection alone keeps waiting -------------------------------------------------
-
-def _fresh_low(job_id, machine, gpus, started=NOW - 30, runs=36_000):
-    """A low job that started 30 s ago (protected for 570 s more) and expects to run 10 hours."""
-    gpus = list(gpus)
-    return running(job(job_id).gpus(len(gpus)).priority("low").expected(runs)).on(machine, gpus).started(started)
-
-
-BOUND_CASES = [
-    ([_fresh_low("low", M[0], range(8))], NOW + 570 + 120),
-    ([_fresh_low("a", M[0], range(4)), _fresh_low("b", M[0], range(4, 8), started=NOW - 300)], NOW + 570 + 120),
-    ([_fresh_low("low", M[0], range(4), runs=3030), _ends_at("crit", M[0], range(4, 8), NOW + 5000)], NOW + 5000),
-]
-BOUND_IDS = [
-    "its victim is free to go in 570 s: it starts after that and the grace",
-    "it needs both victims: it starts when the later is free to go, and the grace",
-    "its victims hold too few GPUs: the walk's estimate, when the critical job ends after them",
-]
-
-
-@pytest.mark.parametrize("run,expected", BOUND_CASES, ids=BOUND_IDS)
-def test_a_claimant_kept_waiting_by_protection_is_estimated_to_start_once_it_can_displace(run, expected):
-    result = cycle(snapshot(fleet(machines=1), running=run, queue=[job("j").gpus(8).priority("critical").submitted(NOW)]))
-    assert not result.preemptions
-    assert pending(result)["j"].estimated_start == expected
-
-
 # --- the walk follows admission as what teams hold changes ----------------------------------------
 
 # One machine, held by a team within its guarantee (so nobody may reclaim it) until NOW+1000.
