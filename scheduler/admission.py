@@ -144,7 +144,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
             state.waiting.append((job, _waiting_for_victims(state.draining_for.get(spec.job_id, []), state.now)))
         return
     # c. free GPUs
-    avoid = _held_against(job, state.holds, state.now)
+    avoid = _held_against(job, state.holds, state.now, state.config.expected_restart_s)
     # A job just like one that already came out at step h, with nothing decided since, fares the
     # same: it waits for the same reason. This keeps a long queue of blocked jobs cheap.
     starving = state.now - job.queued_since >= state.config.starvation_threshold
@@ -263,11 +263,11 @@ def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
     return out
 
 
-def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float) -> frozenset[int]:
+def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float, restart: float) -> frozenset[int]:
     """Machines held for a starving job that this job would still occupy when it starts."""
     if not holds:
         return placement.NO_AVOID
-    ends = now + eta.remaining_work(job)
+    ends = now + eta.remaining_work(job, restart)
     applying = [h.machines for h in holds if ends > h.expected_start]
     if not applying:
         return placement.NO_AVOID
@@ -352,12 +352,12 @@ def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[
     Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
     once per cycle instead of once by each."""
     if state.ends is None:
-        now, layout = state.now, state.cap.layout
+        now, layout, restart = state.now, state.cap.layout, state.config.expected_restart_s
         ends = state.ends = []
         for job in state.running:
             found = _planned.get(id(job))
-            if found is None or found[0] is not job or found[1] is not layout:
-                found = _planned[id(job)] = (job, layout, _plain_end(job), state.cap.machines_of(job))
+            if found is None or found[0] is not job or found[1] is not layout or found[4] != restart:
+                found = _planned[id(job)] = (job, layout, _plain_end(job, restart), state.cap.machines_of(job), restart)
                 if len(_planned) > 100_000:
                     _planned.clear()
             end = found[2]
@@ -365,16 +365,19 @@ def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[
     return state.ends
 
 
-# (job, layout, plain end or -inf, its machines) per running job object: a running job is immutable
+# (job, layout, plain end or -inf, its machines, the restart allowed for) per running job object: a running job is immutable
 # and lives for many cycles, and every cycle that plans asks for its end (remembered by identity,
 # as capacity.py remembers its GPUs by machine, so a changed job is always worked out afresh).
-_planned: dict[int, tuple[RunningJob, object, float, list[tuple[int, int]]]] = {}
+_planned: dict[int, tuple[RunningJob, object, float, list[tuple[int, int]], float]] = {}
 
 
-def _plain_end(job: RunningJob) -> float:
-    """When the job ends by its user's estimate, or -inf for a draining job (its end is the end of
-    its grace): `RunningJob.expected_end` gives either whenever it is later than now."""
-    return -math.inf if job.draining else job.estimated_end
+def _plain_end(job: RunningJob, restart: float) -> float:
+    """When the job ends by its user's estimate (and, if it resumed, the restart it was expected
+    to need), or -inf for a draining job (its end is the end of its grace):
+    `RunningJob.expected_end` gives either whenever it is later than now."""
+    if job.draining:
+        return -math.inf
+    return job.estimated_end + restart if restart and job.resumed else job.estimated_end
 
 
 def _exposed(state: Admission) -> preemption.Exposed:

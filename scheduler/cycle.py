@@ -112,7 +112,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         deadline = job.spec.deadline
         misses = None
         if deadline is not None and (wanted is None or job.spec.job_id in wanted):
-            misses = start is None or start + eta.remaining_work(job) > deadline
+            misses = start is None or start + eta.remaining_work(job, snapshot.config.expected_restart_s) > deadline
         out.append({"job_id": job.spec.job_id, "position": position, "estimated_start": start,
                     "misses_deadline": misses, "reason": reason})
     return _PENDING.validate_python(out)
@@ -127,7 +127,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement],
         at = now + config.grace_period if job.spec.job_id in state.going else end
         releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines, cap.masks_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
-        at = now + eta.remaining_work(job)
+        at = now + eta.remaining_work(job, config.expected_restart_s)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
     return eta.estimate_starts(
         cap.clone(),
@@ -141,6 +141,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement],
         keep_whole=state.keep_whole,
         wanted=wanted,
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
+        restart=config.expected_restart_s,
     )
 
 

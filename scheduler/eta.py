@@ -54,8 +54,11 @@ class Release:
     masks: list[tuple[int, int]] | None = None  # (machine, its GPUs as a bit mask): a running job's
 
 
-def remaining_work(job: QueuedJob) -> float:
-    return max(MIN_RUN, job.spec.expected_duration - job.progress)
+def remaining_work(job: QueuedJob, restart: float = 0.0) -> float:
+    """How long its next attempt should hold its GPUs; `restart` (PolicyConfig.expected_restart_s)
+    is added when it resumes."""
+    work = max(MIN_RUN, job.spec.expected_duration - job.progress)
+    return work + restart if restart and job.resumes else work
 
 
 class _Lane:
@@ -98,6 +101,7 @@ def estimate_starts(
     keep_whole: float = 0.0,
     wanted: Collection[str] | None = None,
     arrivals: ArrivalLoad | None = None,
+    restart: float = 0.0,
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
@@ -143,7 +147,7 @@ def estimate_starts(
             limit = quota.max if quota.max is not None and quota.max < total else None
             lane = shape.by_team[s.team] = _Lane(s.team, limit, quota.guaranteed, s.num_gpus)
             shape.lanes.append(lane)
-        lane.jobs.append((s.priority.rank, order, job, remaining_work(job)))
+        lane.jobs.append((s.priority.rank, order, job, remaining_work(job, restart)))
 
     held_of = held.get
     guaranteed = {team: usage.quota(team).guaranteed for team in {job.spec.team for job in pending}}

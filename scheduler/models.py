@@ -88,6 +88,11 @@ class QueuedJob(Frozen):
     progress: float = Field(default=0.0, ge=0)  # seconds of work saved in its last complete checkpoint
     preemptions: tuple[float, ...] = ()  # when it was preempted, oldest first
 
+    @property
+    def resumes(self) -> bool:
+        """Whether its next attempt starts again from an earlier one (a checkpoint, or a preemption)."""
+        return self.progress > 0 or bool(self.preemptions)
+
     @model_validator(mode="after")
     def _queued_after_submit(self) -> "QueuedJob":
         if self.queued_since < self.submit_time:
@@ -116,6 +121,11 @@ class RunningJob(Frozen):
     @property
     def draining(self) -> bool:
         return self.draining_until is not None
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this attempt started again from an earlier one (a checkpoint, or a preemption)."""
+        return self.progress_at_start > 0 or bool(self.preemptions)
 
     @property
     def estimated_end(self) -> float:
@@ -193,6 +203,10 @@ class PolicyConfig(Frozen):
     # waiting job counts on.
     forecast_window: float = Field(default=86400.0, ge=0)
     forecast_ramp: float = Field(default=7200.0, ge=0)
+    # How long an attempt that resumes takes to start again before it progresses (a new process,
+    # its checkpoint loaded): added to the expected end of a resumed job, so that the scheduler
+    # neither waits for GPUs that come back later than it thinks nor plans on them too early.
+    expected_restart_s: float = Field(default=0.0, ge=0)
 
 
 class Earmark(Frozen):

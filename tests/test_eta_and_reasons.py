@@ -73,6 +73,47 @@ def test_a_job_that_can_never_fit_has_no_eta():
     assert p.reason == "needs 24 GPUs in one block; the most free in a block is 16"
 
 
+# --- the restart a resumed job is expected to need ---------------------------------------------------
+
+def _critical_until(end, *, resumed=False, preempted=False):
+    """A critical job (nobody displaces it) on the one machine that started 100 s ago and is
+    expected to end at `end`; a resumed one had done 500 s before it."""
+    done = 500.0 if resumed else 0.0
+    r = running(job("r").gpus(8).priority("critical").expected(end - (NOW - 100) + done)).on(M[0], range(8))
+    r = r.started(NOW - 100).resumed_from(done)
+    return r.preempted_at(NOW - 5000) if preempted else r
+
+
+RESTART_CASES = [
+    (0.0, _critical_until(NOW + 1000, resumed=True), NOW + 1000),
+    (300.0, _critical_until(NOW + 1000), NOW + 1000),
+    (300.0, _critical_until(NOW + 1000, resumed=True), NOW + 1300),
+    (300.0, _critical_until(NOW + 1000, preempted=True), NOW + 1300),
+]
+RESTART_IDS = [
+    "no restart expected: a resumed job ends at its estimate",
+    "a first attempt pays no restart",
+    "an attempt resumed from a checkpoint ends its restart later",
+    "an attempt after a preemption ends its restart later",
+]
+
+
+@pytest.mark.parametrize("restart,run,expected", RESTART_CASES, ids=RESTART_IDS)
+def test_a_resumed_running_job_is_expected_to_give_its_gpus_back_a_restart_later(restart, run, expected):
+    result = cycle(snapshot(fleet(machines=1), running=[run], queue=[job("q").gpus(8).submitted(NOW)],
+                            expected_restart_s=restart))
+    assert pending(result)["q"].estimated_start == expected
+
+
+def test_a_queued_job_that_will_resume_holds_its_gpus_a_restart_longer_in_the_walk():
+    """q1 resumes with 3,000 s of work left and a 300 s restart; q2, behind it, starts after both."""
+    q1 = job("q1").gpus(8).expected(3600).submitted(NOW - 10).queued(progress=600)
+    q2 = job("q2").gpus(8).expected(3600).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=1), running=FULL[:1], queue=[q1, q2], expected_restart_s=300.0))
+    assert pending(result)["q1"].estimated_start == NOW + 1000
+    assert pending(result)["q2"].estimated_start == NOW + 1000 + 3000 + 300
+
+
 # --- the walk follows admission as what teams hold changes ----------------------------------------
 
 # One machine, held by a team within its guarantee (so nobody may reclaim it) until NOW+1000.

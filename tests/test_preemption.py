@@ -284,3 +284,28 @@ def test_an_earmark_on_a_machine_that_died_is_dropped_and_the_claimant_starts_el
     assert [(r.job_id, r.graceful) for r in result2.requeues] == [("low", False)]
     assert machines_of(placements(result2)["claim"].gpus) == {m2}
     assert not result2.earmarks
+
+
+# A low job that resumed 1,000 s ago from 1,000 s of saved work, 2,030 s expected: by its estimate
+# it ends 30 s from now, within half the grace; with a restart expected, later.
+_ENDING = running(job("ending").gpus(8).priority("low").expected(2030)).on(M0, range(8)) \
+    .started(NOW - 1000).resumed_from(1000)
+SOON_CASES = [
+    (0.0, [], "enough GPUs are expected to free up within half the grace period"),
+    (25.0, [], "enough GPUs are expected to free up within half the grace period"),
+    (300.0, ["ending"], "preempting ending"),
+]
+SOON_IDS = [
+    "no restart expected: the claimant waits for the job about to end",
+    "a short restart still ends within half the grace: it waits",
+    "a restart that makes it end later: the claimant preempts instead",
+]
+
+
+@pytest.mark.parametrize("restart,victims,reason", SOON_CASES, ids=SOON_IDS)
+def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resumed_job_needs(restart, victims,
+                                                                                               reason):
+    result = cycle(snapshot(fleet(machines=2), running=[_ENDING, _guard(M1)], queue=[CRIT],
+                            expected_restart_s=restart))
+    assert preempted(result) == victims
+    assert pending(result)["claim"].reason.startswith(reason)
