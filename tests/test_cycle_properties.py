@@ -160,6 +160,7 @@ configs = st.builds(
     consolidation_wait=st.sampled_from([0.0, 300.0, 1800.0]),
     max_consolidations=st.integers(0, 3),
     forecast_ramp=st.sampled_from([0.0, 600.0, 7200.0]),
+    expected_restart_s=st.sampled_from([0.0, 0.0, 120.0, 900.0]),
 )
 
 # What the estimates' forecast expects to arrive: soon or later, of every class.
@@ -192,8 +193,10 @@ def next_snapshot(snap: Snapshot, result: CycleResult, victims_gone: bool, later
 # --- the invariants ------------------------------------------------------------------------------------
 
 
-def remaining(q: QueuedJob) -> float:
-    return max(MIN_RUN, q.spec.expected_duration - q.progress)
+def remaining(q: QueuedJob, config: PolicyConfig) -> float:
+    """How long its next attempt should hold its GPUs, a resumed one's expected restart included."""
+    restart = config.expected_restart_s if q.progress > 0 or q.preemptions else 0.0
+    return max(MIN_RUN, q.spec.expected_duration - q.progress) + restart
 
 
 def lost_now(snap: Snapshot) -> set[str]:
@@ -359,7 +362,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     for p in result.placements:
         if p.job_id in live_in:
             continue
-        ends = now + remaining(queued[p.job_id])
+        ends = now + remaining(queued[p.job_id], config)
         machines_p = {m for m, _ in p.gpus}
         for r in result.reservations:
             if order[r.job_id] < order[p.job_id] and machines_p & set(r.machines):
@@ -424,7 +427,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
             assert held_by.get(s) in victims | {None}, f"{claimant} earmarked {s}, held by {held_by.get(s)}"
         for v in victims:
             assert set(running[v].gpus) & set(e.gpus), f"{v} preempted for {claimant}, who will use none of its GPUs"
-        ends = now + remaining(queued[claimant])
+        ends = now + remaining(queued[claimant], config)
         for r in result.reservations:
             if order[r.job_id] < order[claimant] and {m for m, _ in e.gpus} & set(r.machines):
                 assert ends <= r.expected_start, f"{claimant} earmarked GPUs on {r.job_id}'s reserved machines"

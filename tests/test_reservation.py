@@ -91,6 +91,17 @@ def test_backfill_onto_reserved_machines(other, starts, backfilled):
         assert pending(result)[other.job_id].reason == "behind the reservation of job starving"
 
 
+@pytest.mark.parametrize("restart,starts", [(400.0, True), (600.0, False)],
+                         ids=["its restart still ends it before the reservation: it backfills",
+                              "its restart runs it past the reservation: it waits behind it"])
+def test_a_resumed_job_backfills_only_if_it_ends_before_the_reservation_with_its_expected_restart(restart, starts):
+    """500 s of work left, and the restart the scheduler expects; the reservation starts at NOW+1000."""
+    resumed = job("resumed").gpus(2).expected(5000).submitted(NOW).queued(progress=4500)
+    result = cycle(_snap(resumed, expected_restart_s=restart))
+    assert [r.job_id for r in result.reservations] == ["starving"]
+    assert ("resumed" in placements(result)) == starts
+
+
 def test_a_long_job_still_uses_machines_outside_the_reservation_and_is_not_backfilled():
     run = BASE_RUNNING + [_ends_at("c", M2, range(4), NOW + 9000)]
     result = cycle(_snap(job("long").gpus(2).expected(50_000).submitted(NOW), run=run, machines=fleet(machines=3)))
