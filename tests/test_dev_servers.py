@@ -142,6 +142,29 @@ def sleeper(tmp_path, name: str, ignore_term: bool = False) -> tuple[subprocess.
     return proc, cmd
 
 
+@pytest.mark.parametrize("shown, ours, running", [
+    ([""], True, True),
+    (None, True, True),
+    ([""], False, False),
+    (["python", "other.py"], True, False),
+], ids=[
+    "a child of ours with no command line yet (late in its exec) is running",
+    "a child of ours whose command line cannot be read yet is running",
+    "someone else's process with no command line is not ours",
+    "a child of ours showing another command is not the recorded one",
+])
+def test_a_just_started_child_is_running_before_its_command_line_shows(tmp_path, monkeypatch, shown, ours, running):
+    proc, cmd = sleeper(tmp_path, "fresh")
+    try:
+        monkeypatch.setattr(srv, "cmdline", lambda pid: shown)
+        if not ours:
+            monkeypatch.delitem(srv._children, proc.pid)
+        assert srv.is_running(proc.pid, cmd) is running
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_stop_signals_only_the_recorded_process_and_only_while_it_runs_the_recorded_command(tmp_path):
     a, cmd_a = sleeper(tmp_path, "a")
     b, cmd_b = sleeper(tmp_path, "b")

@@ -267,10 +267,18 @@ def pid_alive(pid: int) -> bool:
 
 def is_running(pid: int | None, cmd: list[str] | None = None) -> bool:
     """``pid`` is alive and, when ``cmd`` is given, still runs exactly that command line: a pid
-    the kernel has since given to another program is never taken for ours."""
+    the kernel has since given to another program is never taken for ours. A child this process
+    has just started may show no command line yet (the kernel sets it late in exec, after the
+    parent has seen the exec succeed): one of ours that has not exited is taken for running."""
     if not pid or not pid_alive(pid):
         return False
-    return cmd is None or cmdline(pid) == [str(c) for c in cmd]
+    if cmd is None:
+        return True
+    line = cmdline(pid)
+    if line == [str(c) for c in cmd]:
+        return True
+    proc = _children.get(pid)
+    return not any(line or ()) and proc is not None and proc.poll() is None
 
 
 def stop(pid: int | None, cmd: list[str] | None = None, sig: int = signal.SIGTERM,
