@@ -126,6 +126,7 @@ def _team_without_quota(d):
         (lambda d: None, ["--machine-failures-per-day", "-1"], ["--machine-failures-per-day", "greater than or equal to 0"]),
         (lambda d: None, ["--restart-s", "-30"], ["--restart-s", "greater than or equal to 0"]),
         (lambda d: None, ["--expected-restart-s", "-1"], ["--expected-restart-s", "greater than or equal to 0"]),
+        (lambda d: None, ["--until", "-5"], ["--until", "greater than or equal to 0"]),
     ],
     ids=[
         "a malformed trace names its line and field",
@@ -136,6 +137,7 @@ def _team_without_quota(d):
         "a negative failure rate",
         "a negative restart time",
         "a negative expected restart time",
+        "a stop time before the trace begins",
     ],
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):

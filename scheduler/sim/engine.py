@@ -66,7 +66,7 @@ class SimSettings(BaseModel):
     gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
     repair_s: float = Field(default=1800.0, gt=0)
     seed: int = 0
-    until: float | None = None  # stop here even if jobs remain
+    until: float | None = Field(default=None, ge=0)  # stop here even if jobs remain
 
 
 MAX_CYCLES_PER_INSTANT = 4
