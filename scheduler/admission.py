@@ -50,6 +50,7 @@ from scheduler.quotas import TeamUsage
 
 _LOWEST = max(p.rank for p in Priority)  # a claimant of this class displaces nobody by class
 
+
 @dataclass
 class Admission:
     """What admission reads (the cycle's scratch state) and what it has decided so far."""

@@ -24,7 +24,7 @@ from workers.cli_dev import add_dev_commands
 from workers.cli_jobs import add_job_commands
 from workers.example_job import add_example_job_command
 from workers.cli_trace import add_trace_commands
-from workflows.types import first_error
+from workflows.types import first_error, flag_for
 
 
 def read_text(path: str, what: str) -> str:
@@ -66,7 +66,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
     except ValidationError as e:
         field, message = first_error(e)
-        flag = "--" + field.split(".")[-1].replace("_", "-")
+        flag = flag_for(field)
         raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
     out = Path(args.out)
     try:  # before hours of simulation, not after

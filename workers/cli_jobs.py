@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings
-from workflows.types import JobRequest, JobView, first_error
+from workflows.types import JobRequest, JobView, first_error, flag_for
 
 EXIT_REFUSED = 2
 EXIT_UNREACHABLE = 1
@@ -150,7 +150,7 @@ def _request(args) -> JobRequest:
     except ValidationError as e:
         field, message = first_error(e)
         names = {"num_gpus": "--gpus", "command": "the command after --", "job_id": "--job-id"}
-        raise ClientError(f"{message} (give {names.get(field, '--' + field.replace('_', '-'))} a valid value)",
+        raise ClientError(f"{message} (give {names.get(field, flag_for(field))} a valid value)",
                           field) from None
 
 
@@ -262,8 +262,7 @@ def cmd_quota_set(args) -> int:
         quota = Quota(guaranteed=args.guaranteed, max=args.max, queue_cap=args.queue_cap)
     except ValidationError as e:
         field, message = first_error(e)
-        flag = "--" + field.replace("_", "-")
-        print(f"error: {field}: {message} (give {flag} a valid value)", file=sys.stderr)
+        print(f"error: {field}: {message} (give {flag_for(field)} a valid value)", file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:

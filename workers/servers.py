@@ -277,8 +277,8 @@ def is_running(pid: int | None, cmd: list[str] | None = None) -> bool:
     line = cmdline(pid)
     if line == [str(c) for c in cmd]:
         return True
-    proc = _children.get(pid)
-    return not any(line or ()) and proc is not None and proc.poll() is None
+    # pid_alive has already asked Popen: a child of ours found here has not exited
+    return line in (None, [""]) and pid in _children
 
 
 def stop(pid: int | None, cmd: list[str] | None = None, sig: int = signal.SIGTERM,

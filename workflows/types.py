@@ -37,6 +37,11 @@ def first_error(error: ValidationError) -> tuple[str, str]:
     return ".".join(str(p) for p in err["loc"]) or "request", err["msg"]
 
 
+def flag_for(field: str) -> str:
+    """The command-line flag of a (dotted) field: policy.expected_restart_s -> --expected-restart-s."""
+    return "--" + field.rsplit(".", 1)[-1].replace("_", "-")
+
+
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
