@@ -12,6 +12,7 @@ from scheduler.models import Priority, Quota
 from scheduler.sim.records import AllocationRecord, CheckpointWrite, JobRecord, Sample, SimResult
 from scheduler.sim.report import (
     comparison_table,
+    fmt_share,
     max_in_window,
     percentile,
     summarize,
@@ -390,6 +391,31 @@ def test_summary_metric(result, path, expected):
 )
 def test_percentile(values, q, expected):
     assert percentile(values, q) == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize(
+    "share, text",
+    [
+        (None, "—"),
+        (0.0, "0.0%"),
+        (4.4626e-05, "0.0045%"),
+        (0.0018, "0.18%"),
+        (0.0099, "0.99%"),
+        (0.5, "50.0%"),
+        (3e-9, "< 0.0001%"),
+    ],
+    ids=[
+        "a share not measured is a dash",
+        "nothing lost reads as zero",
+        "a share of a few thousandths of a percent keeps two significant figures",
+        "a share under one percent keeps two significant figures",
+        "a share just under one percent is not rounded up to it",
+        "a share of one percent or more has one decimal",
+        "a share too small to print says so instead of reading as zero",
+    ],
+)
+def test_a_small_share_is_not_rounded_to_nothing(share, text):
+    assert fmt_share(share) == text
 
 
 @pytest.mark.parametrize(

@@ -438,6 +438,19 @@ def _fmt_pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
+def fmt_share(x: float | None) -> str:
+    """A share that is small when things go well (work lost): two significant figures below 1%,
+    so that 0.0045% does not read as nothing lost."""
+    if x is None:
+        return "—"
+    percent = 100 * x
+    if x == 0 or percent >= 1:
+        return _fmt_pct(x)
+    if percent < 0.0001:
+        return "< 0.0001%"
+    return f"{percent:.{1 - math.floor(math.log10(percent))}f}%"
+
+
 def _fmt_num(x: float | None) -> str:
     if x is None:
         return "—"
@@ -463,7 +476,7 @@ COMPARISON_ROWS: tuple[tuple[str, str, tuple[str, ...], Callable[[Any], str]], .
     ("wait_p50_all", "Wait p50, all", ("wait_s", "all", "p50"), fmt_duration),
     ("jct_mean_s", "Mean JCT", ("jct_s", "all", "mean"), fmt_duration),
     ("preemptions", "Preemptions", ("preemptions",), _fmt_num),
-    ("work_lost_fraction", "Work lost", ("work_lost_fraction",), _fmt_pct),
+    ("work_lost_fraction", "Work lost", ("work_lost_fraction",), fmt_share),
     ("eta_median_relative_error", "Median ETA error (relative, wait > 10 min)",
      ("eta_error", "median_relative_error"), _fmt_pct),
     ("reclaim_latency_p95_s", "Reclaim latency p95", ("reclaim_latency_s", "p95"), fmt_duration),
