@@ -26,8 +26,8 @@ so what each variant gets wrong is what it did not know. Judged like the simulat
 that waited over 10 minutes, error relative to the actual wait.
 
 Slow by design: one forward simulation per job and variant (two variants took 15 minutes on the
-seed trace with two workers, so the four about half an hour). Findings are in docs/results.md
-("What is not met").
+seed trace with two workers, so the four about half an hour). Findings are in docs/eta.md
+("What if the policy itself were run forward?").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ release of it never comes).
 
 The walk itself is unchanged in every variant: it still does not preempt, so what it is told
 about arrivals acts as GPUs they hold, not as the gangs they displace. Findings are in
-docs/results.md ("What is not met").
+docs/eta.md ("What if the estimate knew the future?").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Algorithm overview
   6. Work that arrives later is known only as a forecast (scheduler/forecast.py): a job that
      more important expected arrivals would go before waits, after its place in the walk, until
      the walk has given back those arrivals' GPUs as well. The simulator measures how far the
-     estimates are from what happens (docs/results.md). The walk does not preempt: a job that
+     estimates are from what happens (docs/eta.md). The walk does not preempt: a job that
      will reclaim or preempt is estimated to wait for releases.
 """
 

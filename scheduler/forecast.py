@@ -12,7 +12,7 @@ The forecast
      Near-term arrivals mostly start by preempting running low-class work, and the gangs they
      displace leave GPUs over for the head of the queue: they do not take the releases a waiting
      job counts on. The further ahead, the more of that preemptible work is used up or protected,
-     and arrivals wait for releases like everyone else (docs/results.md has the measurements
+     and arrivals wait for releases like everyone else (docs/eta.md has the measurements
      behind the default).
 
 How it delays an estimate (`ArrivalLoad`, used by the walk)
