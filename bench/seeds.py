@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 from scheduler.fleet import parse_fleet  # noqa: E402
 from scheduler.sim.engine import simulate  # noqa: E402
-from scheduler.sim.report import ETA_MIN_WAIT_S, percentile, summarize  # noqa: E402
+from scheduler.sim.report import ETA_MIN_WAIT_S, fmt_share, percentile, summarize  # noqa: E402
 from scheduler.sim.workloads import generate_trace  # noqa: E402
 
 from eta_oracle import BUCKETS, span  # noqa: E402  (bench/ is this script's folder)
@@ -60,7 +60,7 @@ def seed_table(runs: list[tuple[int, dict, list]]) -> str:
             f"{s['utilisation_while_waiting']:.3f}",
             f"{waits['critical']['p95']:.0f} s",
             f"{waits['high']['p95']:.0f} s",
-            f"{100 * s['work_lost_fraction']:.2f}%",
+            fmt_share(s["work_lost_fraction"]),
             str(s["max_preemptions_per_job_in_any_hour"]),
             f"{s['reclaim_latency_s']['p95']:.0f} s",
             f"{100 * eta['median_relative_error']:.1f}% ({eta['count']})",
