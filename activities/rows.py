@@ -236,6 +236,7 @@ def job_view(job: Row, attempts: Iterable[Row], checkpoints: Iterable[Row] = ())
         submitted_at=iso(job["submit_time"]),
         exit_code=job["exit_code"],
         reason=job["reason"] if job["reason"] else job["pending_reason"],
+        pending_reason=job["pending_reason"] if job["state"] == "queued" else None,
         position=job["position"],
         estimated_start=iso(job["estimated_start"]),
         attempts=[attempt_view(a) for a in attempts],

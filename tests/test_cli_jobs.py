@@ -4,21 +4,27 @@ an unreachable stack is one line with exit code 1; never a traceback."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from workers.cli import main
+from workers.cli_jobs import _print_view
+from workflows.types import JobView
 
 
 @pytest.mark.parametrize("argv, words", [
     (["submit", "--team", "vision", "--gpus", "0", "--", "true"], "num_gpus"),
-    (["submit", "--team", "vision", "--gpus", "1"], "command"),
+    (["submit", "--team", "vision", "--gpus", "1"], "command: no command to run; give it after --"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "NOEQUALS", "--", "true"], "env"),
     (["submit", "--team", "vision", "--gpus", "1", "--job-id", "bad id!", "--", "true"], "job_id"),
     (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"], "below guaranteed"),
     (["quota", "set", "vision", "--guaranteed", "-1"], "give --guaranteed a valid value"),
     (["cluster", "set", "c1", "--policy", "grace_period=abc"], "grace_period=abc"),
     (["cluster", "set", "c1", "--policy", "min_runtime=-5"], "min_runtime=-5"),
+    (["cluster", "set", "c1", "--policy", "grace_period=30", "min_runtime=-5"], "min_runtime=-5"),
 ], ids=[
     "a job of no GPUs",
     "a job without a command",
@@ -28,11 +34,54 @@ from workers.cli import main
     "a negative guarantee names its flag",
     "a policy knob that is not a number",
     "a negative policy knob",
+    "every knob after one --policy is checked",
 ])
 def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
     assert main(argv + ["--data-dir", str(tmp_path)] if argv[0] in ("quota", "cluster") else argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and words in err and "Traceback" not in err
+
+
+def _view(**fields) -> JobView:
+    return JobView(job_id="j", team="vision", priority="normal", num_gpus=4, cluster="c1",
+                   command=["true"], submitted_at="2026-12-01T00:00:00+00:00", **fields)
+
+
+WAITS = "needs 4 GPUs; 2 are free, expected to start in 1.0 min"
+REQUEUED = "preempted: team speech reclaims capacity team vision borrowed, for job c"
+
+
+@pytest.mark.parametrize("view, shown, not_shown", [
+    (_view(state="queued", reason=WAITS, pending_reason=WAITS, position=1),
+     ["  waiting: " + WAITS], ["reason:", "back in the queue"]),
+    (_view(state="queued", reason=REQUEUED, pending_reason=WAITS, position=1),
+     ["  waiting: " + WAITS, "  back in the queue: " + REQUEUED], ["reason:"]),
+    (_view(state="failed", reason="the command failed with exit code 3", exit_code=3),
+     ["  reason: the command failed with exit code 3", "  exit code: 3"], ["waiting:"]),
+], ids=[
+    "a job queued from the start says once why it waits",
+    "a preempted job back in the queue says why it waits now and why it went back",
+    "a failed job says why it failed",
+])
+def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view, shown, not_shown):
+    _print_view(view)
+    out = capsys.readouterr().out
+    assert all(line in out.splitlines() for line in shown), out
+    assert not any(words in out for words in not_shown), out
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`gpusched list | head`: when the pipe's reader has closed, the command stops with exit
+    code 1 and no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "workers.cli", "example-job", "--steps", "2", "--step-seconds", "0"],
+                              stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
 def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, tmp_path):

@@ -102,8 +102,8 @@ def add_job_commands(subparsers) -> None:
     cset.add_argument("cluster")
     cset.add_argument("--machine-timeout", type=float, default=None,
                       help="seconds without a heartbeat before a machine is unreachable (default 120)")
-    cset.add_argument("--policy", action="append", default=[], metavar="KNOB=VALUE",
-                      help="a policy knob of docs/policy.md, e.g. grace_period=300 (repeatable)")
+    cset.add_argument("--policy", action="extend", nargs="+", default=[], metavar="KNOB=VALUE",
+                      help="policy knobs of docs/policy.md, e.g. --policy grace_period=300 min_runtime=600")
     common(cset, json_flag=False)
     cset.set_defaults(func=cmd_cluster_set)
     clist = ccmd.add_parser("list", help="list clusters with their settings")
@@ -134,6 +134,9 @@ def _run(args, body) -> int:
 
 def _request(args) -> JobRequest:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ClientError(f"no command to run; give it after --, e.g. `gpusched submit --team {args.team} "
+                          f"--gpus {args.gpus} -- python train.py`", "command")
     env = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -149,7 +152,7 @@ def _request(args) -> JobRequest:
         )
     except ValidationError as e:
         field, message = first_error(e)
-        names = {"num_gpus": "--gpus", "command": "the command after --", "job_id": "--job-id"}
+        names = {"num_gpus": "--gpus", "job_id": "--job-id"}
         raise ClientError(f"{message} (give {names.get(field, flag_for(field))} a valid value)",
                           field) from None
 
@@ -180,8 +183,11 @@ def _print_view(view: JobView) -> None:
     print(f"{view.job_id}  {view.state}  team={view.team}  priority={view.priority}  gpus={view.num_gpus}")
     if view.position is not None:
         print(f"  queue position {view.position}, estimated start {view.estimated_start or 'unknown'}")
-    if view.reason:
-        print("  reason: " + view.reason.replace("\n", "\n    "))
+    if view.pending_reason:
+        print("  waiting: " + view.pending_reason)
+    if view.reason and view.reason != view.pending_reason:
+        label = "back in the queue" if view.state == "queued" else "reason"
+        print(f"  {label}: " + view.reason.replace("\n", "\n    "))
     if view.exit_code is not None:
         print(f"  exit code: {view.exit_code}")
     for a in view.attempts:

@@ -222,7 +222,10 @@ class JobView(Model):
     command: list[str]
     submitted_at: str
     exit_code: int | None = None
+    # Why it is in its state: a failure, a cancel, or why it went back to the queue; for a job
+    # queued from the start, its pending reason.
     reason: str | None = None
+    pending_reason: str | None = None  # a queued job: why it waits now, as of the last cycle
     position: int | None = None
     estimated_start: str | None = None
     attempts: list[AttemptView] = Field(default_factory=list)
