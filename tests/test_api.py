@@ -25,6 +25,9 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert api.get("/jobs/seen").json()["state"] == "succeeded"
     assert [j["job_id"] for j in api.get("/jobs", params={"state": "succeeded"}).json()] == ["seen"]
     assert api.get("/jobs/nope").status_code == 404
+    for params, field in (({"state": "bogus"}, "state"), ({"limit": -1}, "limit")):  # not a 500, nor []
+        refused = api.get("/jobs", params=params)
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field
 
     beat = api.post("/machines/c1/b0/r0/m0/heartbeat",
                     json={"pid": 1, "gpus": [{"index": i} for i in range(4)], "running_allocations": []})

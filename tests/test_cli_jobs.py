@@ -56,11 +56,17 @@ REQUEUED = "preempted: team speech reclaims capacity team vision borrowed, for j
      ["  waiting: " + WAITS], ["reason:", "back in the queue"]),
     (_view(state="queued", reason=REQUEUED, pending_reason=WAITS, position=1),
      ["  waiting: " + WAITS, "  back in the queue: " + REQUEUED], ["reason:"]),
+    (_view(state="running", reason=REQUEUED),
+     ["  last requeued: " + REQUEUED], ["reason:", "waiting:"]),
+    (_view(state="running", reason="requeued: the agent failed"),
+     ["  last requeued: the agent failed"], ["requeued: requeued"]),
     (_view(state="failed", reason="the command failed with exit code 3", exit_code=3),
      ["  reason: the command failed with exit code 3", "  exit code: 3"], ["waiting:"]),
 ], ids=[
     "a job queued from the start says once why it waits",
     "a preempted job back in the queue says why it waits now and why it went back",
+    "a job running again says why it last went back to the queue, not as the reason it runs",
+    "a requeue reason is not prefixed twice",
     "a failed job says why it failed",
 ])
 def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view, shown, not_shown):
@@ -68,6 +74,22 @@ def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view
     out = capsys.readouterr().out
     assert all(line in out.splitlines() for line in shown), out
     assert not any(words in out for words in not_shown), out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["list", "--state", "bogus"], "argument --state: invalid choice: 'bogus'"),
+    (["list", "--limit", "-1"], "argument --limit: must be 1 or more"),
+    (["list", "--limit", "ten"], "argument --limit: not a whole number"),
+], ids=[
+    "listing by a state that does not exist names the states there are",
+    "a negative limit is refused before the database sees it",
+    "a limit that is not a number is refused",
+])
+def test_a_bad_flag_is_a_usage_error(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and "Traceback" not in err
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly():

@@ -24,15 +24,16 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, Field
 
 from activities.checkpoints import CheckpointCommitter, s3_client
 from activities.store import GpuReport, Store
 from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
-from workflows.types import CheckpointAck, CheckpointReport, JobView
+from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
 
 class Heartbeat(BaseModel):
@@ -81,8 +82,9 @@ def create_app(settings: Settings) -> FastAPI:
         return await ctx["store"].list_machines(cluster)
 
     @app.get("/jobs")
-    async def jobs(team: str | None = None, state: str | None = None, limit: int = 1000) -> list[JobView]:
-        return await ctx["store"].list_jobs(team=team, state=state, limit=limit)
+    async def jobs(team: str | None = None, state: JobState | None = None,
+                   limit: Annotated[int, Query(ge=1)] = 1000) -> list[JobView]:
+        return await ctx["store"].list_jobs(team=team, state=state.value if state else None, limit=limit)
 
     @app.get("/jobs/{job_id}")
     async def job(job_id: str) -> JobView:

@@ -16,6 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from workers.arg_types import count, positive_float, positive_int
+
 
 def add_dev_commands(subparsers) -> None:
     """Add ``dev up``, ``dev status`` and ``dev down`` to a top-level argparse subparsers object."""
@@ -26,14 +28,14 @@ def add_dev_commands(subparsers) -> None:
     data_dir_help = "the stack's folder (default $GPUSCHED_DATA_DIR or ~/.gpusched)"
 
     up = commands.add_parser("up", help="start what is not running and wait until all is healthy")
-    up.add_argument("--machines", type=_count, default=None,
+    up.add_argument("--machines", type=count, default=None,
                     help="machines, one agent each (default: as before, else 2)")
-    up.add_argument("--gpus-per-machine", type=_positive_int, default=None,
+    up.add_argument("--gpus-per-machine", type=positive_int, default=None,
                     help="GPUs per machine (default: as before, else 8)")
     up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")
     up.add_argument("--gpu-type", default=None, help="GPU type (default: as before, else H100)")
     up.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
-    up.add_argument("--timeout", type=_positive_float, default=90.0,
+    up.add_argument("--timeout", type=positive_float, default=90.0,
                     help="seconds to wait for every component to be healthy (default 90)")
     up.set_defaults(func=run_up)
 
@@ -51,7 +53,7 @@ def add_dev_commands(subparsers) -> None:
     what = fault.add_subparsers(dest="fault_target", required=True, metavar="{gpu}")
     gpu = what.add_parser("gpu", help="make one GPU of a machine report a fault (or clear it)")
     gpu.add_argument("machine", help="machine id, e.g. c1/b0/r0/m0")
-    gpu.add_argument("gpu", type=_count, help="GPU index on the machine")
+    gpu.add_argument("gpu", type=count, help="GPU index on the machine")
     kind = gpu.add_mutually_exclusive_group(required=True)
     kind.add_argument("--ecc", action="store_true", help="volatile uncorrectable ECC errors")
     kind.add_argument("--thermal", action="store_true", help="thermal throttling")
@@ -122,37 +124,6 @@ def run_down(args: argparse.Namespace) -> int:
 
 def _os_error(e: OSError) -> str:
     return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
-
-
-def _count(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
-    return value
 
 
 def run_fault_gpu(args: argparse.Namespace) -> int:

@@ -17,9 +17,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
+from workers.arg_types import positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings
-from workflows.types import JobRequest, JobView, first_error, flag_for
+from workflows.types import JobRequest, JobState, JobView, first_error, flag_for
 
 EXIT_REFUSED = 2
 EXIT_UNREACHABLE = 1
@@ -55,8 +56,8 @@ def add_job_commands(subparsers) -> None:
 
     lst = subparsers.add_parser("list", help="list jobs")
     lst.add_argument("--team", default=None)
-    lst.add_argument("--state", default=None)
-    lst.add_argument("--limit", type=int, default=1000, help="the newest N jobs that match (default 1000)")
+    lst.add_argument("--state", default=None, choices=[s.value for s in JobState])
+    lst.add_argument("--limit", type=positive_int, default=1000, help="the newest N jobs that match (default 1000)")
     common(lst)
     lst.set_defaults(func=cmd_list)
 
@@ -186,8 +187,12 @@ def _print_view(view: JobView) -> None:
     if view.pending_reason:
         print("  waiting: " + view.pending_reason)
     if view.reason and view.reason != view.pending_reason:
-        label = "back in the queue" if view.state == "queued" else "reason"
-        print(f"  {label}: " + view.reason.replace("\n", "\n    "))
+        # Only an ended job's reason is about its state; before that it is why the job last went
+        # back to the queue.
+        state = JobState(view.state)
+        label = "reason" if state.terminal else "back in the queue" if state is JobState.queued else "last requeued"
+        reason = view.reason if state.terminal else view.reason.removeprefix("requeued: ")
+        print(f"  {label}: " + reason.replace("\n", "\n    "))
     if view.exit_code is not None:
         print(f"  exit code: {view.exit_code}")
     for a in view.attempts:

@@ -26,6 +26,7 @@ from scheduler.sim.workloads import (
     generate_trace,
     offered_gpu_seconds,
 )
+from workers.arg_types import positive_float
 
 
 def add_trace_commands(subparsers) -> None:
@@ -66,13 +67,13 @@ def add_trace_commands(subparsers) -> None:
     philly.add_argument(
         "--start", default=PHILLY_BUSIEST_WEEK, help=f"window start (default {PHILLY_BUSIEST_WEEK!r})"
     )
-    philly.add_argument("--days", type=_positive, default=7.0, help="window length in days (default 7)")
+    philly.add_argument("--days", type=positive_float, default=7.0, help="window length in days (default 7)")
     philly.add_argument(
         "--seed", type=int, default=1, help="seed for priorities and estimate errors (default 1)"
     )
     philly.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
     philly.add_argument(
-        "--load", type=_positive, default=1.1, help="offered load the fleet is sized for (default 1.1)"
+        "--load", type=positive_float, default=1.1, help="offered load the fleet is sized for (default 1.1)"
     )
     philly.set_defaults(func=run_from_philly)
 
@@ -143,14 +144,3 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
 
 def _fleet_gpus(fleet_yaml: str) -> int:
     return parse_fleet(fleet_yaml, "generated fleet").total_gpus
-
-
-def _positive(text: str) -> float:
-    """An argparse type: a number above 0 (argparse turns the error into usage and exit code 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
-    return value
