@@ -20,7 +20,8 @@ from workflows.types import JobView
     (["submit", "--team", "vision", "--gpus", "1"], "command: no command to run; give it after --"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "NOEQUALS", "--", "true"], "env"),
     (["submit", "--team", "vision", "--gpus", "1", "--job-id", "bad id!", "--", "true"], "job_id"),
-    (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"], "below guaranteed"),
+    (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"],
+     "error: max: max (4) is below guaranteed (8); give --max at least --guaranteed"),
     (["quota", "set", "vision", "--guaranteed", "-1"], "give --guaranteed a valid value"),
     (["cluster", "set", "c1", "--policy", "grace_period=abc"], "grace_period=abc"),
     (["cluster", "set", "c1", "--policy", "min_runtime=-5"], "min_runtime=-5"),
@@ -80,10 +81,14 @@ def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view
     (["list", "--state", "bogus"], "argument --state: invalid choice: 'bogus'"),
     (["list", "--limit", "-1"], "argument --limit: must be 1 or more"),
     (["list", "--limit", "ten"], "argument --limit: not a whole number"),
+    (["wait", "j", "--timeout", "-1"], "argument --timeout: must be above 0"),
+    (["logs", "j", "--attempt", "0"], "argument --attempt: must be 1 or more"),
 ], ids=[
     "listing by a state that does not exist names the states there are",
     "a negative limit is refused before the database sees it",
     "a limit that is not a number is refused",
+    "a wait with a negative timeout is refused, not reported as timed out",
+    "attempt 0 is refused, not taken for the last one",
 ])
 def test_a_bad_flag_is_a_usage_error(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
-from workers.arg_types import positive_int
+from workers.arg_types import positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for
@@ -63,7 +63,7 @@ def add_job_commands(subparsers) -> None:
 
     logs = subparsers.add_parser("logs", help="a job's output, per attempt (agents on this machine)")
     logs.add_argument("job_id")
-    logs.add_argument("--attempt", type=int, default=None, help="default: the last attempt")
+    logs.add_argument("--attempt", type=positive_int, default=None, help="1 for the first (default: the last attempt)")
     logs.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
     logs.set_defaults(func=cmd_logs)
 
@@ -80,7 +80,7 @@ def add_job_commands(subparsers) -> None:
 
     wait = subparsers.add_parser("wait", help="wait for a job to end; exit 0 only if it succeeded")
     wait.add_argument("job_id")
-    wait.add_argument("--timeout", type=float, default=None, help="seconds")
+    wait.add_argument("--timeout", type=positive_float, default=None, help="seconds (default: no limit)")
     common(wait)
     wait.set_defaults(func=cmd_wait)
 
@@ -273,7 +273,10 @@ def cmd_quota_set(args) -> int:
         quota = Quota(guaranteed=args.guaranteed, max=args.max, queue_cap=args.queue_cap)
     except ValidationError as e:
         field, message = first_error(e)
-        print(f"error: {field}: {message} (give {flag_for(field)} a valid value)", file=sys.stderr)
+        if field == "request":  # the only check across fields: the maximum against the guarantee
+            print(f"error: max: {message}; give --max at least --guaranteed", file=sys.stderr)
+        else:
+            print(f"error: {field}: {message} (give {flag_for(field)} a valid value)", file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
@@ -361,7 +364,7 @@ def cmd_logs(args) -> int:
         view = await client.status(args.job_id)
         if not view.attempts:
             raise ClientError(f"job {args.job_id} has not run yet ({view.state})")
-        attempt = args.attempt or view.attempts[-1].attempt
+        attempt = args.attempt if args.attempt is not None else view.attempts[-1].attempt
         if attempt not in [a.attempt for a in view.attempts]:
             raise ClientError(f"job {args.job_id} has attempts {', '.join(str(a.attempt) for a in view.attempts)}",
                               "attempt")

@@ -34,7 +34,8 @@ def scheduler_workflow_id(cluster: str) -> str:
 def first_error(error: ValidationError) -> tuple[str, str]:
     """The field at fault (dotted) and what is wrong with it, for a one-line refusal."""
     err = error.errors()[0]
-    return ".".join(str(p) for p in err["loc"]) or "request", err["msg"]
+    # A validator's own ValueError comes as "Value error, <its message>": the message is enough.
+    return ".".join(str(p) for p in err["loc"]) or "request", err["msg"].removeprefix("Value error, ")
 
 
 def flag_for(field: str) -> str:
