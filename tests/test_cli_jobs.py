@@ -111,6 +111,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
+def test_a_folder_without_a_stack_is_not_taken_for_the_stack_on_the_default_ports(capsys, monkeypatch, tmp_path):
+    for var in [v for v in os.environ if v.startswith("GPUSCHED_")]:
+        monkeypatch.delenv(var)
+    assert main(["list", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"no gpusched stack in {tmp_path}" in err and "Traceback" not in err
+
+
 def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://postgres@127.0.0.1:9/gpusched")
     assert main(["list", "--data-dir", str(tmp_path)]) == 1

@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 
 from workers import devstack
 from workers import servers as srv
+from workers.cli import main
 from workers.cli_dev import add_dev_commands
 from workers.settings import ready_path
 
@@ -215,6 +216,12 @@ def test_dev_status_and_down_of_a_folder_without_a_stack_do_nothing(tmp_path):
     with pytest.raises(devstack.StackError, match="not a gpusched stack"):
         devstack.down(tmp_path / "precious", purge=True)
     assert (tmp_path / "precious" / "file").exists()
+
+
+def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
+    assert main(["dev", "down", "--data-dir", str(tmp_path / "none")]) == 0
+    out = capsys.readouterr().out
+    assert "no stack in" in out and "nothing to stop" in out and "resumes on it" not in out
 
 
 # A worker that ends its first ``ends`` starts as asked (``how``), then serves: it marks itself

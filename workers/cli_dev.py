@@ -108,6 +108,8 @@ def run_status(args: argparse.Namespace) -> int:
 def run_down(args: argparse.Namespace) -> int:
     from workers import devstack
 
+    where = devstack.resolve_data_dir(args.data_dir)
+    had_stack = (where / devstack.STACK_FILE).exists()
     try:
         stopped = devstack.down(args.data_dir, purge=args.purge)
     except devstack.StackError as e:
@@ -116,7 +118,9 @@ def run_down(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: {_os_error(e)}", file=sys.stderr)
         return 1
-    where = devstack.resolve_data_dir(args.data_dir)
+    if not stopped and not had_stack:
+        print(f"no stack in {where}: nothing to stop")
+        return 0
     print(f"stopped {len(stopped)} component(s)" + (f": {', '.join(stopped)}" if stopped else ""))
     print(f"deleted {where}" if args.purge else f"data kept in {where}; `gpusched dev up` resumes on it")
     return 0

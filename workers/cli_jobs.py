@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
-from workers.settings import load_settings
+from workers.settings import STACK_FILE, env_overrides, load_settings
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for
 
 EXIT_REFUSED = 2
@@ -114,6 +115,14 @@ def add_job_commands(subparsers) -> None:
 
 def _run(args, body) -> int:
     """Connect, run ``body(client)``, and turn refusals and unreachable servers into one line."""
+
+    named = args.data_dir or os.environ.get("GPUSCHED_DATA_DIR")
+    if named and not (Path(named).expanduser() / STACK_FILE).exists() and not env_overrides():
+        # Without a stack there the settings would fall back to the default local ports, which
+        # may be another stack's: say so instead of answering for it.
+        print(f"error: no gpusched stack in {named}; start one with `gpusched dev up --data-dir {named}` "
+              "or set GPUSCHED_* (see README)", file=sys.stderr)
+        return EXIT_UNREACHABLE
 
     async def go() -> int:
         try:
