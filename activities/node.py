@@ -23,6 +23,7 @@ keys: a job has no business with them), plus ``RunJobInput.env``, plus these (wh
 | GPUSCHED_RESUME_SEQ       | its sequence number                                            |
 | GPUSCHED_CHECKPOINT_INTERVAL, GPUSCHED_CHECKPOINT_PHASE | when to checkpoint (staggered)   |
 | GPUSCHED_REPORT_DIR       | where the job reports checkpoints it wrote (see below)         |
+| GPUSCHED_LAUNCHED_AT      | the epoch time the agent started the process                   |
 | GPUSCHED_S3_*             | the checkpoint store's endpoint and credentials, when it has a checkpoint URI |
 | GPUSCHED_GRACE_PERIOD     | seconds between SIGTERM and SIGKILL when the job is stopped    |
 | GPUSCHED_LOG              | this attempt's log file                                        |
@@ -32,7 +33,9 @@ directory after writing the bytes; the agent forwards each report to the control
 attempt's allocation id (the fencing token: the job cannot choose it) and writes the answer to
 ``checkpoint-<seq>.ack.json``. Reports are forwarded while the job runs and once more after it
 exits, before the activity returns, so a checkpoint taken in the grace period is committed before
-the allocation ends.
+the allocation ends. A resumed job's ``restored.json`` (how long it took from its launch to its
+state restored) is forwarded once, with the same allocation id: the control plane learns restart
+times from it.
 
 Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
 group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
@@ -47,6 +50,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -56,6 +60,7 @@ from typing import Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from jobkit import RESTORED_REPORT
 from workflows.types import RunJobInput, RunJobResult
 
 log = logging.getLogger("gpusched.node")
@@ -74,7 +79,7 @@ AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent sto
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
             base: dict[str, str] | None = None, checkpoint_env: dict[str, str] | None = None,
-            report_dir: Path | None = None) -> dict[str, str]:
+            report_dir: Path | None = None, launched_at: float | None = None) -> dict[str, str]:
     """The environment of the job's process (see the module's table)."""
     base = dict(os.environ if base is None else base)
     env = {k: v for k, v in base.items() if not k.startswith("GPUSCHED_")}
@@ -100,6 +105,7 @@ def job_env(req: RunJobInput, machine_id: str, log_path: Path,
         "GPUSCHED_CHECKPOINT_INTERVAL": f"{req.checkpoint_interval:g}" if req.checkpoint_interval else None,
         "GPUSCHED_CHECKPOINT_PHASE": None if req.checkpoint_phase is None else f"{req.checkpoint_phase:g}",
         "GPUSCHED_REPORT_DIR": str(report_dir) if report_dir is not None else None,
+        "GPUSCHED_LAUNCHED_AT": None if launched_at is None else f"{launched_at:.3f}",
     }
     for var, value in optional.items():
         if value:
@@ -132,11 +138,13 @@ class NodeActivities:
 
     def __init__(self, machine_id: str, log_dir: Path, heartbeat_every: float = 1.0,
                  shutdown_grace: float | None = None, remember_finished: int = 1024,
-                 report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None):
+                 report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
+                 restart_sink: ReportSink | None = None):
         self.machine_id = machine_id
-        # Where checkpoint reports go (the control plane), and what a job needs to write to the
-        # checkpoint store (endpoint and credentials), given to jobs that checkpoint.
+        # Where checkpoint reports and restart times go (the control plane), and what a job needs
+        # to write to the checkpoint store (endpoint and credentials), given to jobs that checkpoint.
         self.report_sink = report_sink
+        self.restart_sink = restart_sink
         self.checkpoint_env = checkpoint_env or {}
         self.log_dir = Path(log_dir)
         self.heartbeat_every = heartbeat_every
@@ -311,7 +319,27 @@ class NodeActivities:
             log.info("allocation %d: checkpoint %s %s%s", allocation_id, report.get("seq"),
                      "committed" if answer.get("committed") else "refused",
                      "" if answer.get("committed") else f": {answer.get('reason')}")
+        await self._forward_restart(job_id, allocation_id, report_dir)
         return answered
+
+    async def _forward_restart(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
+        """Forward the job's restart time (``restored.json``) once; a failure is tried again."""
+        report_file, sent = report_dir / RESTORED_REPORT, report_dir / (RESTORED_REPORT + ".sent")
+        if self.restart_sink is None or sent.exists() or not report_file.exists():
+            return
+        try:
+            report = json.loads(report_file.read_text())
+            float(report["seconds"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("allocation %d: unreadable restart report %s: %s", allocation_id, report_file, err)
+            return
+        try:
+            await self.restart_sink(job_id, allocation_id, report)
+        except Exception as err:  # the control plane is unreachable: try again next time
+            log.warning("allocation %d: cannot forward its restart time: %s", allocation_id, err)
+            return
+        sent.touch()
+        log.info("allocation %d: restored in %.1f s", allocation_id, float(report["seconds"]))
 
     async def _forward_while_running(self, run: _Run) -> None:
         report_dir = self._report_dir(run.req)
@@ -389,7 +417,7 @@ class NodeActivities:
             process = await asyncio.create_subprocess_exec(
                 *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
-                            report_dir=self._report_dir(req)),
+                            report_dir=self._report_dir(req), launched_at=time.time()),
                 start_new_session=True)
         log.info("allocation %d: started job %s attempt %d as pid %d on GPUs [%s]",
                  req.allocation_id, req.job_id, req.attempt, process.pid, devices)

@@ -84,7 +84,8 @@ SELECT * FROM (
     ORDER BY submit_time DESC, id DESC LIMIT $3) newest
 ORDER BY submit_time, id"""
 ATTEMPTS = """
-SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from
+SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from,
+       restart_s
 FROM allocations WHERE job_id = ANY($1::text[]) ORDER BY job_id, attempt"""
 SET_PRIORITY = f"""
 UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),
@@ -219,6 +220,15 @@ SELECT seq, key, work_seconds FROM checkpoints
 WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq DESC LIMIT 1"""
 JOB_CHECKPOINTS = "SELECT * FROM checkpoints WHERE job_id = $1 ORDER BY seq"
 SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"
+# Only an attempt that resumed from a checkpoint restarts; the first report counts.
+RECORD_RESTART = """
+UPDATE allocations SET restart_s = $3
+WHERE id = $2 AND job_id = $1 AND resumed_from IS NOT NULL AND restart_s IS NULL"""
+# What a cluster's resumed jobs took to start again lately: the median of the latest 50.
+LEARNED_RESTART = """
+SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY restart_s) FROM (
+    SELECT restart_s FROM allocations WHERE cluster = $1 AND restart_s IS NOT NULL
+    ORDER BY id DESC LIMIT 50) latest"""
 
 # --- audit --------------------------------------------------------------------------------------
 

@@ -83,8 +83,13 @@ def quota(row: Row) -> Quota:
     return Quota(guaranteed=row["guaranteed"], max=row["max_gpus"], queue_cap=row["queue_cap"])
 
 
-def policy(lock: Row) -> PolicyConfig:
-    return PolicyConfig(**json_value(lock["policy"]))
+def policy(lock: Row, learned_restart: float | None = None) -> PolicyConfig:
+    """The cluster's policy: its overrides of the defaults; `expected_restart_s`, unless the
+    cluster sets it, is what its resumed jobs took to start again lately (`learned_restart`)."""
+    overrides = json_value(lock["policy"])
+    if learned_restart is not None and "expected_restart_s" not in overrides:
+        overrides = {**overrides, "expected_restart_s": learned_restart}
+    return PolicyConfig(**overrides)
 
 
 class Reuse:
@@ -213,6 +218,7 @@ def attempt_view(row: Row) -> AttemptView:
         ended_at=iso(row["ended_at"]),
         end_reason=row["end_reason"],
         resumed_from=row["resumed_from"],
+        restart_s=row["restart_s"],
     )
 
 

@@ -241,6 +241,13 @@ class Store:
         row = await self.pool.fetchrow(q.ALLOCATION, allocation_id)
         return None if row is None else row["checkpoint_phase"]
 
+    async def record_restart(self, job_id: str, allocation_id: int, seconds: float) -> bool:
+        """Keep how long a resumed attempt took from its launch to its state restored; the
+        scheduler learns restart times from these. False: not a resumed attempt of this job,
+        or already recorded."""
+        done = await self.pool.execute(q.RECORD_RESTART, job_id, allocation_id, seconds)
+        return done.endswith(" 1")
+
     # --- checkpoints ------------------------------------------------------------------------
 
     async def commit_checkpoint(self, job_id: str, allocation_id: int, report: CheckpointReport,
@@ -345,7 +352,7 @@ class Store:
             return await self._snapshot(conn, cluster, lock, await conn.fetchval(q.NOW))
 
     async def _snapshot(self, conn, cluster: str, lock, now: float) -> Snapshot:
-        config = rows.policy(lock)
+        config = rows.policy(lock, await conn.fetchval(q.LEARNED_RESTART, cluster))
         return rows.snapshot(
             cluster=cluster,
             now=now,

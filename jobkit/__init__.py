@@ -44,6 +44,10 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
 ``GPUSCHED_S3_ACCESS_KEY``, ``..._SECRET_KEY`` S3 credentials (unset: boto3's default chain)
 ``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
                                         reports, nothing is committed: a local run)
+``GPUSCHED_LAUNCHED_AT``                the epoch time the agent started this process; a restore
+                                        reports how long the job took from there to have its
+                                        state back (``restored.json``), which the scheduler learns
+                                        restart times from
 ======================================  ==========================================================
 
 Protocol (S3 has no rename: write-once keys, then a commit in the control plane's database)
@@ -76,6 +80,10 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
 4. Only committed checkpoints are resumed from: the control plane picks ``GPUSCHED_RESUME_FROM``.
    ``restore()`` downloads that object and checks its bytes against its ``sha256`` metadata (and
    its size), raising :class:`CheckpointError` when they differ or the metadata is missing.
+5. Once restored, with ``GPUSCHED_LAUNCHED_AT`` set, it writes ``$GPUSCHED_REPORT_DIR/restored.json``
+   = ``{"seq": 3, "seconds": 41.2, "size": 1234}``: how long the restart took, from the agent
+   launching the process to the state being back (``restart_seconds``). The agent forwards it;
+   the control plane keeps it on the allocation and learns from it how long restarts take.
 
 Scheduling (``due()``): with interval I and phase P, scheduled times are the epoch times
 t = P (mod I). ``due()`` is True once a scheduled time has passed that is at least I/2 after the
@@ -117,6 +125,7 @@ EXIT_STOPPED = 0
 
 MAX_WRITE_TRIES = 20
 CHUNK = 8 * 1024 * 1024
+RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 
@@ -390,6 +399,7 @@ class Checkpointer:
         phase: Optional[float] = None,
         grace_period: Optional[float] = None,
         report_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        launched_at: Optional[float] = None,
         job_id: str = "",
         allocation_id: str = "",
         attempt: str = "",
@@ -415,6 +425,8 @@ class Checkpointer:
         self.phase = None if phase is None else float(phase)
         self.grace_period = grace_period
         self.report_dir = Path(report_dir) if report_dir else None
+        self.launched_at = None if launched_at is None else float(launched_at)
+        self.restart_seconds: Optional[float] = None  # launch to state restored, once restored
         self.job_id, self.allocation_id, self.attempt = str(job_id), str(allocation_id), str(attempt)
         self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region)
         self._stores: Dict[str, Any] = {}
@@ -443,6 +455,7 @@ class Checkpointer:
             phase=_float_env(env, "GPUSCHED_CHECKPOINT_PHASE"),
             grace_period=_float_env(env, "GPUSCHED_GRACE_PERIOD"),
             report_dir=env.get("GPUSCHED_REPORT_DIR") or None,
+            launched_at=_float_env(env, "GPUSCHED_LAUNCHED_AT"),
             job_id=env.get("GPUSCHED_JOB_ID", ""),
             allocation_id=env.get("GPUSCHED_ALLOCATION_ID", ""),
             attempt=env.get("GPUSCHED_ATTEMPT", ""),
@@ -608,6 +621,7 @@ class Checkpointer:
 
         buf = io.BytesIO()
         self._download(buf)
+        self._restored(buf.tell())
         return buf.getvalue()
 
     def restore_to(self, path: Union[str, "os.PathLike[str]"]) -> Optional[Path]:
@@ -620,11 +634,29 @@ class Checkpointer:
         try:
             with open(tmp, "wb") as f:
                 self._download(f)
+                size = f.tell()
             os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
+        self._restored(size)
         return path
+
+    def _restored(self, size: int) -> None:
+        """Tell the agent how long this restart took, launch to state back: the scheduler expects
+        resumed jobs to take about as long (its ``expected_restart_s``). Best effort: a report that
+        cannot be written loses a measurement, not the job."""
+        if self.launched_at is None:
+            return
+        self.restart_seconds = max(0.0, self._clock() - self.launched_at)
+        if self.report_dir is None:
+            return
+        try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            _write_json_atomic(self.report_dir / RESTORED_REPORT,
+                               {"seq": self.resume_seq, "seconds": self.restart_seconds, "size": size})
+        except OSError as e:
+            log.warning("cannot report the restore to the agent: %s", e)
 
     def _download(self, out: IO[bytes]) -> None:
         assert self.resume_from is not None

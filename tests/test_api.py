@@ -39,6 +39,11 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     refused = api.post("/jobs/seen/checkpoints",
                        json={"allocation_id": 1, "report": {**report, "key": "checkpoints/seen/0000000001"}})
     assert refused.status_code == 200 and refused.json()["committed"] is False
+    seen_alloc = api.get("/jobs/seen").json()["attempts"][0]["allocation_id"]
+    assert api.post("/jobs/nope/restarts", json={"allocation_id": seen_alloc, "seconds": 3}).status_code == 404
+    assert api.post("/jobs/seen/restarts", json={"allocation_id": seen_alloc, "seconds": -1}).status_code == 422
+    # A fresh start has no restart to record.
+    assert api.post("/jobs/seen/restarts", json={"allocation_id": seen_alloc, "seconds": 3}).status_code == 409
 
 
 def test_a_fault_injected_on_the_command_line_reaches_the_inventory_and_can_be_cleared(stack, capsys):

@@ -165,6 +165,32 @@ def test_a_file_can_be_saved_and_restored_as_a_file(tmp_path):
     assert not (tmp_path / "nothing.bin").exists()
 
 
+@pytest.mark.parametrize("restore, launched, reported", [
+    ("bytes", 990.0, {"seq": 1, "seconds": 10.0, "size": 5}),
+    ("file", 990.0, {"seq": 1, "seconds": 10.0, "size": 5}),
+    ("bytes", None, None),
+    ("bytes", 1005.0, {"seq": 1, "seconds": 0.0, "size": 5}),
+], ids=[
+    "a restore reports the seconds from the launch to the state back",
+    "a restore into a file reports them too",
+    "without the launch time nothing is reported",
+    "a launch time ahead of the job's clock reports no negative time",
+])
+def test_a_restore_reports_how_long_the_restart_took(tmp_path, restore, launched, reported):
+    saved = local(tmp_path).save(b"state")
+    ck = local(tmp_path, resume_from=saved.uri, report_dir=tmp_path / "r", launched_at=launched,
+               clock=Clock(1000.0))
+    ck.restore() if restore == "bytes" else ck.restore_to(tmp_path / "state.bin")
+    report = tmp_path / "r" / "restored.json"
+    assert (json.loads(report.read_text()) if report.exists() else None) == reported
+    assert ck.restart_seconds == (None if reported is None else reported["seconds"])
+
+
+def test_a_fresh_start_reports_no_restart(tmp_path):
+    ck = local(tmp_path, report_dir=tmp_path / "r", launched_at=990.0)
+    assert ck.restore() is None and not (tmp_path / "r" / "restored.json").exists()
+
+
 # --- reports and acks --------------------------------------------------------------------------
 
 
@@ -241,9 +267,10 @@ def test_from_env_reads_the_agents_variables(tmp_path):
         "GPUSCHED_GRACE_PERIOD": "30", "GPUSCHED_CHECKPOINT_URI": f"file://{tmp_path}/ck/",
         "GPUSCHED_RESUME_FROM": f"file://{tmp_path}/ck/0000000007", "GPUSCHED_RESUME_SEQ": "7",
         "GPUSCHED_CHECKPOINT_INTERVAL": "600", "GPUSCHED_CHECKPOINT_PHASE": "120",
-        "GPUSCHED_REPORT_DIR": str(tmp_path / "r"),
+        "GPUSCHED_REPORT_DIR": str(tmp_path / "r"), "GPUSCHED_LAUNCHED_AT": "1700000000.25",
     })
     assert (ck.job_id, ck.allocation_id, ck.attempt, ck.grace_period) == ("j", "42", "3", 30.0)
+    assert ck.launched_at == 1700000000.25
     assert (ck.resume_seq, ck.next_seq, ck.interval, ck.phase) == (7, 8, 600.0, 120.0)
     assert ck.report_dir == tmp_path / "r" and ck.resuming
 

@@ -66,10 +66,12 @@ def test_the_job_sees_its_gpus_and_its_identity(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://secret@db/gpusched")
     req = job(PRINT_ENV, allocation_id=42, attempt=3, env={"MY_FLAG": "1"}, grace_period=30,
               checkpoint_uri="s3://ckpt/train-1", resume_from="s3://ckpt/train-1/00007")
+    before = time.time()
     result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
 
     assert result.exit_code == 0
     env = json.loads(result.last_log_lines[-1])
+    assert before <= float(env.pop("GPUSCHED_LAUNCHED_AT")) <= time.time()
     log_path = str(tmp_path / "jobs" / "train-1" / "attempt-3.log")
     assert env == {
         "CUDA_VISIBLE_DEVICES": "3,1",
@@ -107,6 +109,39 @@ def test_job_env(name, fields, expected):
     env = job_env(job("pass", **fields), MACHINE, Path("/l/a.log"),
                   base={"GPUSCHED_S3_SECRET_KEY": "k", "PATH": "/usr/bin"})
     assert {k: env.get(k) for k in expected} == expected
+
+
+RESTORE = """
+    import time
+    from jobkit import Checkpointer
+    assert Checkpointer.from_env().restore() == b"state"
+    time.sleep(0.6)  # the agent looks into its report directory while it runs, and after
+"""
+
+
+def test_a_resumed_jobs_restart_time_is_forwarded_once(tmp_path):
+    from jobkit import Checkpointer
+
+    saved = Checkpointer(f"file://{tmp_path}/ck/").save(b"state")
+    sent: list[tuple[str, int, dict]] = []
+
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        sent.append((job_id, allocation_id, report))
+        return {"recorded": True}
+
+    async def no_checkpoints(job_id: str, allocation_id: int, report: dict) -> dict:
+        raise AssertionError("the job reported no checkpoint")
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=no_checkpoints,
+                          restart_sink=sink)
+    req = job(RESTORE, allocation_id=7, attempt=2,
+              checkpoint_uri=f"file://{tmp_path}/ck/", resume_from=saved.uri,
+              env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    result = run(ActivityEnvironment().run(node.run_job, req))
+    assert result.exit_code == 0, result.last_log_lines
+    [(job_id, alloc, report)] = sent  # looked for every 0.2 s while it ran, and after: sent once
+    assert (job_id, alloc, report["seq"], report["size"]) == ("train-1", 7, 1, 5)
+    assert 0 <= report["seconds"] < 30
 
 
 # -- how it ends --------------------------------------------------------------------------------

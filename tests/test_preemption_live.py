@@ -27,6 +27,10 @@ def test_a_critical_job_preempts_a_low_one_which_checkpoints_in_its_grace_and_re
     assert stopping, s.log("low")
     step, seq = int(stopping.group(1)), int(stopping.group(2))
     assert second.resumed_from == seq
+    # The resumed attempt reported how long it took to have its state back, and the scheduler
+    # now expects resumed jobs on this cluster to take about that long.
+    assert second.restart_s is not None and 0 <= second.restart_s < 30 and first.restart_s is None
+    assert s.run(s.client.store.snapshot("c1")).config.expected_restart_s == second.restart_s
     assert [c.seq for c in view.checkpoints if c.complete][-1] >= seq
     resumed = s.log("low", attempt=2)
     assert f"starting at step {step} (resumed from seq {seq})" in resumed

@@ -52,7 +52,7 @@ def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []
     versions = run(store.pool.fetch("SELECT version FROM schema_migrations ORDER BY version"))
-    assert [r["version"] for r in versions] == [1, 2, 3]
+    assert [r["version"] for r in versions] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("request_, field, words", [
@@ -152,6 +152,24 @@ def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store
     assert row["state"] == "queued" and len(row["preemptions"]) == 1
     second = run(store.plan_cycle("c1", 2, run_cycle)).placements
     assert second[0].signal.attempt == 2
+
+
+def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_cluster_sets_one(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    run(store.admit(job("b")))
+    fresh, resumed = (p.signal.allocation_id for p in
+                      sorted(run(store.plan_cycle("c1", 1, run_cycle)).placements, key=lambda p: p.job_id))
+    run(store.pool.execute("UPDATE allocations SET resumed_from = 1 WHERE id = $1", resumed))
+    assert run(store.snapshot("c1")).config.expected_restart_s == 0  # nothing measured yet
+    assert not run(store.record_restart("a", fresh, 5.0))  # a fresh start does not restart
+    assert not run(store.record_restart("a", resumed, 12.5))  # not a's allocation
+    assert run(store.record_restart("b", resumed, 12.5))
+    assert not run(store.record_restart("b", resumed, 99.0))  # the first report counts
+    assert run(store.job_view("b")).attempts[0].restart_s == 12.5
+    assert run(store.snapshot("c1")).config.expected_restart_s == 12.5
+    run(store.configure_cluster("c1", policy={"expected_restart_s": 60}))
+    assert run(store.snapshot("c1")).config.expected_restart_s == 60
 
 
 def test_a_machine_that_stops_heartbeating_leaves_the_snapshot(store_env):

@@ -91,6 +91,17 @@ async def forward_checkpoint(http: httpx.AsyncClient, api_url: str, job_id: str,
     return response.json()
 
 
+async def forward_restart(http: httpx.AsyncClient, api_url: str, job_id: str, allocation_id: int,
+                          report: dict) -> dict:
+    """Hand a resumed job's restart time to the control plane. Connection errors and server
+    errors raise (tried again); a refusal (an allocation not the job's) is an answer."""
+    response = await http.post(f"{api_url.rstrip('/')}/jobs/{job_id}/restarts",
+                               json={"allocation_id": allocation_id, "seconds": float(report["seconds"])})
+    if response.status_code >= 500:
+        response.raise_for_status()
+    return {"recorded": response.is_success}
+
+
 def heartbeat_url(api_url: str, machine_id: str) -> str:
     # The machine id's slashes stay path segments: the API routes /machines/{id:path}/heartbeat.
     return f"{api_url.rstrip('/')}/machines/{machine_id.strip('/')}/heartbeat"
@@ -261,7 +272,9 @@ async def serve(args: argparse.Namespace) -> int:
                           shutdown_grace=args.grace_period,
                           report_sink=lambda job, alloc, report: forward_checkpoint(reports, settings.api_url,
                                                                                     job, alloc, report),
-                          checkpoint_env=checkpoint_env(settings))
+                          checkpoint_env=checkpoint_env(settings),
+                          restart_sink=lambda job, alloc, report: forward_restart(reports, settings.api_url,
+                                                                                  job, alloc, report))
     agent = Agent(args.machine_id, settings, devices, node, args.heartbeat_interval,
                   args.orphan_grace)
     log.info("agent of %s: %d %s GPUs (%s), API %s, Temporal %s, queue %s", args.machine_id,

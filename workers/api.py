@@ -8,11 +8,13 @@
 | POST /machines/{machine_id}/heartbeat  | an agent reports; answers the allocations live on |
 |                                        | the machine (anything else it runs is an orphan)  |
 | GET  /machines                         | the fleet with last heartbeats and GPU health     |
-| GET  /jobs?team=&state=                | jobs (JobView)                                    |
+| GET  /jobs?team=&state=&limit=         | the newest `limit` jobs (JobView); 422 if bad     |
 | GET  /jobs/{job_id}                    | one job (JobView), 404 when unknown               |
 | GET  /quotas                           | team quotas                                       |
 | POST /jobs/{job_id}/checkpoints        | an agent forwards a job's checkpoint report with  |
 |                                        | its allocation id; answers committed or refused   |
+| POST /jobs/{job_id}/restarts           | an agent forwards how long a resumed attempt took |
+|                                        | to restore its state; 409 when not such an attempt|
 
 Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the URL.
 """
@@ -49,6 +51,11 @@ class HeartbeatReply(BaseModel):
 class CheckpointSubmission(BaseModel):
     allocation_id: int  # the fencing token: the attempt the agent ran the job for
     report: CheckpointReport
+
+
+class RestartReport(BaseModel):
+    allocation_id: int  # the resumed attempt the agent ran the job for
+    seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -98,6 +105,15 @@ def create_app(settings: Settings) -> FastAPI:
         if await ctx["store"].request_of(job_id) is None:
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
         return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
+
+    @app.post("/jobs/{job_id}/restarts")
+    async def restart(job_id: str, report: RestartReport) -> dict:
+        if await ctx["store"].request_of(job_id) is None:
+            raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
+        if not await ctx["store"].record_restart(job_id, report.allocation_id, report.seconds):
+            raise HTTPException(status_code=409, detail=f"allocation {report.allocation_id} is not a resumed "
+                                                         f"attempt of job '{job_id}', or its restart is recorded")
+        return {"recorded": True}
 
     @app.get("/quotas")
     async def quotas() -> dict:

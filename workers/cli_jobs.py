@@ -206,6 +206,8 @@ def _print_view(view: JobView) -> None:
         print(f"  exit code: {view.exit_code}")
     for a in view.attempts:
         resumed = f", resumed from checkpoint {a.resumed_from}" if a.resumed_from is not None else ""
+        if a.restart_s is not None:
+            resumed += f" (restored in {a.restart_s:.1f} s)"
         print(f"  attempt {a.attempt}: {a.started_at or 'not started'} → {a.ended_at or '…'} "
               f"{a.end_reason or ''} on {' '.join(a.gpus)}{resumed}")
     complete = [c for c in view.checkpoints if c.complete]

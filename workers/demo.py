@@ -95,6 +95,8 @@ async def run(data_dir: Path | None, scale: float) -> int:
             print(f"\n{v.job_id} was preempted: {'; '.join(why)}")
             for a in v.attempts:
                 start = f"resumed from checkpoint {a.resumed_from}" if a.resumed_from is not None else "from the start"
+                if a.restart_s is not None:
+                    start += f" (restored in {a.restart_s:.1f} s)"
                 print(f"  attempt {a.attempt}: {start}, ended {a.end_reason}")
             resumed = re.search(r"starting at step \d+ \(resumed from seq \d+\)",
                                 _log(data_dir, v.job_id, len(v.attempts)))

@@ -168,6 +168,7 @@ class AttemptView(Model):
     ended_at: str | None
     end_reason: str | None
     resumed_from: int | None = None  # the checkpoint sequence it started from; None: from scratch
+    restart_s: float | None = None  # a resumed attempt: seconds from its launch to its state restored
 
 
 class CheckpointView(Model):
