@@ -211,6 +211,24 @@ def test_a_resumed_job_spends_its_restart_time_before_it_progresses_and_the_summ
     assert summary["work_lost_fraction"] == 0.0
 
 
+@pytest.mark.parametrize("settings, expected", [
+    (SimSettings(restart_s=300.0, learn_restart=True), 300.0),
+    (SimSettings(restart_s=300.0), 0.0),
+    (SimSettings(restart_s=300.0, policy=PolicyConfig(expected_restart_s=60.0)), 60.0),
+    (SimSettings(learn_restart=True), 0.0),
+], ids=[
+    "learning, the scheduler expects the restart time it has seen",
+    "not learning, it expects what it was told: none",
+    "not learning, it keeps what it was told",
+    "learning without restart times there is nothing to learn",
+])
+def test_the_scheduler_learns_how_long_restarts_take_from_the_first_one(settings, expected):
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    sim = Simulation(trace, small_fleet(machines=1), "gpusched", settings)
+    sim.run()
+    assert sim.policy.expected_restart_s == expected
+
+
 def test_a_job_preempted_while_it_restarts_loses_nothing_and_pays_the_restart_again():
     """Low resumes at 1,630 (grace and crit1's 600 s) and spends 600 s starting again; crit2
     displaces it at 1,700, before it has done anything more: its saved work is what it had."""

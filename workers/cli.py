@@ -57,7 +57,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              f"unknown policy '{name}'; choose from {', '.join(POLICIES)}")
     try:
         settings = SimSettings(
-            policy=PolicyConfig(stagger_checkpoints=not args.no_stagger, expected_restart_s=args.expected_restart_s),
+            policy=PolicyConfig(stagger_checkpoints=not args.no_stagger,
+                                expected_restart_s=args.expected_restart_s or 0.0),
+            learn_restart=args.expected_restart_s is None,
             machine_failures_per_day=args.machine_failures_per_day,
             gpu_failures_per_day=args.gpu_failures_per_day,
             restart_s=args.restart_s,
@@ -116,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--restart-s", type=float, default=0.0,
                      help="seconds every attempt after a job's first spends starting again (a new process, "
                           "its checkpoint loaded) before it progresses (default 0)")
-    sim.add_argument("--expected-restart-s", type=float, default=0.0,
+    sim.add_argument("--expected-restart-s", type=float, default=None,
                      help="what the scheduler expects a resumed job's restart to take "
-                          "(PolicyConfig.expected_restart_s, default 0)")
+                          "(PolicyConfig.expected_restart_s); default: learned from the first restart, "
+                          "as the live loop learns it (0 until then, and 0 without --restart-s)")
     sim.add_argument("--no-stagger", action="store_true", help="turn checkpoint staggering off")
     sim.add_argument("--seed", type=int, default=0, help="seed of the failure injection")
     sim.add_argument("--until", type=float, default=None, help="stop at this trace time (s)")

@@ -11,7 +11,9 @@ It keeps the live system's semantics so that what it measures is what production
   - interval checkpoints fall at the times the cycle's checkpoint phase says;
   - with `restart_s`, every attempt after a job's first spends that long starting again (a new
     process, its checkpoint loaded) before it makes progress: the price of each preemption,
-    move or failure beyond the work it loses, reported as restart overhead.
+    move or failure beyond the work it loses, reported as restart overhead. With `learn_restart`
+    the scheduler expects restarts to take that long once the first restarted attempt has its
+    state back, as the live loop learns it from the restarts jobs report.
 A cycle runs whenever something happened (coalesced per timestamp) and when the last cycle
 asked to be woken. Its wall time is measured with a stopwatch the caller hands in (the CLI
 passes time.perf_counter); nothing under scheduler/ reads a clock itself.
@@ -62,6 +64,7 @@ class SimSettings(BaseModel):
     checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB, as in design.md
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
     restart_s: float = Field(default=0.0, ge=0)  # an attempt after the first starts again before it progresses
+    learn_restart: bool = False  # policy.expected_restart_s becomes restart_s once a restart has been seen
     machine_failures_per_day: float = Field(default=0.0, ge=0)  # per machine
     gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
     repair_s: float = Field(default=1800.0, gt=0)
@@ -141,6 +144,8 @@ class Simulation:
         self.policy_name = policy
         self.cycle = POLICIES[policy]
         self.settings = settings
+        self.policy = settings.policy  # what the scheduler is told; it may learn restart times
+        self.restart_seen_at: float | None = None  # when the first restarted attempt had its state back
         self.fleet = fleet
         self.quotas = dict(fleet.quotas)
         if fleet.default_quota is not None:
@@ -288,6 +293,8 @@ class Simulation:
         life.attempt += 1
         life.state = "running"
         life.progressing_from = now + (self.settings.restart_s if life.attempt > 1 else 0.0)
+        if life.attempt > 1 and self.restart_seen_at is None and self.settings.learn_restart and self.settings.restart_s:
+            self.restart_seen_at = life.progressing_from
         if life.first_start is None:
             life.first_start = now
             if life.reclaiming and now > life.trace.submit_time:
@@ -443,12 +450,14 @@ class Simulation:
     def snapshot(self, cluster: ClusterState, now: float) -> Snapshot:
         self.refresh_checkpoints(cluster, now)
         arrived, cluster.arrived = cluster.arrived, []
+        if self.restart_seen_at is not None and now >= self.restart_seen_at and self.policy is self.settings.policy:
+            self.policy = self.settings.policy.model_copy(update={"expected_restart_s": self.settings.restart_s})
         return Snapshot.model_construct(
             cluster=cluster.name, now=now, machines=cluster.machine_tuple,
             running=tuple(cluster.running.values()), queue=tuple(cluster.queue.values()),
-            quotas=self.quotas, config=self.settings.policy, earmarks=cluster.earmarks, estimate=bool(arrived),
+            quotas=self.quotas, config=self.policy, earmarks=cluster.earmarks, estimate=bool(arrived),
             estimate_only=frozenset(arrived),
-            expected_arrivals=cluster.submissions.expected_arrivals(now, self.settings.policy) if arrived else (),
+            expected_arrivals=cluster.submissions.expected_arrivals(now, self.policy) if arrived else (),
         )
 
     def refresh_checkpoints(self, cluster: ClusterState, now: float) -> None:
