@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 
 from workers.cli import main
-from workers.cli_jobs import _print_view
+from workers.cli_jobs import _print_view, _when, list_table
 from workflows.types import JobView
 
 
@@ -44,8 +45,9 @@ def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, t
 
 
 def _view(**fields) -> JobView:
-    return JobView(job_id="j", team="vision", priority="normal", num_gpus=4, cluster="c1",
-                   command=["true"], submitted_at="2026-12-01T00:00:00+00:00", **fields)
+    defaults = dict(job_id="j", team="vision", priority="normal", num_gpus=4, cluster="c1",
+                    command=["true"], submitted_at="2026-12-01T00:00:00+00:00")
+    return JobView(**{**defaults, **fields})
 
 
 WAITS = "needs 4 GPUs; 2 are free, expected to start in 1.0 min"
@@ -75,6 +77,28 @@ def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view
     out = capsys.readouterr().out
     assert all(line in out.splitlines() for line in shown), out
     assert not any(words in out for words in not_shown), out
+
+
+@pytest.mark.parametrize("iso, when", [
+    (None, "unknown"),
+    ("2026-12-01T00:00:45+00:00", "2026-12-01T00:00:45+00:00 (in 45 s)"),
+    ("2026-11-30T23:59:00+00:00", "2026-11-30T23:59:00+00:00 (now)"),
+], ids=["no estimate is unknown", "an estimate ahead says how far", "an estimate passed says now"])
+def test_an_estimated_start_is_said_as_a_date_and_from_now(iso, when):
+    assert _when(iso, datetime.fromisoformat("2026-12-01T00:00:00+00:00").timestamp()) == when
+
+
+def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
+    views = [_view(job_id="pretrain-a-183659", state="running", num_gpus=8),
+             _view(job_id="j", state="queued", position=1, estimated_start="2026-12-01T00:10:00+00:00"),
+             _view(job_id="k", state="queued", position=2)]
+    now = datetime.fromisoformat("2026-12-01T00:00:00+00:00").timestamp()
+    assert list_table(views, now).splitlines() == [
+        "JOB                STATE    TEAM    PRIORITY  GPUS  QUEUED",
+        "pretrain-a-183659  running  vision  normal       8",
+        "j                  queued   vision  normal       4  #1, starts in 10.0 min",
+        "k                  queued   vision  normal       4  #2",
+    ]
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -13,10 +13,13 @@ import asyncio
 import json
 import os
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
@@ -181,7 +184,7 @@ def cmd_submit(args) -> int:
                               "estimated_start": sub.estimated_start, "cluster": sub.cluster}))
         else:
             where = "placed" if sub.position == 0 else f"position {sub.position} in the queue"
-            print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {sub.estimated_start or 'unknown'}")
+            print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {_when(sub.estimated_start, time.time())}")
             if client.history_url(sub.job_id):
                 print(f"  history: {client.history_url(sub.job_id)}")
         return 0
@@ -192,7 +195,7 @@ def cmd_submit(args) -> int:
 def _print_view(view: JobView) -> None:
     print(f"{view.job_id}  {view.state}  team={view.team}  priority={view.priority}  gpus={view.num_gpus}")
     if view.position is not None:
-        print(f"  queue position {view.position}, estimated start {view.estimated_start or 'unknown'}")
+        print(f"  queue position {view.position}, estimated start {_when(view.estimated_start, time.time())}")
     if view.pending_reason:
         print("  waiting: " + view.pending_reason)
     if view.reason and view.reason != view.pending_reason:
@@ -234,15 +237,41 @@ def cmd_status(args) -> int:
     return _run(args, body)
 
 
+def _from_now(iso: str, now: float) -> str:
+    return in_words.from_now(datetime.fromisoformat(iso).timestamp(), now)
+
+
+def _when(iso: str | None, now: float) -> str:
+    """An estimated start as a date and as a time from now: 2026-12-01T18:39:12.183+00:00 (in 4.0 min)."""
+    return "unknown" if iso is None else f"{iso} ({_from_now(iso, now)})"
+
+
+def list_table(views: list[JobView], now: float) -> str:
+    """One line per job under a header, columns as wide as their widest cell; a queued job's
+    place in the queue and when it should start, seen from `now`."""
+    rows = [("JOB", "STATE", "TEAM", "PRIORITY", "GPUS", "QUEUED")]
+    for v in views:
+        queued = ""
+        if v.position is not None:
+            queued = f"#{v.position}"
+            if v.estimated_start is not None:
+                queued += f", starts {_from_now(v.estimated_start, now)}"
+        rows.append((v.job_id, v.state, v.team, v.priority, str(v.num_gpus), queued))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i == 4 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def cmd_list(args) -> int:
     async def body(client: GpuschedClient) -> int:
         views = await client.list(team=args.team, state=args.state, limit=args.limit)
         if args.json:
             print(json.dumps([v.model_dump(mode="json") for v in views], indent=2))
         else:
-            for v in views:
-                pos = f"#{v.position}" if v.position is not None else ""
-                print(f"{v.job_id:<16} {v.state:<13} {v.team:<12} {v.priority:<9} {v.num_gpus:>4} GPUs {pos}")
+            print(list_table(views, time.time()))
         return 0
 
     return _run(args, body)
