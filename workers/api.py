@@ -108,12 +108,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/jobs/{job_id}/restarts")
     async def restart(job_id: str, report: RestartReport) -> dict:
-        if await ctx["store"].request_of(job_id) is None:
+        if await ctx["store"].record_restart(job_id, report.allocation_id, report.seconds):
+            return {"recorded": True}
+        if await ctx["store"].request_of(job_id) is None:  # only a refusal asks why
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
-        if not await ctx["store"].record_restart(job_id, report.allocation_id, report.seconds):
-            raise HTTPException(status_code=409, detail=f"allocation {report.allocation_id} is not a resumed "
-                                                         f"attempt of job '{job_id}', or its restart is recorded")
-        return {"recorded": True}
+        raise HTTPException(status_code=409, detail=f"allocation {report.allocation_id} is not a resumed "
+                                                     f"attempt of job '{job_id}', or its restart is recorded")
 
     @app.get("/quotas")
     async def quotas() -> dict:

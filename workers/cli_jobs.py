@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from datetime import datetime
@@ -23,7 +22,7 @@ from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
-from workers.settings import STACK_FILE, env_overrides, load_settings
+from workers.settings import load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for
 
 EXIT_REFUSED = 2
@@ -119,11 +118,9 @@ def add_job_commands(subparsers) -> None:
 def _run(args, body) -> int:
     """Connect, run ``body(client)``, and turn refusals and unreachable servers into one line."""
 
-    named = args.data_dir or os.environ.get("GPUSCHED_DATA_DIR")
-    if named and not (Path(named).expanduser() / STACK_FILE).exists() and not env_overrides():
-        # Without a stack there the settings would fall back to the default local ports, which
-        # may be another stack's: say so instead of answering for it.
-        print(f"error: no gpusched stack in {named}; start one with `gpusched dev up --data-dir {named}` "
+    missing = missing_stack(args.data_dir)
+    if missing is not None:  # say so instead of answering for a stack on the default ports
+        print(f"error: no gpusched stack in {missing}; start one with `gpusched dev up --data-dir {missing}` "
               "or set GPUSCHED_* (see README)", file=sys.stderr)
         return EXIT_UNREACHABLE
 

@@ -99,6 +99,16 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     return Settings(**values)
 
 
+def missing_stack(data_dir: Path | None) -> Path | None:
+    """The stack folder a person named (the flag, or GPUSCHED_DATA_DIR) when it holds no stack and
+    no GPUSCHED_* setting points elsewhere: `load_settings` would then fall back to the default
+    local ports, which may be another stack's. None when that is not the case."""
+    if data_dir is None and not os.environ.get("GPUSCHED_DATA_DIR"):
+        return None
+    folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    return None if (folder / STACK_FILE).exists() or env_overrides() else folder
+
+
 def env_overrides() -> dict[str, str]:
     """The settings that ``GPUSCHED_*`` variables set in this process's environment."""
     return {field: os.environ[var] for field, var in _ENV.items() if os.environ.get(var)}

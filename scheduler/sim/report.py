@@ -284,6 +284,9 @@ def _work_lost(result: SimResult) -> dict[str, Any]:
     fail = sum(a.lost_work for a in result.allocations if a.reason in FAILURE_REASONS)
     total = sum(a.lost_work for a in result.allocations)
     held = sum(len(a.gpus) * max(0.0, a.end - a.start) for a in result.allocations)
+    # Beyond the work lost: the time attempts after a job's first spend starting again
+    # (SimSettings.restart_s; zero unless the run asked for it).
+    restarting = sum(a.restart_work for a in result.allocations)
     return {
         "work_lost_gpu_hours": {
             "preemption": pre / 3600.0,
@@ -292,10 +295,8 @@ def _work_lost(result: SimResult) -> dict[str, Any]:
             "total": total / 3600.0,
         },
         "work_lost_fraction": _ratio(total, held),
-        # Beyond the work lost: the time attempts after a job's first spend starting again
-        # (SimSettings.restart_s; zero unless the run asked for it).
-        "restart_overhead_gpu_hours": sum(a.restart_work for a in result.allocations) / 3600.0,
-        "restart_overhead_fraction": _ratio(sum(a.restart_work for a in result.allocations), held),
+        "restart_overhead_gpu_hours": restarting / 3600.0,
+        "restart_overhead_fraction": _ratio(restarting, held),
     }
 
 
