@@ -8,6 +8,7 @@ import time
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
 
 from activities.checkpoints import checkpoint_uri, object_uri
 from activities.store import Store
@@ -68,7 +69,10 @@ class JobActivities:
 
     @activity.defn(name="set_job_state")
     async def set_job_state(self, inp: JobStateChange) -> None:
-        await self.store.set_job_state(inp.job_id, inp.state)
+        if inp.state is not JobState.checkpointing:
+            raise ApplicationError(f"set_job_state sets only {JobState.checkpointing.value}, not {inp.state.value}",
+                                   non_retryable=True)
+        await self.store.mark_checkpointing(inp.job_id)
 
     @activity.defn(name="set_priority")
     async def set_priority(self, inp: PriorityChange) -> bool:

@@ -91,9 +91,11 @@ SET_PRIORITY = f"""
 UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),
     updated_at = {NOW_EPOCH}
 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
-SET_JOB_STATE = f"""
-UPDATE jobs SET state = $2, updated_at = {NOW_EPOCH} WHERE id = $1
-  AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+# Only while the attempt it describes still drains: a late or repeated call must not hide a job
+# that has since gone back to the queue (the snapshot reads only queued jobs).
+MARK_JOB_CHECKPOINTING = f"""
+UPDATE jobs SET state = 'checkpointing', updated_at = {NOW_EPOCH} WHERE id = $1 AND state = 'running'
+  AND EXISTS (SELECT 1 FROM allocations WHERE job_id = $1 AND state = 'draining')"""
 FINISH_JOB = f"""
 UPDATE jobs SET state = $2, reason = $3, exit_code = $4, position = NULL, estimated_start = NULL,
     pending_reason = NULL, updated_at = {NOW_EPOCH}
@@ -107,7 +109,7 @@ WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
 # --- allocations --------------------------------------------------------------------------------
 
 ALLOCATION = "SELECT * FROM allocations WHERE id = $1"
-LIVE_ALLOCATIONS_OF_JOB = "SELECT id FROM allocations WHERE job_id = $1 AND state <> 'ended'"
+LIVE_ALLOCATIONS_OF_JOB = "SELECT id, state FROM allocations WHERE job_id = $1 AND state <> 'ended'"
 START_ATTEMPT = f"""
 UPDATE allocations SET state = 'running', started_at = {NOW_EPOCH}, version = version + 1
 WHERE id = $1 AND job_id = $2 AND state = 'placed'
@@ -169,6 +171,10 @@ MARK_JOB_PLACED = """
 UPDATE jobs SET state = 'placed', position = NULL, estimated_start = NULL, pending_reason = NULL,
     updated_at = $2
 WHERE id = $1 AND state = 'queued'"""
+# A placement its job never took up is not preempted but taken back: nothing runs on its GPUs,
+# and the job keeps its place in the queue (its queued_since), with no preemption counted.
+UNPLACE_JOB = f"""
+UPDATE jobs SET state = 'queued', reason = $2, updated_at = {NOW_EPOCH} WHERE id = $1 AND state = 'placed'"""
 ORDER_PREEMPTION = """
 UPDATE allocations SET state = 'draining', draining_until = $2, preempt_ordered_at = $3,
     preempt_reason = $4, preempted_for = $5, preempt_end = $6, version = version + 1

@@ -200,8 +200,9 @@ class Store:
                 await conn.execute(q.AUDIT, None, job_id, "priority", f"priority set to {priority}", "{}")
             return done
 
-    async def set_job_state(self, job_id: str, state: JobState) -> None:
-        await self.pool.execute(q.SET_JOB_STATE, job_id, state.value)
+    async def mark_checkpointing(self, job_id: str) -> bool:
+        """The job checkpoints before it stops: shown only while its attempt still drains."""
+        return await self.pool.execute(q.MARK_JOB_CHECKPOINTING, job_id) == "UPDATE 1"
 
     async def audit_trail(self, job_id: str) -> list[dict]:
         return [dict(r) for r in await self.pool.fetch(q.AUDIT_OF_JOB, job_id)]
@@ -217,8 +218,10 @@ class Store:
             if attempt is None:
                 row = await conn.fetchrow(q.ALLOCATION, allocation_id)
                 # Acknowledged before (the activity ran twice): still the job's to run, from the
-                # checkpoint chosen the first time.
-                if row is None or row["job_id"] != job_id or row["state"] != "running":
+                # checkpoint chosen the first time; if a stop was ordered since, the job launches
+                # and stops it with its grace, as it would any running attempt.
+                if (row is None or row["job_id"] != job_id or row["started_at"] is None
+                        or row["state"] not in ("running", "draining")):
                     return False, None
                 if row["resumed_from"] is None:
                     return True, None
@@ -304,11 +307,17 @@ class Store:
             await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             ids = [allocation_id] if allocation_id is not None else [
                 r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_OF_JOB, job_id)]
+            ended = 0
             for alloc in ids:
                 if await conn.fetchval(q.END_ALLOCATION, alloc, end.value, exit_code) is not None:
+                    ended += 1
                     await conn.execute(q.RELEASE_HOLDS, alloc)
                     await conn.execute(q.AUDIT, None, job_id, "released", end.value,
                                        json.dumps({"allocation_id": alloc, "exit_code": exit_code}))
+            if allocation_id is not None and not ended:
+                # Ended before: this is a repeat (a retry, or a call that committed late), and the
+                # job has moved on since, perhaps to a new attempt that a requeue would orphan.
+                return
             if next_state is JobState.queued:
                 preempted = end is EndReason.preempted
                 if await conn.execute(q.REQUEUE_JOB, job_id, reason, preempted) == "UPDATE 1":
@@ -386,8 +395,17 @@ class Store:
         orders += [(r.job_id, snapshot.config.grace_period if r.graceful else 0.0, r.reason, None,
                     EndReason.machine_failure) for r in result.requeues]
         for job_id, grace, reason, for_job, end in orders:
-            alloc = await conn.fetchval(q.LIVE_ALLOCATIONS_OF_JOB, job_id)
-            if alloc is None:
+            live = await conn.fetchrow(q.LIVE_ALLOCATIONS_OF_JOB, job_id)
+            if live is None:
+                continue
+            alloc = live["id"]
+            if live["state"] == "placed":
+                # Not taken up yet, so nothing runs there to stop: a stop order would wait for
+                # an acknowledgement that can no longer launch anything. Its GPUs come back now.
+                await conn.fetchval(q.END_ALLOCATION, alloc, end.value, None)
+                await conn.execute(q.RELEASE_HOLDS, alloc)
+                await conn.execute(q.UNPLACE_JOB, job_id, f"placement taken back before it started: {reason}")
+                events.append((job_id, "unplaced", reason, json.dumps({"allocation_id": alloc, "for_job": for_job})))
                 continue
             await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job, end.value)
             events.append((job_id, "preempt_ordered", reason,

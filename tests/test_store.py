@@ -11,7 +11,7 @@ import pytest
 
 from activities.store import GpuReport, Store
 from scheduler.cycle import run_cycle
-from scheduler.models import CycleResult, Machine, Placement, Quota
+from scheduler.models import CycleResult, Machine, Placement, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
@@ -236,3 +236,68 @@ def test_consecutive_snapshots_hand_back_the_same_models_for_rows_that_did_not_c
     by_id = {m.id: m for m in second.machines}
     assert [m is by_id[m.id] for m in third.machines] == [True, False]
     assert third.machines[1].unhealthy_gpus == {3}
+
+
+# --- late and repeated calls ----------------------------------------------------------------------
+# Temporal retries an activity whose answer was lost, and a call that timed out may still commit
+# afterwards: none of them may undo what the job has done since.
+
+def stop(job_id: str, planner=run_cycle):
+    """A planner that orders `job_id` off its GPUs (as a preemption for job x), then plans as usual."""
+    def plan(snapshot) -> CycleResult:
+        result = planner(snapshot)
+        order = Preemption(job_id=job_id, for_job="x", reason="for x", grace_period=30.0)
+        return result.model_copy(update={"preemptions": result.preemptions + (order,)})
+    return plan
+
+
+def test_a_placement_ordered_off_before_its_job_took_it_up_is_taken_back_at_once(store_env):
+    run, store = store_env
+    run(store.admit(job("a", gpus=4)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    before = run(store.pool.fetchrow("SELECT queued_since FROM jobs WHERE id = 'a'"))
+    outcome = run(store.plan_cycle("c1", 2, stop("a", planner=lambda s: CycleResult())))
+    assert outcome.preemptions == []  # no stop order: nothing runs there to stop
+    row = run(store.pool.fetchrow("SELECT state, queued_since, preemptions FROM jobs WHERE id = 'a'"))
+    assert (row["state"], row["queued_since"], row["preemptions"]) == ("queued", before["queued_since"], [])
+    assert run(store.pool.fetchval("SELECT count(*) FROM gpu_holds WHERE upper_inf(held)")) == 0
+    assert run(store.start_attempt("a", alloc)) == (False, None)  # its acknowledgement comes too late
+    assert run(store.job_view("a")).state == "queued"
+    again = run(store.plan_cycle("c1", 3, run_cycle)).placements
+    assert [(p.job_id, p.signal.attempt) for p in again] == [("a", 2)]
+
+
+def test_an_acknowledgement_repeated_after_a_stop_was_ordered_still_launches_so_the_stop_reaches_it(store_env):
+    run, store = store_env
+    run(store.admit(job("a", gpus=4)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    assert run(store.start_attempt("a", alloc)) == (True, None)  # its answer was lost
+    assert [p.job_id for p in run(store.plan_cycle("c1", 2, stop("a"))).preemptions] == ["a"]
+    assert run(store.start_attempt("a", alloc)) == (True, None)  # the retry
+
+
+def test_an_end_repeated_after_the_job_was_placed_again_leaves_the_new_attempt_alone(store_env):
+    run, store = store_env
+    run(store.admit(job("a", gpus=4)))
+    first = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", first))
+    run(store.end_attempt("a", first, EndReason.preempted, None, JobState.queued, "preempted: for b"))
+    second = run(store.plan_cycle("c1", 2, run_cycle)).placements[0].signal.allocation_id
+    run(store.end_attempt("a", first, EndReason.preempted, None, JobState.queued, "preempted: for b"))
+    row = run(store.pool.fetchrow("SELECT state, preemptions FROM jobs WHERE id = 'a'"))
+    assert row["state"] == "placed" and len(row["preemptions"]) == 1  # counted once, not requeued
+    assert run(store.plan_cycle("c1", 3, run_cycle)).committed  # a requeue would break every cycle
+    assert run(store.start_attempt("a", second)) == (True, None)
+
+
+def test_a_late_checkpointing_mark_does_not_hide_a_requeued_job_from_the_queue(store_env):
+    run, store = store_env
+    run(store.admit(job("a", gpus=4)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", alloc))
+    assert not run(store.mark_checkpointing("a"))  # running, but not asked to stop
+    run(store.plan_cycle("c1", 2, stop("a")))
+    assert run(store.mark_checkpointing("a"))
+    run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for x"))
+    assert not run(store.mark_checkpointing("a"))  # the call that came late
+    assert [j.spec.job_id for j in run(store.snapshot("c1")).queue] == ["a"]
