@@ -180,6 +180,11 @@ class JobWorkflow:
                 result_type=AttemptGrant, **STORE_CALL,
             )
             if not grant.launch:
+                # A stale signal, or a placement taken back before it started: the job waits in
+                # the queue again for its next one.
+                if workflow.patched("unlaunched-placement-shows-queued"):
+                    self.state = JobState.queued
+                    self._publish()
                 continue
             self.attempts = placement.attempt
             self.allocation_id = placement.allocation_id
@@ -245,6 +250,10 @@ class JobWorkflow:
             await workflow.execute_activity(
                 "set_job_state", JobStateChange(job_id=self.job_id, state=JobState.checkpointing), **STORE_CALL)
         await self._stop(runs)
+        if all(_ended_on_its_own(r) for r in runs):
+            # Every process had already exited 0 when the stop reached it: the job is done,
+            # and running it again would only repeat its work.
+            return EndReason.completed, 0, JobState.succeeded, "completed"
         if self.cancel_reason is not None:
             return EndReason.cancelled, None, JobState.cancelled, self.cancel_reason
         if preempt.end_reason is not EndReason.preempted:
@@ -324,3 +333,10 @@ class JobWorkflow:
             SearchAttributePair(GPU_COUNT, req.num_gpus),
         ])
 
+
+def _ended_on_its_own(run) -> bool:
+    """Whether a stopped run had already succeeded by itself (the agent answers with the result)."""
+    if run.cancelled() or run.exception() is not None:
+        return False
+    result = run.result()
+    return result.exit_code == 0 and not result.stopped
