@@ -45,6 +45,7 @@ has any processes it left behind in its group killed at once, so nothing keeps h
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -75,6 +76,8 @@ _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
 _POLL = 0.05  # how often a stop looks whether the process group is gone
 _KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we stop waiting
 AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
+AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
+FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
 
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
@@ -139,13 +142,14 @@ class NodeActivities:
     def __init__(self, machine_id: str, log_dir: Path, heartbeat_every: float = 1.0,
                  shutdown_grace: float | None = None, remember_finished: int = 1024,
                  report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
-                 restart_sink: ReportSink | None = None):
+                 restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR):
         self.machine_id = machine_id
         # Where checkpoint reports and restart times go (the control plane), and what a job needs
         # to write to the checkpoint store (endpoint and credentials), given to jobs that checkpoint.
         self.report_sink = report_sink
         self.restart_sink = restart_sink
         self.checkpoint_env = checkpoint_env or {}
+        self.final_forward_for = final_forward_for
         self.log_dir = Path(log_dir)
         self.heartbeat_every = heartbeat_every
         # The most a job's grace may be when the agent shuts down: the worker's own graceful
@@ -166,11 +170,13 @@ class NodeActivities:
     async def run_job(self, req: RunJobInput) -> RunJobResult:
         """Run the attempt, or attach to it if this allocation's process is already running.
 
-        Cancellation (the workflow preempts or cancels the job): stop with grace, then re-raise.
-        Cancellation because the server forgot this attempt (timed out, not found, paused):
-        leave the process running. A retry attaches to it; if none comes, the allocation ends and
-        the agent kills the process as an orphan. Worker shutdown: stop with grace, then fail
-        with the non-retryable ``AgentShutdown`` so the workflow requeues the job."""
+        Cancellation (the workflow preempts or cancels the job): stop with grace, then re-raise;
+        a job that had already ended on its own returns its result instead, so a success is
+        not taken for a stop. Cancellation because the server gave up on this attempt (timed
+        out, not found): stop with grace too, as no retry can attach to it (the workflow runs an
+        attempt once, and requeues the job elsewhere or on these GPUs). A paused attempt keeps
+        running. Worker shutdown: stop with grace, then fail with the non-retryable
+        ``AgentShutdown`` so the workflow requeues the job."""
         alloc = req.allocation_id
         if alloc in self.finished:
             return self.finished[alloc]
@@ -214,15 +220,20 @@ class NodeActivities:
                         category=ApplicationErrorCategory.BENIGN)  # expected: no traceback in logs
         except asyncio.CancelledError:
             details = activity.cancellation_details()
+            if details is not None and details.paused:
+                log.warning("allocation %d: activity paused; the process keeps running", alloc)
+                raise
             if _forgotten(details):
-                log.warning("allocation %d: activity dropped by the server (%s); the process "
-                            "keeps running until a retry attaches or it is an orphan",
-                            alloc, details)
+                log.warning("allocation %d: the server gave up on this attempt (%s); stopping "
+                            "it with %gs grace", alloc, details, req.grace_period)
             else:
                 log.info("allocation %d: cancelled, stopping with %gs grace",
                          alloc, req.grace_period)
-                self._request_stop(run, req.grace_period)
-                await asyncio.shield(run.outcome)
+            ended_before = run.outcome.done() or (run.process is not None and run.process.returncode is not None)
+            self._request_stop(run, req.grace_period)
+            result = await asyncio.shield(run.outcome)
+            if ended_before and run.stopper is None:
+                return result  # it ended on its own before the stop: its own result stands
             raise
         finally:
             shutdown.cancel()
@@ -341,21 +352,58 @@ class NodeActivities:
         sent.touch()
         log.info("allocation %d: restored in %.1f s", allocation_id, float(report["seconds"]))
 
+    async def _forward_last(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
+        """Forward what is left after the job exited, trying again while the control plane is
+        unreachable (for up to ``final_forward_for`` seconds): nothing forwards it later, and a
+        checkpoint taken in the grace period is the one the next attempt should resume from."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.final_forward_for
+        pause = 0.25
+        while True:
+            await self.forward_reports(job_id, allocation_id, report_dir)
+            left = _unanswered(report_dir)
+            if not left or self.report_sink is None:
+                return
+            if loop.time() + pause > give_up:
+                log.warning("allocation %d: giving up on forwarding %s after %.0f s", allocation_id,
+                            ", ".join(left), self.final_forward_for)
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
     async def _forward_while_running(self, run: _Run) -> None:
         report_dir = self._report_dir(run.req)
         while True:
             await self.forward_reports(run.req.job_id, run.req.allocation_id, report_dir)
             await asyncio.sleep(REPORT_EVERY)
 
+    async def _stop_overlapping(self, run: _Run) -> None:
+        """Stop, at once, any earlier attempt still running on one of this run's GPUs: the
+        control plane has ended its allocation (it granted the GPUs again), so its checkpoints
+        would be refused, and two jobs must never share a GPU."""
+        mine = {g.index for g in run.req.gpus}
+        stale = [r for r in self.processes.values()
+                 if r is not run and mine & {g.index for g in r.req.gpus}]
+        for other in stale:
+            log.warning("allocation %d: allocation %d still runs on its GPUs; killing it first",
+                        run.req.allocation_id, other.req.allocation_id)
+            self._request_stop(other, 0.0)
+        await asyncio.gather(*(asyncio.shield(r.outcome) for r in stale), return_exceptions=True)
+
     async def _execute(self, run: _Run) -> RunJobResult:
         alloc = run.req.allocation_id
         result: RunJobResult | None = None
         try:
             try:
+                await self._stop_overlapping(run)
+                self._prepare(run)
                 run.process = await self._spawn(run)
-            except (OSError, ValueError) as err:
+            except (_CannotExec, ValueError) as err:
                 result = self._spawn_failure(run, err)
                 return result
+            except OSError as err:  # the machine's fault: the job is requeued, not failed
+                raise ApplicationError(f"agent of {self.machine_id} cannot start the job: {err}",
+                                       type=AGENT_FAULT) from err
             finally:
                 run.spawned.set()
             self._write_pid_file(run)
@@ -375,7 +423,7 @@ class NodeActivities:
                 await _group_gone(run.process.pid)
             # Checkpoints written up to the exit (a stop's included) are committed before the
             # activity returns, and so before the workflow ends the allocation.
-            await self.forward_reports(run.req.job_id, alloc, self._report_dir(run.req))
+            await self._forward_last(run.req.job_id, alloc, self._report_dir(run.req))
             result = RunJobResult(
                 exit_code=returncode if returncode >= 0 else None,
                 signal=-returncode if returncode < 0 else None,
@@ -392,18 +440,24 @@ class NodeActivities:
             if result is None and run.pid is not None:
                 _signal_group(run.pid, signal.SIGKILL)  # the watcher itself was cancelled
             self.processes.pop(alloc, None)
-            (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+            try:
+                (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
             if result is not None:
                 self.finished[alloc] = result
                 while len(self.finished) > self.remember_finished:
                     self.finished.popitem(last=False)
 
-    async def _spawn(self, run: _Run) -> asyncio.subprocess.Process:
-        req = run.req
-        if not req.command:
+    def _prepare(self, run: _Run) -> None:
+        """The agent's own part of a start: an error here is the machine's, not the job's."""
+        if not run.req.command:
             raise ValueError("the job has an empty command")
         run.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._report_dir(req).mkdir(exist_ok=True)
+        self._report_dir(run.req).mkdir(exist_ok=True)
+
+    async def _spawn(self, run: _Run) -> asyncio.subprocess.Process:
+        req = run.req
         with open(run.log_path, "ab") as out:
             devices = ",".join(str(g.index) for g in req.gpus)
             out.write(
@@ -414,11 +468,16 @@ class NodeActivities:
             out.flush()
             run.body_offset = out.tell()
             # The child gets its own copy of the log's descriptor; ours closes right after.
-            process = await asyncio.create_subprocess_exec(
-                *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
-                            report_dir=self._report_dir(req), launched_at=time.time()),
-                start_new_session=True)
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
+                                report_dir=self._report_dir(req), launched_at=time.time()),
+                    start_new_session=True)
+            except OSError as err:
+                if err.errno in _COMMAND_ERRNOS:
+                    raise _CannotExec(err) from err
+                raise
         log.info("allocation %d: started job %s attempt %d as pid %d on GPUs [%s]",
                  req.allocation_id, req.job_id, req.attempt, process.pid, devices)
         return process
@@ -426,6 +485,8 @@ class NodeActivities:
     def _spawn_failure(self, run: _Run, err: Exception) -> RunJobResult:
         # 127/126 as a shell says: not found / found but cannot be run. Returned, not raised:
         # retrying a command that does not exist only delays the job's failure.
+        if isinstance(err, _CannotExec):
+            err = err.error
         code = 127 if isinstance(err, (FileNotFoundError, ValueError)) else 126
         line = f"gpusched: cannot start {json.dumps(run.req.command)}: {err}"
         log.warning("allocation %d: %s", run.req.allocation_id, line)
@@ -475,7 +536,30 @@ def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:
     """The server stopped tracking this attempt, but nobody asked for the job to stop."""
     if details is None or details.cancel_requested or details.worker_shutdown or details.reset:
         return False
-    return details.timed_out or details.not_found or details.paused
+    return details.timed_out or details.not_found
+
+
+# What exec says when the command itself is at fault (not found, not executable, not a file);
+# any other error (no file descriptors, no memory), and any error before it (no space for the
+# log), is the machine's.
+_COMMAND_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
+                   errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.E2BIG}
+
+
+class _CannotExec(Exception):
+    """exec refused the command itself; ``error`` says why."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _unanswered(report_dir: Path) -> list[str]:
+    """The checkpoint reports in ``report_dir`` that have no answer yet."""
+    if not report_dir.is_dir():
+        return []
+    return [f.name for f in sorted(report_dir.glob("checkpoint-*.json"))
+            if not f.name.endswith(".ack.json") and not f.with_name(f.name[:-len(".json")] + ".ack.json").exists()]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

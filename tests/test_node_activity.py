@@ -172,6 +172,34 @@ def test_a_job_that_cannot_start_fails_with_a_reason(tmp_path, name, command, ex
     assert "cannot start" in result.last_log_lines[0]
 
 
+def test_a_machine_that_cannot_prepare_the_start_fails_the_attempt_not_the_job(tmp_path):
+    (tmp_path / "jobs").write_text("a file where the agent's log directory should be")
+    with pytest.raises(ApplicationError) as raised:
+        run(ActivityEnvironment().run(node_in(tmp_path).run_job, job("print('never')")))
+    assert raised.value.type == "AgentFault" and "cannot start the job" in str(raised.value)
+
+
+def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreachable(tmp_path):
+    calls = []
+
+    async def flaky(job_id: str, allocation_id: int, report: dict) -> dict:
+        calls.append(report["seq"])
+        if len(calls) < 3:
+            raise ConnectionError("control plane unreachable")
+        return {"committed": True, "reason": "committed"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=flaky,
+                          final_forward_for=10.0)
+    code = """
+        import json, os, pathlib
+        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text(json.dumps({"seq": 1}))
+    """
+    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    assert result.exit_code == 0 and calls == [1, 1, 1]
+    [ack] = (tmp_path / "jobs").glob("*/reports-1/checkpoint-0000000001.ack.json")
+    assert json.loads(ack.read_text())["committed"]
+
+
 def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
     beats = []
     env = ActivityEnvironment()
@@ -280,20 +308,63 @@ def test_a_stop_gives_the_whole_process_group_its_grace_then_kills_it(tmp_path):
     assert not alive(int(result.last_log_lines[0]))
 
 
-def test_an_attempt_the_server_forgot_keeps_running_until_killed_as_an_orphan(tmp_path):
+@pytest.mark.parametrize("name, details", [
+    ("its heartbeat timed out", ActivityCancellationDetails(timed_out=True)),
+    ("the server no longer knows it", ActivityCancellationDetails(not_found=True)),
+])
+def test_an_attempt_the_server_gave_up_on_is_stopped_with_its_grace(tmp_path, name, details):
+    # The workflow runs an attempt once: nothing can attach to it again, and the job is requeued.
+    node = node_in(tmp_path)
+    raised, _ = run(cancel_after_start(node, job(TRAPS_TERM, allocation_id=7), details))
+    assert isinstance(raised, asyncio.CancelledError)
+    assert node.live_allocations() == [] and node.finished[7].stopped
+    assert node.finished[7].last_log_lines[-1] == "checkpointing"
+
+
+def test_a_job_that_ended_on_its_own_as_the_stop_came_keeps_its_result(tmp_path):
+    answer = asyncio.Event()
+
+    async def slow(job_id: str, allocation_id: int, report: dict) -> dict:
+        await answer.wait()
+        return {"committed": True, "reason": "committed"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=slow)
+    code = """
+        import json, os, pathlib
+        print("running", flush=True)
+        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text(json.dumps({"seq": 1}))
+    """
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, job(code, allocation_id=12)))
+        while not (node.processes.get(12) and node.processes[12].process
+                   and node.processes[12].process.returncode is not None):
+            await asyncio.sleep(0.02)  # exited 0; its last report is being forwarded
+        env.cancel()
+        await asyncio.sleep(0.1)
+        answer.set()
+        return await task
+
+    result = run(scenario())
+    assert (result.exit_code, result.stopped) == (0, False)
+
+
+def test_a_new_attempt_on_gpus_an_earlier_one_still_holds_kills_that_one_first(tmp_path):
     node = node_in(tmp_path)
 
     async def scenario():
-        raised, _ = await cancel_after_start(
-            node, job(TRAPS_TERM, allocation_id=7),
-            ActivityCancellationDetails(timed_out=True))
-        assert isinstance(raised, asyncio.CancelledError)
-        assert node.live_allocations() == [7]
-        return await node.kill_allocation(7, grace=2)
+        old = job(IGNORES_TERM, allocation_id=20, grace_period=30.0)
+        stale = asyncio.create_task(ActivityEnvironment().run(node.run_job, old))
+        await printed(node, old)
+        gpu_1 = [GpuGrant(index=1, path=f"{MACHINE}/1")]
+        began = time.monotonic()
+        fresh = await ActivityEnvironment().run(node.run_job, job("print('mine')", allocation_id=21, gpus=gpu_1))
+        return await stale, fresh, time.monotonic() - began
 
-    result = run(scenario())
-    assert (result.exit_code, result.stopped) == (0, True)
-    assert node.live_allocations() == []
+    stale, fresh, took = run(scenario())
+    assert stale.stopped and stale.signal == signal.SIGKILL and took < 10  # no 30 s grace: a zombie
+    assert fresh.exit_code == 0 and fresh.last_log_lines[-1] == "mine"
 
 
 def test_worker_shutdown_stops_the_job_and_fails_the_attempt(tmp_path):
