@@ -25,8 +25,18 @@ from workflows.types import CheckpointAck, CheckpointReport
 log = logging.getLogger("gpusched.checkpoints")
 
 
+class CheckpointStoreUnavailable(Exception):
+    """The checkpoint store could not be asked (unreachable, refusing our credentials, failing):
+    no verdict on the report, which is to be sent again."""
+
+
 def checkpoint_prefix(job_id: str) -> str:
     return f"checkpoints/{job_id}/"
+
+
+def checkpoint_key(job_id: str, seq: int) -> str:
+    """Where checkpoint ``seq`` of a job is written (jobkit's ``seq_key``)."""
+    return f"{checkpoint_prefix(job_id)}{seq:010d}"
 
 
 def checkpoint_uri(bucket: str, job_id: str) -> str:
@@ -57,7 +67,12 @@ class CheckpointCommitter:
         self.bucket = bucket
 
     async def commit(self, job_id: str, allocation_id: int, report: CheckpointReport) -> CheckpointAck:
+        """Raises ``CheckpointStoreUnavailable`` when S3 cannot say whether the bytes are there:
+        nothing is recorded then, so the report can be sent again."""
         refusal = await self._verify(job_id, report)
+        # The row names the key checkpoint `seq` has, whatever the report said: clearing
+        # superseded checkpoints deletes that key, and only ever one of the job's own.
+        report = report.model_copy(update={"key": checkpoint_key(job_id, report.seq)})
         ack, superseded = await self.store.commit_checkpoint(job_id, allocation_id, report, refusal)
         for seq, key in superseded:
             try:
@@ -71,10 +86,18 @@ class CheckpointCommitter:
         """Why the reported bytes are not what S3 holds, or None when they are."""
         if not report.key.startswith(checkpoint_prefix(job_id)):
             return f"key {report.key} is outside the job's checkpoints ({checkpoint_prefix(job_id)})"
+        if report.key != checkpoint_key(job_id, report.seq):
+            return f"key {report.key} is not checkpoint {report.seq}'s ({checkpoint_key(job_id, report.seq)})"
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
             head = await asyncio.to_thread(self.s3.head_object, Bucket=self.bucket, Key=report.key)
-        except Exception as e:
-            return f"no object {report.key} in bucket {self.bucket}: {e}"
+        except ClientError as e:
+            if _missing(e):
+                return f"no object {report.key} in bucket {self.bucket}"
+            raise CheckpointStoreUnavailable(f"checkpoint store: {e}") from e
+        except BotoCoreError as e:
+            raise CheckpointStoreUnavailable(f"checkpoint store unreachable: {e}") from e
         if head["ContentLength"] != report.size:
             return f"size mismatch: S3 holds {head['ContentLength']} bytes, the report says {report.size}"
         etag = head.get("ETag", "").strip('"')
@@ -84,3 +107,10 @@ class CheckpointCommitter:
         if stored != report.sha256:
             return f"SHA-256 mismatch: the object says {stored}, the report says {report.sha256}"
         return None
+
+
+def _missing(error) -> bool:
+    """Whether S3's answer is that the object does not exist (a HEAD's 404 has no body)."""
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("404", "NoSuchKey", "NotFound") or status == 404

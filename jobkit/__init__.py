@@ -296,7 +296,7 @@ class _S3Store:
     def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
         import base64
 
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         content_md5 = base64.b64encode(bytes.fromhex(digest.md5)).decode()
         kwargs = dict(Bucket=bucket, Key=key, IfNoneMatch="*", Metadata=metadata, ContentMD5=content_md5,
@@ -312,18 +312,22 @@ class _S3Store:
             if status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False
             raise CheckpointError(f"writing s3://{bucket}/{key} failed: {e}") from e
+        except BotoCoreError as e:
+            raise CheckpointError(f"writing s3://{bucket}/{key} failed: {_unreachable(e)}") from e
         return True
 
     def head(self, bucket: str, key: str) -> Optional[Dict[str, str]]:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return dict(self._client.head_object(Bucket=bucket, Key=key).get("Metadata") or {})
         except ClientError:
             return None
+        except BotoCoreError as e:
+            raise CheckpointError(f"looking up s3://{bucket}/{key} failed: {_unreachable(e)}") from e
 
     def max_seq(self, bucket: str, prefix: str) -> Optional[int]:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         best = None
@@ -333,27 +337,37 @@ class _S3Store:
                     name = obj["Key"][len(prefix):]
                     if re.fullmatch(r"\d{10}", name):
                         best = max(best or 0, int(name))
-        except ClientError as e:
+        except (ClientError, BotoCoreError) as e:
             log.info("jobkit: cannot list s3://%s/%s (%s); trying numbers one by one", bucket, prefix, e)
             return None
         return best
 
     def get(self, bucket: str, key: str, out: IO[bytes]) -> Tuple[_Digest, Optional[Dict[str, str]]]:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
+        d = _Digest()
         try:
             response = self._client.get_object(Bucket=bucket, Key=key)
+            body = response["Body"]
+            for chunk in iter(lambda: body.read(CHUNK), b""):
+                d.update(chunk)
+                out.write(chunk)
         except ClientError as e:
             raise CheckpointError(f"reading s3://{bucket}/{key} failed: {e}") from e
-        d = _Digest()
-        body = response["Body"]
-        for chunk in iter(lambda: body.read(CHUNK), b""):
-            d.update(chunk)
-            out.write(chunk)
+        except BotoCoreError as e:
+            raise CheckpointError(f"reading s3://{bucket}/{key} failed: {_unreachable(e)}") from e
         length = response.get("ContentLength")
         if length is not None and int(length) != d.size:
             raise CheckpointError(f"s3://{bucket}/{key}: read {d.size} bytes, the object has {length}")
         return d, dict(response.get("Metadata") or {})
+
+
+def _unreachable(e: Exception) -> str:
+    """A botocore error that is no answer from S3, in words that point at the likely cause."""
+    name = type(e).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return f"{e} (set GPUSCHED_S3_ACCESS_KEY and GPUSCHED_S3_SECRET_KEY)"
+    return f"{e} (is the checkpoint store at GPUSCHED_S3_ENDPOINT up and reachable?)"
 
 
 def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
@@ -480,7 +494,12 @@ class Checkpointer:
 
     def _store(self, scheme: str):
         if scheme not in self._stores:
-            self._stores[scheme] = _S3Store(*self._s3) if scheme == "s3" else _FileStore()
+            try:
+                self._stores[scheme] = _S3Store(*self._s3) if scheme == "s3" else _FileStore()
+            except ImportError as e:
+                raise CheckpointError(f"s3:// checkpoints need boto3 ({e}): pip install boto3") from e
+            except ValueError as e:  # botocore's word for an endpoint URL it cannot use
+                raise CheckpointError(f"the checkpoint store's endpoint {self._s3[0]!r} is not usable: {e}") from e
         return self._stores[scheme]
 
     # -- stopping ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import itertools
 import botocore.exceptions
 import pytest
 
-from activities.checkpoints import CheckpointCommitter, checkpoint_prefix
+from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, checkpoint_prefix, s3_client
 from activities.store import GpuReport, Store
 from scheduler.cycle import run_cycle
 from scheduler.models import Machine, Quota
@@ -97,7 +97,8 @@ def test_a_verified_checkpoint_from_the_current_allocation_is_committed_and_resu
     (lambda r: r.model_copy(update={"md5": "0" * 32}), "MD5 mismatch"),
     (lambda r: r.model_copy(update={"sha256": "0" * 64}), "SHA-256 mismatch"),
     (lambda r: r.model_copy(update={"key": "checkpoints/someone-else/0000000001"}), "outside the job's"),
-    (lambda r: r.model_copy(update={"key": r.key + "-missing"}), "no object"),
+    (lambda r: r.model_copy(update={"key": r.key + "-copy"}), "is not checkpoint 1's"),
+    (lambda r: r.model_copy(update={"seq": 2, "key": r.key[:-1] + "2"}), "no object"),
 ])
 def test_a_report_that_does_not_match_the_bytes_is_refused_and_never_resumed_from(env, tamper, words):
     ack = env.commit(tamper(env.write(1, b"step=1")))
@@ -162,3 +163,24 @@ def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
     assert progress >= 0.3
     snapshot = env.run(env.store.snapshot("c1"))
     assert snapshot.running[0].last_checkpoint_at is not None
+
+
+def test_a_report_the_store_cannot_check_now_is_not_refused_and_commits_when_sent_again(env):
+    report = env.write(1, b"step=1")
+    unreachable = CheckpointCommitter(env.store, s3_client("http://127.0.0.1:1", "key", "secret"), env.bucket)
+    with pytest.raises(CheckpointStoreUnavailable):
+        env.run(unreachable.commit(env.job, env.allocation, report))
+    assert env.run(env.store.checkpoints(env.job)) == []  # no verdict recorded
+    assert env.commit(report).committed
+
+
+def test_clearing_superseded_checkpoints_deletes_only_the_jobs_own_keys(env):
+    theirs = "checkpoints/another-job/0000000001"
+    env.s3.put_object(Bucket=env.bucket, Key=theirs, Body=b"another job's state")
+    forged = env.write(1, b"step=1").model_copy(update={"key": theirs})
+    assert not env.commit(forged).committed
+    for seq in (2, 3, 4):
+        assert env.commit(env.write(seq, f"step={seq}".encode())).committed
+    assert env.exists(theirs)
+    assert [(c.seq, c.deleted) for c in env.run(env.store.checkpoints(env.job))] == [
+        (1, True), (2, True), (3, False), (4, False)]

@@ -261,6 +261,17 @@ def test_bad_settings_are_named():
         Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "gs://bucket/x/"})
 
 
+@pytest.mark.parametrize("name, env, words", [
+    ("a store nobody listens at", {"GPUSCHED_S3_ENDPOINT": "http://127.0.0.1:1"}, "up and reachable"),
+    ("an endpoint that is no URL", {"GPUSCHED_S3_ENDPOINT": "not a url"}, "is not usable"),
+])
+def test_storage_trouble_is_a_checkpoint_error_naming_the_setting(name, env, words):
+    ck = Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "s3://bucket/checkpoints/job-1/",
+                                "GPUSCHED_S3_ACCESS_KEY": "key", "GPUSCHED_S3_SECRET_KEY": "secret", **env})
+    with pytest.raises(CheckpointError, match=words):
+        ck.save(b"state")
+
+
 def test_from_env_reads_the_agents_variables(tmp_path):
     ck = Checkpointer.from_env({
         "GPUSCHED_JOB_ID": "j", "GPUSCHED_ALLOCATION_ID": "42", "GPUSCHED_ATTEMPT": "3",

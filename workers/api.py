@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, Field
 
-from activities.checkpoints import CheckpointCommitter, s3_client
+from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
 from activities.store import GpuReport, Store
 from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
@@ -104,7 +104,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def checkpoint(job_id: str, submission: CheckpointSubmission) -> CheckpointAck:
         if await ctx["store"].request_of(job_id) is None:
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
-        return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
+        try:
+            return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
+        except CheckpointStoreUnavailable as e:  # no verdict: the agent sends the report again
+            raise HTTPException(status_code=503, detail=f"cannot check the checkpoint now: {e}") from e
 
     @app.post("/jobs/{job_id}/restarts")
     async def restart(job_id: str, report: RestartReport) -> dict:
