@@ -151,6 +151,12 @@ class Store:
         fault. Idempotent: admitting a job id again answers as the first time did."""
         async with self.pool.acquire() as conn, conn.transaction():
             existing = await conn.fetchrow(q.JOB, request.job_id)
+            if existing is not None and JobState(existing["state"]).terminal:
+                # Not a retry of this admission (its workflow waits on it): a new job under the
+                # id of one that has ended, which would wait for ever for a placement.
+                return Admission(accepted=False, job_id=request.job_id, field="job_id",
+                                 reason=f"job id '{request.job_id}' belongs to a job that has ended "
+                                        f"({existing['state']}); choose another id")
             if existing is not None:
                 return Admission(accepted=True, job_id=request.job_id, cluster=existing["cluster"],
                                  reason="already admitted")

@@ -157,6 +157,19 @@ def test_a_submit_for_a_team_without_a_quota_is_refused_and_starts_no_workflow(s
         s.run(handle.describe())
 
 
+def test_a_job_id_already_taken_running_or_ended_is_refused_naming_the_field(stack):
+    s = stack(machines=1)
+    s.submit("taken", 1, sleeper(2))
+    again = JobRequest(job_id="taken", team="vision", num_gpus=1, command=["true"])
+    with pytest.raises(SubmitRefused, match="already exists") as running:
+        s.run(s.client.submit(again))
+    assert s.wait("taken", timeout=60).state == "succeeded"
+    with pytest.raises(SubmitRefused, match="already exists") as ended:
+        s.run(s.client.submit(again))
+    assert running.value.field == ended.value.field == "job_id"
+    assert len(s.status("taken").attempts) == 1
+
+
 def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_reason(stack):
     s = stack(machines=1)
     prefix = s.up.settings.task_queue_prefix

@@ -301,3 +301,13 @@ def test_a_late_checkpointing_mark_does_not_hide_a_requeued_job_from_the_queue(s
     run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for x"))
     assert not run(store.mark_checkpointing("a"))  # the call that came late
     assert [j.spec.job_id for j in run(store.snapshot("c1")).queue] == ["a"]
+
+
+def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", alloc))
+    run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
+    verdict = run(store.admit(job("a")))
+    assert not verdict.accepted and verdict.field == "job_id" and "has ended (succeeded)" in verdict.reason

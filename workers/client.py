@@ -17,6 +17,8 @@ import uuid
 
 from pydantic import BaseModel
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.rows import admission_verdict, iso
@@ -107,13 +109,16 @@ class GpuschedClient:
         if not verdict.accepted:
             raise SubmitRefused(verdict.reason, verdict.field)
         try:
+            # An id names one job for good: a second workflow under it, even once the first has
+            # ended, would wait for a job the store already has (and has finished).
             await self.temporal.start_workflow(
                 JOB_WORKFLOW, request,
                 id=self.settings.task_queue_prefix + job_workflow_id(request.job_id),
                 task_queue=self.settings.task_queue_prefix + CONTROL_TASK_QUEUE,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             )
-        except RPCError as e:
-            if e.status == RPCStatusCode.ALREADY_EXISTS:
+        except (WorkflowAlreadyStartedError, RPCError) as e:
+            if isinstance(e, WorkflowAlreadyStartedError) or e.status == RPCStatusCode.ALREADY_EXISTS:
                 raise SubmitRefused(f"a job with id '{request.job_id}' already exists; choose another id",
                                     "job_id") from None
             raise
