@@ -31,9 +31,9 @@ keys: a job has no business with them), plus ``RunJobInput.env``, plus these (wh
 Checkpoint reports: the job (through ``jobkit``) writes ``checkpoint-<seq>.json`` into its report
 directory after writing the bytes; the agent forwards each report to the control plane with the
 attempt's allocation id (the fencing token: the job cannot choose it) and writes the answer to
-``checkpoint-<seq>.ack.json``. Reports are forwarded while the job runs and once more after it
-exits, before the activity returns, so a checkpoint taken in the grace period is committed before
-the allocation ends. A resumed job's ``restored.json`` (how long it took from its launch to its
+``checkpoint-<seq>.ack.json``. Reports are forwarded while the job runs and again after it
+exits, before the activity returns (for up to a minute while the control plane cannot be
+reached), so a checkpoint taken in the grace period is committed before the allocation ends. A resumed job's ``restored.json`` (how long it took from its launch to its
 state restored) is forwarded once, with the same allocation id: the control plane learns restart
 times from it.
 
