@@ -16,6 +16,7 @@ from workers.devices import (
     NvmlDevices,
     clear_faults,
     detect_devices,
+    nvidia_gpus_present,
     inject_fault,
     nominal_memory_gb,
     short_gpu_type,
@@ -291,10 +292,31 @@ def test_xid_events_are_registered_only_where_supported():
 ])
 def test_detect_devices(monkeypatch, tmp_path, name, nvml, fake, expected):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: False)
     devices = detect_devices(fake, count=4, gpu_type=None, fault_file=tmp_path / "f.json")
     assert devices.kind == expected
     if expected == "fake":
         assert [g.gpu_type for g in devices.inventory()] == ["H100"] * 4
+
+
+@pytest.mark.parametrize("name, nvml", [
+    ("an NVML that cannot start", FakeNvml([Gpu()], init_error=pynvml.NVMLError_DriverNotLoaded())),
+    ("an NVML that finds none of them", FakeNvml([])),
+])
+def test_a_machine_with_nvidia_gpus_never_falls_back_to_fake_ones(monkeypatch, name, nvml):
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: True)
+    with pytest.raises(RuntimeError, match="NVML"):
+        detect_devices(None, count=4)
+
+
+def test_the_kernels_nvidia_devices_are_seen_without_nvml(tmp_path):
+    dev, proc = tmp_path / "dev", tmp_path / "proc"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()  # the control node alone is no GPU
+    assert not nvidia_gpus_present(dev, proc)
+    (dev / "nvidia0").touch()
+    assert nvidia_gpus_present(dev, proc)
 
 
 def test_detect_devices_without_fallback_raises(monkeypatch):

@@ -6,8 +6,9 @@
 
 What it does, in order:
 1. Reads the settings (flags over ``GPUSCHED_*`` over ``DIR/stack.json``) and finds the GPUs:
-   NVML, or fake GPUs when NVML is missing or ``--fake-devices`` is given (their faults are
-   injected through ``DIR/faults/agent-<machine>.json``).
+   NVML, or fake GPUs when the machine has no NVIDIA GPU or ``--fake-devices`` is given (their
+   faults are injected through ``DIR/faults/agent-<machine>.json``). A machine with NVIDIA GPUs
+   whose NVML fails does not start: it would offer GPUs it cannot watch.
 2. Stops job processes an earlier agent of this machine left behind (it died without stopping
    them).
 3. Registers the machine: heartbeats the HTTP API until it answers (about 30 s at most), so the
@@ -263,7 +264,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         devices = detect_devices(fake, args.gpus, args.gpu_type,
                                  fault_file=data_dir / "faults" / f"{component}.json")
-    except Exception as err:  # --nvml on a machine whose NVML is missing or finds no GPU
+    except Exception as err:  # NVML missing or failing where it is required or GPUs are present
         log.error("no GPUs: %s", err)
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.

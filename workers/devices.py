@@ -411,10 +411,21 @@ def _free_event_set(nvml: ModuleType, event_set: object) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def nvidia_gpus_present(dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus")) -> bool:
+    """Whether the kernel shows NVIDIA GPUs (device nodes or the driver's list), NVML or not."""
+    try:
+        return any(dev.glob("nvidia[0-9]*")) or (proc.is_dir() and any(proc.iterdir()))
+    except OSError:
+        return False
+
+
 def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
                    fault_file: Path | None = None, memory_gb: float | None = None) -> DeviceBackend:
     """The machine's devices. ``fake=True``: ``count`` fake GPUs. ``fake=False``: NVML or an
-    error. ``fake=None``: NVML when it initialises and finds GPUs, else the fake (logged).
+    error. ``fake=None``: NVML when it initialises and finds GPUs; the fake (logged) only on a
+    machine without NVIDIA GPUs. Where the kernel shows NVIDIA GPUs, an NVML that fails (a driver
+    and library out of step after an upgrade, say) is an error: the machine must not offer fake,
+    healthy GPUs in place of real ones it cannot watch.
 
     ``count`` matters only for the fake; NVML reports what is there. ``gpu_type``, when given,
     overrides the type NVML reports (to match a fleet that names its SKUs differently)."""
@@ -424,12 +435,15 @@ def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
         except Exception as err:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
             if fake is False:
                 raise
+            if nvidia_gpus_present():
+                raise RuntimeError(f"this machine has NVIDIA GPUs but NVML fails: {err} "
+                                   f"(fix the driver, or pass --fake-devices to serve fake GPUs)") from err
             log.info("NVML unavailable (%s): using %d fake GPUs", err, count)
         else:
             if devices.count > 0:
                 return devices
             devices.close()
-            if fake is False:
+            if fake is False or nvidia_gpus_present():
                 raise RuntimeError("NVML found no GPUs on this machine")
             log.info("NVML found no GPUs: using %d fake GPUs", count)
     from scheduler.fleet import FALLBACK_GPU_MEMORY_GB, GPU_MEMORY_GB
