@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Callable
 
 import asyncpg
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from activities import queries as q
 from activities import rows
@@ -39,6 +39,7 @@ class CycleConflict(StoreError):
 
 
 class GpuReport(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
     index: int
     gpu_type: str | None = None
     memory_gb: float | None = None

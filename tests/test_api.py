@@ -46,6 +46,30 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert api.post("/jobs/seen/restarts", json={"allocation_id": seen_alloc, "seconds": 3}).status_code == 409
 
 
+UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps would not write)
+    ("an allocation id past 64 bits", "post", "/jobs/seen/restarts", {"allocation_id": 2**63, "seconds": 3}),
+    ("an infinite restart time", "post", "/jobs/seen/restarts", '{"allocation_id": 1, "seconds": Infinity}'),
+    ("a checkpoint number past the column", "post", "/jobs/seen/checkpoints",
+     {"allocation_id": 1, "report": {"seq": 2**31, "key": "k", "size": 1, "sha256": "0" * 64}}),
+    ("a NaN in a heartbeat", "post", "/machines/c1/b0/r0/m0/heartbeat", '{"gpus": [{"index": 0, "memory_gb": NaN}]}'),
+    ("a NUL character in a job id", "get", "/jobs/a%00b", None),
+    ("a NUL character in a team", "get", "/jobs?team=a%00b", None),
+]
+
+
+def test_values_postgres_cannot_hold_are_refused_as_bad_requests_not_server_errors(stack):
+    s = stack(machines=1, gpus=4)
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10)
+    answers = {}
+    for what, method, path, body in UNSTORABLE:
+        if isinstance(body, str):
+            answer = api.request(method, path, content=body, headers={"content-type": "application/json"})
+        else:
+            answer = api.request(method, path, json=body)
+        answers[what] = answer.status_code
+    assert answers == {what: 422 for what, *_ in UNSTORABLE}
+
+
 def test_a_fault_injected_on_the_command_line_reaches_the_inventory_and_can_be_cleared(stack, capsys):
     from workers.cli import main
 

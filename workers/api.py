@@ -28,9 +28,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
+import asyncpg
 import uvicorn
-from fastapi import FastAPI, HTTPException, Query
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
 from activities.store import GpuReport, Store
@@ -38,10 +41,17 @@ from workers.settings import Settings, add_settings_flags, mark_ready, settings_
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
 
+# What Postgres can hold: an id past this, or a NaN or infinite time, is a bad request (422),
+# not a database error (500).
+AllocationId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+_FINITE = ConfigDict(allow_inf_nan=False)
+
+
 class Heartbeat(BaseModel):
+    model_config = _FINITE
     pid: int | None = None
     gpus: list[GpuReport] = Field(default_factory=list)
-    running_allocations: list[int] = Field(default_factory=list)
+    running_allocations: list[AllocationId] = Field(default_factory=list)
 
 
 class HeartbeatReply(BaseModel):
@@ -49,12 +59,14 @@ class HeartbeatReply(BaseModel):
 
 
 class CheckpointSubmission(BaseModel):
-    allocation_id: int  # the fencing token: the attempt the agent ran the job for
+    model_config = _FINITE
+    allocation_id: AllocationId  # the fencing token: the attempt the agent ran the job for
     report: CheckpointReport
 
 
 class RestartReport(BaseModel):
-    allocation_id: int  # the resumed attempt the agent ran the job for
+    model_config = _FINITE
+    allocation_id: AllocationId  # the resumed attempt the agent ran the job for
     seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json)
 
 
@@ -70,6 +82,19 @@ def create_app(settings: Settings) -> FastAPI:
         await ctx["store"].close()
 
     app = FastAPI(title="gpusched", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer repeats the input, which cannot be written as JSON when it is a
+        # NaN or an infinity (a 500): where and what is enough.
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
+
+    @app.exception_handler(asyncpg.DataError)  # Postgres refused the value
+    @app.exception_handler(asyncpg.exceptions._base.DataError)  # asyncpg could not encode it
+    async def unstorable(request: Request, error: Exception) -> JSONResponse:
+        # A value Postgres cannot take (a NUL character, a number out of range): the caller's.
+        return JSONResponse(status_code=422, content={"detail": f"a value in the request cannot be stored: {error}"})
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -186,7 +186,8 @@ class CheckpointView(Model):
 class CheckpointReport(Model):
     """What a job reports (through its agent) after writing checkpoint ``seq``; see jobkit."""
 
-    seq: int = Field(ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    seq: int = Field(ge=1, le=2**31 - 1)  # an integer column
     key: str = Field(min_length=1)  # the object's key in the checkpoint bucket
     size: int = Field(ge=0)
     sha256: str
