@@ -82,8 +82,12 @@ class JobActivities:
     async def abandon_allocations(self, abandoned: list[Abandoned]) -> None:
         for a in abandoned:
             activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)
-            await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None, JobState.failed,
-                                         "its workflow ended without taking up its placement")
+            if a.started:
+                await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.cancelled, None, JobState.failed,
+                                             "its workflow ended while the job ran; its GPUs were taken back")
+            else:
+                await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None,
+                                             JobState.failed, "its workflow ended without taking up its placement")
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:

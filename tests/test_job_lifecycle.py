@@ -241,3 +241,16 @@ def test_a_job_whose_workflow_is_terminated_gives_its_placement_back(stack):
     doomed = s.status("doomed")
     assert doomed.state == "failed" and "workflow ended" in doomed.reason
     assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
+
+
+def test_a_job_whose_workflow_is_terminated_while_it_runs_gives_its_gpus_back_when_stopped(stack):
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 5})
+    s.submit("doomed", 4, sleeper(60), priority="low")
+    s.until(lambda: s.status("doomed").state == "running")
+    handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("doomed"))
+    s.run(handle.terminate("an operator terminated it"))
+    s.submit("urgent", 4, sleeper(0), priority="critical")  # its stop order reaches no workflow
+    assert s.wait("urgent", timeout=60).state == "succeeded"
+    view = s.status("doomed")
+    assert view.state == "failed" and "workflow ended while the job ran" in view.reason
+    assert view.attempts[0].end_reason == "cancelled"

@@ -69,12 +69,16 @@ class ClusterSchedulerWorkflow:
             delivered = await asyncio.gather(*sends)
             # A job whose workflow is gone (terminated by hand, say) can never take its GPUs up:
             # give them back and end the job with the reason, rather than hold them forever.
-            gone = [o for o, ok in zip(outcome.placements, delivered) if not ok]
+            gone = [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id)
+                    for o, ok in zip(outcome.placements, delivered) if not ok]
+            if workflow.patched("abandon-unreachable-stops"):
+                # The same for a stop order: nothing would ever end that attempt and free its GPUs
+                # (its agent stops the process once the server forgets the attempt).
+                stops = delivered[len(outcome.placements):]
+                gone += [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, started=True)
+                         for o, ok in zip(outcome.preemptions, stops) if not ok]
             if gone:
-                await workflow.execute_activity(
-                    "abandon_allocations",
-                    [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id) for o in gone],
-                    **CYCLE_CALL)
+                await workflow.execute_activity("abandon_allocations", gone, **CYCLE_CALL)
             # 4. Continue as new before the history grows large.
             if self.cycles >= inp.cycles_per_run or workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)

@@ -322,7 +322,9 @@ class JobOutcome(Model):
 
 
 class Abandoned(Model):
-    """A placement whose job's workflow is gone: its GPUs go back and the job ends."""
+    """An allocation whose job's workflow is gone (a placement it never took up, or an attempt it
+    ran until it was terminated): its GPUs go back and the job ends."""
 
     job_id: str
     allocation_id: int
+    started: bool = False  # the workflow had taken it up (a stop order could not reach it)
