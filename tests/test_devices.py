@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -326,6 +328,41 @@ def test_detect_devices_without_fallback_raises(monkeypatch):
 
 
 # -- what the agent reports ---------------------------------------------------------------------
+
+
+class HangingDevices(FakeDevices):
+    """Fake GPUs whose health call hangs, from its second call on, until released."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.calls, self.release = 0, threading.Event()
+
+    def health(self):
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait(10)
+        return super().health()
+
+
+def test_a_hung_health_check_never_stops_the_heartbeats():
+    from workers.agent import HealthReader
+
+    devices = HangingDevices()
+    reader = HealthReader(devices, timeout=0.1, stale_for=0.5)
+
+    async def scenario():
+        first = await reader.read()
+        stale = [await reader.read() for _ in range(3)]  # hung: the last reading, one call at a time
+        await asyncio.sleep(0.5)
+        late = await reader.read()
+        devices.release.set()
+        await asyncio.sleep(0.1)
+        return first, stale, late, await reader.read()
+
+    first, stale, late, recovered = asyncio.run(scenario())
+    assert all(h.healthy for h in first) and stale == [first] * 3 and devices.calls == 2
+    assert [h.faults for h in late] == [["nvml_error"]] * 2
+    assert recovered == first and devices.calls == 2  # the hung call's own answer, once it came
 
 
 def test_the_heartbeat_reports_each_gpu_and_the_running_allocations(tmp_path):

@@ -125,6 +125,48 @@ class OrphanWatch:
         return sorted(a for a, n in misses.items() if n >= self.confirm)
 
 
+class HealthReader:
+    """Reads the GPUs' health for each heartbeat without letting a hung NVML call stop the
+    heartbeats (a machine that stops heartbeating has every job on it requeued): one call at a
+    time, each waited for at most ``timeout`` seconds. While one hangs, the last reading stands
+    for up to ``stale_for`` seconds; after that every GPU is reported unhealthy (``nvml_error``),
+    so its jobs checkpoint and move, while the machine itself stays reachable."""
+
+    def __init__(self, devices: DeviceBackend, timeout: float, stale_for: float = 60.0):
+        self.devices = devices
+        self.timeout = timeout
+        self.stale_for = stale_for
+        self._call: asyncio.Future | None = None
+        self._asked_at = 0.0
+        self._last: list[GpuHealth] | None = None
+        self._indices = [g.index for g in devices.inventory()]  # asked once: NVML may hang later
+
+    async def read(self) -> list[GpuHealth]:
+        loop = asyncio.get_running_loop()
+        if self._call is None:
+            self._call = asyncio.ensure_future(asyncio.to_thread(self.devices.health))  # NVML calls block
+            self._asked_at = loop.time()
+        try:
+            readings = await asyncio.wait_for(asyncio.shield(self._call), self.timeout)
+        except TimeoutError:  # still running: the next heartbeat waits for the same call
+            hung = loop.time() - self._asked_at
+            if self._last is not None and hung < self.stale_for:
+                log.warning("GPU health check has not answered for %.0f s; reporting the last reading", hung)
+                return self._last
+            log.error("GPU health check has not answered for %.0f s; reporting every GPU unhealthy", hung)
+            return self._all_unhealthy()
+        except Exception:
+            self._call = None
+            log.exception("GPU health check failed; reporting every GPU unhealthy")
+            return self._all_unhealthy()
+        self._call = None
+        self._last = readings
+        return readings
+
+    def _all_unhealthy(self) -> list[GpuHealth]:
+        return [GpuHealth(index=i, healthy=False, faults=[NVML_ERROR]) for i in self._indices]
+
+
 class Agent:
     """The agent's own duties around the worker: heartbeats, registration, orphans."""
 
@@ -137,6 +179,7 @@ class Agent:
         self.interval = interval
         self.orphan_grace = orphan_grace
         self.inventory = devices.inventory()
+        self.health_reader = HealthReader(devices, timeout=max(1.0, interval))
         self.orphans = OrphanWatch()
         self.url = heartbeat_url(settings.api_url, machine_id)
         self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2))
@@ -147,12 +190,7 @@ class Agent:
     # -- heartbeats -------------------------------------------------------------------------
 
     async def health(self) -> list[GpuHealth]:
-        try:
-            return await asyncio.to_thread(self.devices.health)  # NVML calls block
-        except Exception:
-            log.exception("GPU health check failed; reporting every GPU unhealthy")
-            return [GpuHealth(index=g.index, healthy=False, faults=[NVML_ERROR])
-                    for g in self.inventory]
+        return await self.health_reader.read()
 
     async def heartbeat(self) -> httpx.Response | None:
         """One heartbeat; the response, or None when the API could not be reached."""
