@@ -58,6 +58,7 @@ class JobActivities:
             checkpoint_uri=checkpoint_uri(self.bucket, inp.job_id),
             resume_from=object_uri(self.bucket, resume["key"]) if resume else None,
             resume_seq=resume["seq"] if resume else None,
+            resume_sha256=resume["sha256"] if resume else None,
             checkpoint_interval=request.checkpoint_interval,
             checkpoint_phase=await self.store.checkpoint_phase(inp.allocation_id),
         )

@@ -21,6 +21,7 @@ keys: a job has no business with them), plus ``RunJobInput.env``, plus these (wh
 | GPUSCHED_CHECKPOINT_URI   | where to write checkpoints (a prefix); unset when none         |
 | GPUSCHED_RESUME_FROM      | the complete checkpoint to resume from; unset on a fresh start |
 | GPUSCHED_RESUME_SEQ       | its sequence number                                            |
+| GPUSCHED_RESUME_SHA256    | the digest the control plane committed for it                 |
 | GPUSCHED_CHECKPOINT_INTERVAL, GPUSCHED_CHECKPOINT_PHASE | when to checkpoint (staggered)   |
 | GPUSCHED_REPORT_DIR       | where the job reports checkpoints it wrote (see below)         |
 | GPUSCHED_LAUNCHED_AT      | the epoch time the agent started the process                   |
@@ -105,6 +106,7 @@ def job_env(req: RunJobInput, machine_id: str, log_path: Path,
         "GPUSCHED_CHECKPOINT_URI": req.checkpoint_uri,
         "GPUSCHED_RESUME_FROM": req.resume_from,
         "GPUSCHED_RESUME_SEQ": None if req.resume_seq is None else str(req.resume_seq),
+        "GPUSCHED_RESUME_SHA256": req.resume_sha256,
         "GPUSCHED_CHECKPOINT_INTERVAL": f"{req.checkpoint_interval:g}" if req.checkpoint_interval else None,
         "GPUSCHED_CHECKPOINT_PHASE": None if req.checkpoint_phase is None else f"{req.checkpoint_phase:g}",
         "GPUSCHED_REPORT_DIR": str(report_dir) if report_dir is not None else None,

@@ -35,6 +35,8 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
 ``GPUSCHED_RESUME_FROM``                the full URI of the object to resume from, e.g.
                                         ``s3://b/checkpoints/job-1/0000000003``; unset: fresh start
 ``GPUSCHED_RESUME_SEQ``                 its sequence number (unset: parsed from the URI's last part)
+``GPUSCHED_RESUME_SHA256``              the digest the control plane committed for it: a restore whose
+                                        bytes hash otherwise fails (unset: only its metadata is checked)
 ``GPUSCHED_CHECKPOINT_INTERVAL``        seconds between scheduled checkpoints; unset or 0: the job
                                         checkpoints only when asked to stop (``due()`` is False)
 ``GPUSCHED_CHECKPOINT_PHASE``           scheduled checkpoints fall at epoch times t with
@@ -409,6 +411,7 @@ class Checkpointer:
         *,
         resume_from: Optional[str] = None,
         resume_seq: Optional[int] = None,
+        resume_sha256: Optional[str] = None,
         interval: Optional[float] = None,
         phase: Optional[float] = None,
         grace_period: Optional[float] = None,
@@ -434,6 +437,7 @@ class Checkpointer:
             last = self.resume_from.rstrip("/").rsplit("/", 1)[-1]
             resume_seq = int(last) if last.isdigit() else 0
         self.resume_seq = int(resume_seq or 0) if self.resume_from is not None else 0
+        self.resume_sha256 = resume_sha256 if self.resume_from is not None else None
         self.next_seq = self.resume_seq + 1
         self.interval = float(interval) if interval else 0.0
         self.phase = None if phase is None else float(phase)
@@ -465,6 +469,7 @@ class Checkpointer:
             checkpoint_uri=env.get("GPUSCHED_CHECKPOINT_URI") or None,
             resume_from=env.get("GPUSCHED_RESUME_FROM") or None,
             resume_seq=int(seq) if seq else None,
+            resume_sha256=env.get("GPUSCHED_RESUME_SHA256") or None,
             interval=_float_env(env, "GPUSCHED_CHECKPOINT_INTERVAL"),
             phase=_float_env(env, "GPUSCHED_CHECKPOINT_PHASE"),
             grace_period=_float_env(env, "GPUSCHED_GRACE_PERIOD"),
@@ -688,3 +693,8 @@ class Checkpointer:
         if expected.lower() != digest.sha256:
             raise CheckpointError(f"checkpoint {self.resume_from} is corrupted: its bytes hash to "
                                   f"sha256 {digest.sha256}, its metadata says {expected}")
+        if self.resume_sha256 is not None and self.resume_sha256.lower() != digest.sha256:
+            # Bytes and metadata agree with each other but not with the commit: the object was
+            # replaced after it was committed (a store that ignores If-None-Match, a stray writer).
+            raise CheckpointError(f"checkpoint {self.resume_from} is not the one committed: its bytes hash "
+                                  f"to sha256 {digest.sha256}, the commit says {self.resume_sha256}")

@@ -252,6 +252,13 @@ def test_restore_refuses_a_corrupted_or_unverifiable_checkpoint(tmp_path):
         local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000009").restore()
 
 
+def test_restore_refuses_bytes_that_are_not_the_committed_checkpoint(tmp_path):
+    saved = Checkpointer(f"file://{tmp_path}/ck/").save(b"committed state")
+    assert local(tmp_path, resume_from=saved.uri, resume_sha256=saved.sha256).restore() == b"committed state"
+    with pytest.raises(CheckpointError, match="not the one committed"):
+        local(tmp_path, resume_from=saved.uri, resume_sha256=sha(b"another state")).restore()
+
+
 def test_bad_settings_are_named():
     with pytest.raises(CheckpointError, match="GPUSCHED_CHECKPOINT_INTERVAL"):
         Checkpointer.from_env({"GPUSCHED_CHECKPOINT_INTERVAL": "soon"})

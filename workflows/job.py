@@ -219,6 +219,7 @@ class JobWorkflow:
                     checkpoint_uri=grant.checkpoint_uri,
                     resume_from=grant.resume_from,
                     resume_seq=grant.resume_seq,
+                    resume_sha256=grant.resume_sha256,
                     checkpoint_interval=grant.checkpoint_interval,
                     checkpoint_phase=grant.checkpoint_phase,
                 ),

@@ -148,6 +148,7 @@ class RunJobInput(Model):
     checkpoint_uri: str | None = None  # where this job writes checkpoints (a prefix)
     resume_from: str | None = None  # the complete checkpoint to resume from, or None
     resume_seq: int | None = None  # its sequence number
+    resume_sha256: str | None = None  # the digest committed for it: what the restored bytes must hash to
     checkpoint_interval: float | None = None  # seconds; None or 0: only when stopped
     checkpoint_phase: float | None = None  # staggering: checkpoints at epoch times ≡ phase (mod interval)
 
@@ -209,6 +210,7 @@ class AttemptGrant(Model):
     checkpoint_uri: str | None = None
     resume_from: str | None = None  # URI of the newest complete checkpoint
     resume_seq: int | None = None
+    resume_sha256: str | None = None
     checkpoint_interval: float | None = None
     checkpoint_phase: float | None = None
 
