@@ -7,6 +7,7 @@ SQL lives in ``queries.py``; the row ↔ model conversions of a scheduling snaps
 from __future__ import annotations
 
 import json
+import logging
 from importlib import resources
 from typing import Callable
 
@@ -47,6 +48,7 @@ class GpuReport(BaseModel):
     faults: list[str] = []
 
 
+log = logging.getLogger("gpusched.store")
 Planner = Callable[[Snapshot], CycleResult]
 # Placements not acknowledged this long after the cycle that made them are sent again.
 RESEND_AFTER = 3.0
@@ -352,7 +354,18 @@ class Store:
                     return await self._resend(conn, cluster, lock, now, committed=False)
                 snapshot = await self._snapshot(conn, cluster, lock, now)
                 result = planner(snapshot)
-                await self._commit(conn, cluster, cycle_seq, snapshot, result)
+                try:
+                    async with conn.transaction():  # a savepoint
+                        await self._commit(conn, cluster, cycle_seq, snapshot, result)
+                except asyncpg.ExclusionViolationError as e:
+                    # A placement onto a GPU still held: the database refused the double
+                    # booking. Retrying would plan the same again and no cycle would ever commit,
+                    # so this one commits its other decisions (stops, requeues, reasons) without
+                    # placements; the next plans from what that changes.
+                    log.error("cycle %d of %s placed onto a GPU still held (%s); committing it "
+                              "without its placements", cycle_seq, cluster, e)
+                    result = result.model_copy(update={"placements": ()})
+                    await self._commit(conn, cluster, cycle_seq, snapshot, result)
                 outcome = await self._resend(conn, cluster, lock, now, committed=True, seq=cycle_seq)
                 outcome.next_wake_in = None if result.next_wake is None else max(0.0, result.next_wake - now)
                 return outcome
@@ -387,15 +400,7 @@ class Store:
         now = snapshot.now
         queued = {j.spec.job_id: j for j in snapshot.queue}
         events: list[tuple[str, str, str, str]] = []
-        for p in result.placements:
-            job = queued[p.job_id]
-            attempt = await conn.fetchval(q.NEXT_ATTEMPT, p.job_id)
-            paths = [f"{m}/{i}" for m, i in p.gpus]
-            alloc = await conn.fetchval(q.INSERT_ALLOCATION, p.job_id, cluster, attempt, paths, seq,
-                                        p.checkpoint_phase, job.progress, now)
-            await conn.executemany(q.INSERT_HOLD, [(alloc, m, i) for m, i in p.gpus])
-            await conn.execute(q.MARK_JOB_PLACED, p.job_id, now)
-            events.append((p.job_id, "placed", p.reason, json.dumps({"allocation_id": alloc, "gpus": paths})))
+        # Stops first: a placement taken back frees its GPUs before any new hold is written.
         # A preemption makes room for another job; a requeue leaves GPUs that can no longer be
         # used (a sick GPU: with grace to checkpoint; a machine gone: none), and is no preemption.
         orders = [(v.job_id, v.grace_period, v.reason, v.for_job, EndReason.preempted) for v in result.preemptions]
@@ -417,6 +422,15 @@ class Store:
             await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job, end.value)
             events.append((job_id, "preempt_ordered", reason,
                            json.dumps({"allocation_id": alloc, "for_job": for_job})))
+        for p in result.placements:
+            job = queued[p.job_id]
+            attempt = await conn.fetchval(q.NEXT_ATTEMPT, p.job_id)
+            paths = [f"{m}/{i}" for m, i in p.gpus]
+            alloc = await conn.fetchval(q.INSERT_ALLOCATION, p.job_id, cluster, attempt, paths, seq,
+                                        p.checkpoint_phase, job.progress, now)
+            await conn.executemany(q.INSERT_HOLD, [(alloc, m, i) for m, i in p.gpus])
+            await conn.execute(q.MARK_JOB_PLACED, p.job_id, now)
+            events.append((p.job_id, "placed", p.reason, json.dumps({"allocation_id": alloc, "gpus": paths})))
         pend = result.pending
         await conn.execute(q.WRITE_PENDING, [p.job_id for p in pend], [p.position for p in pend],
                            [p.estimated_start for p in pend], [p.misses_deadline for p in pend],

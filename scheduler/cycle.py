@@ -31,9 +31,11 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     lost = {r.job_id for r in requeues if not r.graceful}
     leaving = {r.job_id for r in requeues}
     running = [j for j in snapshot.running if j.spec.job_id not in lost] if lost else list(snapshot.running)
+    gone = [j for j in snapshot.running if j.spec.job_id in lost] if lost else []
 
-    # 2. Capacity
-    cap = Capacity(snapshot.machines, running)
+    # 2. Capacity — a lost job still holds its GPUs on the machines that answer: its allocation
+    # ends only when its workflow has stopped it, so they are free from the next cycle on.
+    cap = Capacity(snapshot.machines, snapshot.running)
 
     # 3. Quotas
     usage = quotas.team_usage(snapshot.quotas, running)
@@ -49,7 +51,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     placements = _with_checkpoint_phases(state.placed, running, now, config, snapshot.cluster)
 
     # 7. Estimate
-    pending = _estimate(snapshot, state, placements)
+    pending = _estimate(snapshot, state, placements, gone)
 
     # 8. Wake
     return CycleResult(
@@ -96,7 +98,8 @@ def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, confi
 _PENDING = TypeAdapter(tuple[Pending, ...])
 
 
-def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement]) -> tuple[Pending, ...]:
+def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement],
+              gone: list[RunningJob]) -> tuple[Pending, ...]:
     if not state.waiting:
         return ()
     wanted = snapshot.estimate_only
@@ -105,7 +108,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
         # placed): the walk and its calendar would answer for nobody.
         wanted, starts = frozenset(), {}
     else:
-        starts = _walk(snapshot, state, placements, wanted)
+        starts = _walk(snapshot, state, placements, gone, wanted)
     out = []
     for position, (job, reason) in enumerate(state.waiting, start=1):  # appended in queue order
         start = starts.get(job.spec.job_id)
@@ -118,10 +121,13 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement])
     return _PENDING.validate_python(out)
 
 
-def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement],
+def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gone: list[RunningJob],
           wanted: frozenset[str] | None) -> dict[str, float]:
     """The estimate's walk from this cycle's decisions: estimated starts by job id."""
     now, config, cap = snapshot.now, snapshot.config, state.cap
+    walked = cap.clone()
+    for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
+        walked.give_held(cap.masks_of(job))
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
@@ -130,7 +136,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement],
         at = now + eta.remaining_work(job, config.expected_restart_s)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
     return eta.estimate_starts(
-        cap.clone(),
+        walked,
         releases,
         [job for job, _ in state.waiting],
         state.usage,

@@ -226,7 +226,9 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     assert len(result.requeues) == len(expected_requeues)
     lost = {j for j, graceful in expected_requeues.items() if not graceful}
     staying = [r for r in snap.running if r.spec.job_id not in lost]
-    held_by = {s: r.spec.job_id for r in staying for s in r.gpus}
+    # A lost job's GPUs on machines that answer stay held until its allocation ends (live, its
+    # workflow ends the attempt): nothing may be placed there in this cycle.
+    held_by = {s: r.spec.job_id for r in snap.running for s in r.gpus}
     team_held: dict[str, int] = {}
     for r in staying:
         team_held[r.spec.team] = team_held.get(r.spec.team, 0) + r.spec.num_gpus

@@ -99,3 +99,15 @@ def test_unreachable_machines_reasons_count_only_usable_gpus():
     result = cycle(snapshot(machines, running=[_on("r", (M0, range(4)))], queue=[job("eight").gpus(8).submitted(NOW)]))
     assert pending(result)["eight"].reason == "needs 8 GPUs on one machine; the largest free is 4"
     assert not machines_of(g for p in result.placements for g in p.gpus) & {M1}
+
+
+def test_a_gang_lost_with_one_machine_keeps_its_gpus_on_the_others_until_it_has_left():
+    """Gang g spans m0 and m1; m1 stops answering. g's GPUs on m0 stay held in this cycle (its
+    allocation ends only once its workflow has stopped it: placing there would double-book
+    them), and the waiting job is told it should start at once, when they come back."""
+    machines = unreachable(fleet(machines=2), M1)
+    result = cycle(snapshot(machines, running=[_on("g", (M0, range(8)), (M1, range(8)))],
+                            queue=[job("next").gpus(8).submitted(NOW)]))
+    assert [(r.job_id, r.graceful) for r in result.requeues] == [("g", False)]
+    assert "next" not in placements(result)
+    assert pending(result)["next"].estimated_start == NOW

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-import asyncpg
 import pytest
 
 from activities.store import GpuReport, Store
@@ -109,10 +108,30 @@ def test_the_database_refuses_a_second_live_hold_of_a_gpu_whatever_the_planner_s
         return CycleResult(placements=tuple(Placement(job_id=j.spec.job_id, gpus=same_gpus, reason="bug")
                                             for j in snapshot.queue))
 
-    with pytest.raises(asyncpg.ExclusionViolationError):
-        run(store.plan_cycle("c1", 1, greedy))
+    outcome = run(store.plan_cycle("c1", 1, greedy))
+    # Refused by the exclusion constraint; the cycle still commits, without its placements, so
+    # that a planner that keeps making the mistake cannot stop every later cycle.
+    assert outcome.committed and outcome.placements == []
     assert run(store.pool.fetchval("SELECT count(*) FROM allocations")) == 0
-    assert run(store.pool.fetchval("SELECT cycle_seq FROM clusters WHERE name = 'c1'")) == 0
+    assert [v.state for v in run(store.list_jobs())] == ["queued", "queued"]
+    assert run(store.pool.fetchval("SELECT cycle_seq FROM clusters WHERE name = 'c1'")) == 1
+
+
+def test_a_gang_that_lost_a_machine_keeps_its_other_gpus_until_its_attempt_ends(store_env):
+    run, store = store_env
+    run(store.admit(job("gang", gpus=8)))  # both machines of the fixture's fleet
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("gang", alloc))
+    run(store.admit(job("next", gpus=4)))
+    run(store.configure_cluster("c1", machine_timeout=0.5))
+    run(asyncio.sleep(0.7))
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in range(4)]))  # m1 is silent
+    second = run(store.plan_cycle("c1", 2, run_cycle))  # committed, where it used to fail every time
+    assert second.committed and second.placements == []
+    assert [p.job_id for p in second.preemptions] == ["gang"]
+    run(store.end_attempt("gang", alloc, EndReason.machine_failure, None, JobState.queued, "requeued: m1"))
+    third = run(store.plan_cycle("c1", 3, run_cycle))
+    assert [p.job_id for p in third.placements] == ["next"]
 
 
 def test_an_attempt_is_acknowledged_once_and_its_end_frees_the_gpus_for_the_next_cycle(store_env):
