@@ -35,6 +35,13 @@ MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
 SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
+# A known machine may come back with more GPUs (a repaired one) or fewer (one its driver lost):
+# new ones join; ones it no longer reports stay (holds refer to them) but are unusable.
+ADD_REPORTED_GPUS = """
+INSERT INTO gpus (machine_id, idx) SELECT $1, unnest($2::int[]) ON CONFLICT (machine_id, idx) DO NOTHING"""
+MARK_UNREPORTED_GPUS = """
+UPDATE gpus SET healthy = false, faults = ARRAY['missing']
+WHERE machine_id = $1 AND NOT (idx = ANY($2::int[])) AND (healthy OR faults <> ARRAY['missing'])"""
 LIVE_ALLOCATIONS_ON_MACHINE = """
 SELECT DISTINCT h.allocation_id FROM gpu_holds h
 WHERE h.machine_id = $1 AND upper_inf(h.held)"""

@@ -115,6 +115,10 @@ class Store:
         async with self.pool.acquire() as conn, conn.transaction():
             if not await conn.fetchval(q.MACHINE_EXISTS, machine_id):
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
+            elif gpus:  # a heartbeat without GPUs says nothing about them
+                reported = [g.index for g in gpus]
+                await conn.execute(q.ADD_REPORTED_GPUS, machine_id, reported)
+                await conn.execute(q.MARK_UNREPORTED_GPUS, machine_id, reported)
             await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid)
             await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])
             return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]

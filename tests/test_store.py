@@ -208,6 +208,17 @@ def test_a_gpu_reported_unhealthy_is_marked_alone(store_env):
     assert {m.id: set(m.unhealthy_gpus) for m in snap.machines} == {"c1/b0/r0/m0": {2}, "c1/b0/r0/m1": set()}
 
 
+def test_a_known_machine_that_reports_fewer_or_more_gpus_has_its_inventory_follow(store_env):
+    run, store = store_env
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in (0, 1, 3)]))  # GPU 2 is gone
+    run(store.machine_heartbeat("c1/b0/r0/m1", 1, [GpuReport(index=i) for i in range(6)]))  # two more
+    by_id = {m.id: m for m in run(store.snapshot("c1")).machines}
+    assert (by_id["c1/b0/r0/m0"].gpus, set(by_id["c1/b0/r0/m0"].unhealthy_gpus)) == (4, {2})
+    assert (by_id["c1/b0/r0/m1"].gpus, set(by_id["c1/b0/r0/m1"].unhealthy_gpus)) == (6, set())
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in range(4)]))  # it is back
+    assert not run(store.snapshot("c1")).machines[0].unhealthy_gpus
+
+
 def test_an_unknown_machine_joins_the_fleet_by_heartbeat(store_env):
     run, store = store_env
     run(store.machine_heartbeat("c1/b1/r0/m0", 1, [GpuReport(index=i, gpu_type="H200") for i in range(8)]))
