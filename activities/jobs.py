@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.checkpoints import checkpoint_uri, object_uri
 from activities.store import Store
@@ -24,9 +25,11 @@ from workflows.types import (
     JobRequest,
     JobStateChange,
     PriorityChange,
+    Reconcile,
     SchedulerInput,
     StartAttempt,
     Wake,
+    job_workflow_id,
     scheduler_workflow_id,
 )
 
@@ -89,6 +92,25 @@ class JobActivities:
             else:
                 await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None,
                                              JobState.failed, "its workflow ended without taking up its placement")
+
+    @activity.defn(name="reconcile_allocations")
+    async def reconcile_allocations(self, inp: Reconcile) -> list[Abandoned]:
+        """The cluster's live allocations whose job workflow no longer runs (terminated, timed
+        out, or never there), to be abandoned. A workflow that cannot be asked now counts as
+        running: only the server's word that it is closed or unknown condemns an allocation."""
+        out = []
+        for a in await self.store.live_allocations(inp.cluster):
+            handle = self.client.get_workflow_handle(inp.workflow_id_prefix + job_workflow_id(a["job_id"]))
+            try:
+                running = (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+            except RPCError as e:
+                if e.status != RPCStatusCode.NOT_FOUND:
+                    activity.logger.warning("cannot ask about %s's workflow: %s", a["job_id"], e)
+                    continue
+                running = False
+            if not running:
+                out.append(Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed"))
+        return out
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:

@@ -42,6 +42,8 @@ INSERT INTO gpus (machine_id, idx) SELECT $1, unnest($2::int[]) ON CONFLICT (mac
 MARK_UNREPORTED_GPUS = """
 UPDATE gpus SET healthy = false, faults = ARRAY['missing']
 WHERE machine_id = $1 AND NOT (idx = ANY($2::int[])) AND (healthy OR faults <> ARRAY['missing'])"""
+LIVE_ALLOCATIONS_OF_CLUSTER = """
+SELECT id, job_id, state FROM allocations WHERE cluster = $1 AND state <> 'ended' ORDER BY id"""
 LIVE_ALLOCATIONS_ON_MACHINE = """
 SELECT DISTINCT h.allocation_id FROM gpu_holds h
 WHERE h.machine_id = $1 AND upper_inf(h.held)"""

@@ -123,6 +123,10 @@ class Store:
             await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])
             return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]
 
+    async def live_allocations(self, cluster: str) -> list[dict]:
+        """The cluster's allocations not yet ended: id, job id, state."""
+        return [dict(r) for r in await self.pool.fetch(q.LIVE_ALLOCATIONS_OF_CLUSTER, cluster)]
+
     async def configure_cluster(self, cluster: str, policy: dict | None = None,
                                 machine_timeout: float | None = None) -> None:
         await self.pool.execute(q.UPSERT_CLUSTER, cluster)

@@ -254,3 +254,15 @@ def test_a_job_whose_workflow_is_terminated_while_it_runs_gives_its_gpus_back_wh
     view = s.status("doomed")
     assert view.state == "failed" and "workflow ended while the job ran" in view.reason
     assert view.attempts[0].end_reason == "cancelled"
+
+
+def test_a_job_whose_workflow_is_terminated_while_it_runs_has_its_gpus_back_though_nobody_asks(stack):
+    s = stack(machines=1, gpus=4, control_args=["--reconcile-every", "1"])
+    s.submit("forgotten", 4, sleeper(120))
+    s.until(lambda: s.status("forgotten").state == "running")
+    handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("forgotten"))
+    s.run(handle.terminate("an operator terminated it"))
+    s.until(lambda: s.status("forgotten").state == "failed", timeout=30)
+    assert "workflow ended while the job ran" in s.status("forgotten").reason
+    s.submit("next", 4, sleeper(0))
+    assert s.wait("next", timeout=60).state == "succeeded"

@@ -1,7 +1,7 @@
 """The control worker: runs JobWorkflow and ClusterSchedulerWorkflow and the control-side
 activities (the Postgres store, the plan cycle, waking schedulers).
 
-    python -m workers.control [--data-dir DIR] [--tick SECONDS] [--cycles-per-run N]
+    python -m workers.control [--data-dir DIR] [--tick SECONDS] [--cycles-per-run N] [--reconcile-every SECONDS]
 
 Any number may run: Temporal hands each workflow task to one of them, and each cluster's
 scheduler is one workflow, so killing a control worker loses nothing; another carries on.
@@ -41,6 +41,7 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             workflows=[JobWorkflow, ClusterSchedulerWorkflow],
             activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.set_job_state,
                         jobs.set_priority, jobs.wake_scheduler, jobs.abandon_allocations,
+                        jobs.reconcile_allocations,
                         planning.plan_cycle],
             max_concurrent_activities=64,
         )
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tick", type=float, default=2.0, help="seconds between scheduling cycles when idle")
     parser.add_argument("--cycles-per-run", type=int, default=500,
                         help="the scheduler loop continues as new after this many cycles")
+    parser.add_argument("--reconcile-every", type=float, default=60.0, metavar="SECONDS",
+                        help="how often the scheduler loop looks for allocations whose job workflow has ended")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop_settings = SchedulerInput(cluster="", tick_seconds=args.tick, cycles_per_run=args.cycles_per_run)
+        loop_settings = SchedulerInput(cluster="", tick_seconds=args.tick, cycles_per_run=args.cycles_per_run,
+                                       reconcile_seconds=args.reconcile_every)
         await serve(settings, args.data_dir, loop_settings, stop)
 
     asyncio.run(run())

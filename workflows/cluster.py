@@ -25,7 +25,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.types import Abandoned, CycleInput, CycleOutcome, SchedulerInput, job_workflow_id
+    from workflows.types import Abandoned, CycleInput, CycleOutcome, Reconcile, SchedulerInput, job_workflow_id
 
 CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=60),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
@@ -38,6 +38,7 @@ class ClusterSchedulerWorkflow:
         self.woken = False
         self.cycle_seq = 0
         self.cycles = 0
+        self.reconciled_at = None
         self.last_outcome: CycleOutcome | None = None
 
     @workflow.signal
@@ -77,6 +78,12 @@ class ClusterSchedulerWorkflow:
                 stops = delivered[len(outcome.placements):]
                 gone += [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, started=True)
                          for o, ok in zip(outcome.preemptions, stops) if not ok]
+            if workflow.patched("reconcile-abandoned-allocations") and self._reconcile_due(inp):
+                # Allocations whose job workflow ended without ending them (terminated while it
+                # ran, with no stop order to find out): nothing else would free their GPUs.
+                gone += await workflow.execute_activity(
+                    "reconcile_allocations", Reconcile(cluster=inp.cluster, workflow_id_prefix=prefix),
+                    result_type=list[Abandoned], **CYCLE_CALL)
             if gone:
                 await workflow.execute_activity("abandon_allocations", gone, **CYCLE_CALL)
             # 4. Continue as new before the history grows large.
@@ -92,6 +99,15 @@ class ClusterSchedulerWorkflow:
                     await workflow.wait_condition(lambda: self.woken, timeout=timedelta(seconds=sleep))
                 except asyncio.TimeoutError:
                     pass
+
+    def _reconcile_due(self, inp: SchedulerInput) -> bool:
+        now = workflow.now()
+        if self.reconciled_at is None:  # a run's first look comes one interval after it starts
+            self.reconciled_at = now
+        if (now - self.reconciled_at).total_seconds() < inp.reconcile_seconds:
+            return False
+        self.reconciled_at = now
+        return True
 
     async def _signal(self, workflow_id: str, name: str, payload) -> bool:
         """Whether the signal reached the job's workflow (False: it has ended or never existed)."""

@@ -243,6 +243,14 @@ class SchedulerInput(Model):
     cycle_seq: int = 0  # the last cycle committed by an earlier run (continue-as-new carries it)
     tick_seconds: float = 2.0
     cycles_per_run: int = 500  # continue-as-new after this many cycles (or when suggested)
+    # How often to look for allocations whose job workflow has ended (terminated by hand, say):
+    # nothing else would ever give their GPUs back.
+    reconcile_seconds: float = 60.0
+
+
+class Reconcile(Model):
+    cluster: str
+    workflow_id_prefix: str = ""
 
 
 class CycleInput(Model):
