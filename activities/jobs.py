@@ -3,6 +3,7 @@ its cluster's scheduler. Each is one store call (or one Temporal call), idempote
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from temporalio import activity
@@ -98,19 +99,23 @@ class JobActivities:
         """The cluster's live allocations whose job workflow no longer runs (terminated, timed
         out, or never there), to be abandoned. A workflow that cannot be asked now counts as
         running: only the server's word that it is closed or unknown condemns an allocation."""
-        out = []
-        for a in await self.store.live_allocations(inp.cluster):
+        asking = asyncio.Semaphore(32)  # thousands of allocations: a few dozen questions at a time
+
+        async def ended(a: dict) -> bool:
             handle = self.client.get_workflow_handle(inp.workflow_id_prefix + job_workflow_id(a["job_id"]))
-            try:
-                running = (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-            except RPCError as e:
-                if e.status != RPCStatusCode.NOT_FOUND:
+            async with asking:
+                try:
+                    return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+                except RPCError as e:
+                    if e.status == RPCStatusCode.NOT_FOUND:
+                        return True
                     activity.logger.warning("cannot ask about %s's workflow: %s", a["job_id"], e)
-                    continue
-                running = False
-            if not running:
-                out.append(Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed"))
-        return out
+                    return False
+
+        live = await self.store.live_allocations(inp.cluster)
+        verdicts = await asyncio.gather(*(ended(a) for a in live))
+        return [Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed")
+                for a, gone in zip(live, verdicts) if gone]
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:
