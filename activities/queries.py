@@ -231,7 +231,7 @@ ORDER BY seq"""
 MARK_CHECKPOINT_DELETED = f"""
 UPDATE checkpoints SET deleted_at = {NOW_EPOCH} WHERE job_id = $1 AND seq = $2"""
 LATEST_COMPLETE_CHECKPOINT = """
-SELECT seq, key, work_seconds FROM checkpoints
+SELECT seq, key, sha256, work_seconds FROM checkpoints
 WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq DESC LIMIT 1"""
 JOB_CHECKPOINTS = "SELECT * FROM checkpoints WHERE job_id = $1 ORDER BY seq"
 SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"

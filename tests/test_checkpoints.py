@@ -81,6 +81,24 @@ def env(live_servers):
     e.close()
 
 
+def test_a_resumed_attempt_is_granted_its_checkpoint_and_the_digest_committed_for_it(env):
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.jobs import JobActivities
+    from workflows.types import StartAttempt
+
+    report = env.write(1, b"step=1")
+    assert env.commit(report).committed
+    env.requeue()
+    env.cycle += 1
+    alloc = env.run(env.store.plan_cycle("c1", env.cycle, run_cycle)).placements[0].signal.allocation_id
+    start = JobActivities(env.store, client=None, bucket=env.bucket).start_attempt
+    for call in ("first", "repeated"):
+        grant = env.run(ActivityEnvironment().run(start, StartAttempt(job_id=env.job, allocation_id=alloc)))
+        assert (grant.launch, grant.resume_seq, grant.resume_sha256) == (True, 1, report.sha256), call
+        assert grant.resume_from == f"s3://{env.bucket}/{report.key}"
+
+
 def test_a_verified_checkpoint_from_the_current_allocation_is_committed_and_resumed_from(env):
     ack = env.commit(env.write(1, b"step=1"))
     assert ack.committed
