@@ -85,7 +85,14 @@ class JobActivities:
 
     @activity.defn(name="abandon_allocations")
     async def abandon_allocations(self, abandoned: list[Abandoned]) -> None:
-        for a in abandoned:
+        # A signal can fail for a workflow that still runs (its signal limit, say): only the
+        # server's word that the workflow has ended lets its allocation go.
+        verdicts = await self._workflows_ended([(a.workflow_id_prefix, a.job_id) for a in abandoned])
+        for a, ended in zip(abandoned, verdicts):
+            if not ended:
+                activity.logger.warning("job %s's workflow still runs: allocation %d is kept", a.job_id,
+                                        a.allocation_id)
+                continue
             activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)
             if a.started:
                 await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.cancelled, None, JobState.failed,
@@ -99,23 +106,29 @@ class JobActivities:
         """The cluster's live allocations whose job workflow no longer runs (terminated, timed
         out, or never there), to be abandoned. A workflow that cannot be asked now counts as
         running: only the server's word that it is closed or unknown condemns an allocation."""
+        live = await self.store.live_allocations(inp.cluster)
+        verdicts = await self._workflows_ended([(inp.workflow_id_prefix, a["job_id"]) for a in live])
+        return [Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed",
+                          workflow_id_prefix=inp.workflow_id_prefix)
+                for a, gone in zip(live, verdicts) if gone]
+
+    async def _workflows_ended(self, jobs: list[tuple[str, str]]) -> list[bool]:
+        """For each (workflow id prefix, job id): whether the server says its workflow is closed
+        or unknown. One that cannot be asked now counts as running."""
         asking = asyncio.Semaphore(32)  # thousands of allocations: a few dozen questions at a time
 
-        async def ended(a: dict) -> bool:
-            handle = self.client.get_workflow_handle(inp.workflow_id_prefix + job_workflow_id(a["job_id"]))
+        async def ended(prefix: str, job_id: str) -> bool:
+            handle = self.client.get_workflow_handle(prefix + job_workflow_id(job_id))
             async with asking:
                 try:
                     return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
                 except RPCError as e:
                     if e.status == RPCStatusCode.NOT_FOUND:
                         return True
-                    activity.logger.warning("cannot ask about %s's workflow: %s", a["job_id"], e)
+                    activity.logger.warning("cannot ask about %s's workflow: %s", job_id, e)
                     return False
 
-        live = await self.store.live_allocations(inp.cluster)
-        verdicts = await asyncio.gather(*(ended(a) for a in live))
-        return [Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed")
-                for a, gone in zip(live, verdicts) if gone]
+        return list(await asyncio.gather(*(ended(prefix, job_id) for prefix, job_id in jobs)))
 
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, inp: Wake) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
 _POLL = 0.05  # how often a stop looks whether the process group is gone
 _KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we stop waiting
 AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
+_run_numbers = itertools.count()
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
 
@@ -132,6 +134,7 @@ class _Run:
     stop_deadline: float | None = None  # loop time of the SIGKILL, once a stop is asked
     stopper: asyncio.Task | None = None
     spawned: asyncio.Event = field(default_factory=asyncio.Event)  # started, or failed to
+    number: int = field(default_factory=lambda: next(_run_numbers))  # in the order runs were asked for
 
     @property
     def pid(self) -> int | None:
@@ -318,16 +321,16 @@ class NodeActivities:
             try:
                 report = json.loads(report_file.read_text())
             except (OSError, ValueError) as err:
+                # Answered here, so the job hears of it and nobody waits for an answer to it.
                 log.warning("allocation %d: unreadable report %s: %s", allocation_id, report_file, err)
+                _write_ack(ack_file, {"committed": False, "reason": f"the agent cannot read this report: {err}"})
                 continue
             try:
                 answer = await self.report_sink(job_id, allocation_id, report)
             except Exception as err:  # the control plane is unreachable: try again next time
                 log.warning("allocation %d: cannot forward %s: %s", allocation_id, report_file.name, err)
                 continue
-            tmp = ack_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(answer))
-            tmp.replace(ack_file)
+            _write_ack(ack_file, answer)
             answered += 1
             log.info("allocation %d: checkpoint %s %s%s", allocation_id, report.get("seq"),
                      "committed" if answer.get("committed") else "refused",
@@ -384,8 +387,9 @@ class NodeActivities:
         control plane has ended its allocation (it granted the GPUs again), so its checkpoints
         would be refused, and two jobs must never share a GPU."""
         mine = {g.index for g in run.req.gpus}
+        # Only runs asked for before this one: two new ones never wait for each other.
         stale = [r for r in self.processes.values()
-                 if r is not run and mine & {g.index for g in r.req.gpus}]
+                 if r.number < run.number and mine & {g.index for g in r.req.gpus}]
         for other in stale:
             log.warning("allocation %d: allocation %d still runs on its GPUs; killing it first",
                         run.req.allocation_id, other.req.allocation_id)
@@ -554,6 +558,12 @@ class _CannotExec(Exception):
     def __init__(self, error: OSError):
         super().__init__(str(error))
         self.error = error
+
+
+def _write_ack(ack_file: Path, answer: dict) -> None:
+    tmp = ack_file.with_suffix(".tmp")  # written whole, then renamed: the job never reads half
+    tmp.write_text(json.dumps(answer))
+    tmp.replace(ack_file)
 
 
 def _unanswered(report_dir: Path) -> list[str]:

@@ -362,23 +362,41 @@ class Store:
                     return await self._resend(conn, cluster, lock, now, committed=False)
                 snapshot = await self._snapshot(conn, cluster, lock, now)
                 result = planner(snapshot)
-                try:
-                    async with conn.transaction():  # a savepoint
-                        await self._commit(conn, cluster, cycle_seq, snapshot, result)
-                except asyncpg.ExclusionViolationError as e:
-                    # A placement onto a GPU still held: the database refused the double
-                    # booking. Retrying would plan the same again and no cycle would ever commit,
-                    # so this one commits its other decisions (stops, requeues, reasons) without
-                    # placements; the next plans from what that changes.
-                    log.error("cycle %d of %s placed onto a GPU still held (%s); committing it "
-                              "without its placements", cycle_seq, cluster, e)
-                    result = result.model_copy(update={"placements": ()})
-                    await self._commit(conn, cluster, cycle_seq, snapshot, result)
+                result = await self._commit_refusing_double_booking(conn, cluster, cycle_seq, snapshot, result)
                 outcome = await self._resend(conn, cluster, lock, now, committed=True, seq=cycle_seq)
                 outcome.next_wake_in = None if result.next_wake is None else max(0.0, result.next_wake - now)
                 return outcome
         except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as e:
             raise CycleConflict(str(e)) from e
+
+    async def _commit_refusing_double_booking(self, conn, cluster: str, seq: int, snapshot: Snapshot,
+                                              result: CycleResult) -> CycleResult:
+        """Commit the cycle; if the database refuses a placement onto a GPU still held, commit
+        it without the placements onto held GPUs (or, should those collide with each other,
+        without any). Retrying would plan the same again, and no cycle of the cluster would ever
+        commit. Returns what was committed."""
+        try:
+            return await self._commit_in_savepoint(conn, cluster, seq, snapshot, result)
+        except asyncpg.ExclusionViolationError as e:
+            held = {(r["machine_id"], r["idx"]) for r in await conn.fetch(q.HELD_GPUS_OF_CLUSTER, cluster)}
+            fewer = result.model_copy(update={"placements": tuple(
+                p for p in result.placements if held.isdisjoint(p.gpus))})
+            log.error("cycle %d of %s: the database refused a placement onto a GPU still held (%s); "
+                      "committing it without the %d onto held GPUs", seq, cluster, e,
+                      len(result.placements) - len(fewer.placements))
+        try:
+            return await self._commit_in_savepoint(conn, cluster, seq, snapshot, fewer)
+        except asyncpg.ExclusionViolationError as e:
+            log.error("cycle %d of %s: its placements collide (%s); committing it without any", seq, cluster, e)
+        none = result.model_copy(update={"placements": ()})
+        await self._commit(conn, cluster, seq, snapshot, none)
+        return none
+
+    async def _commit_in_savepoint(self, conn, cluster: str, seq: int, snapshot: Snapshot,
+                                   result: CycleResult) -> CycleResult:
+        async with conn.transaction():
+            await self._commit(conn, cluster, seq, snapshot, result)
+        return result
 
     async def snapshot(self, cluster: str) -> Snapshot:
         """A read-only snapshot (for previews: a queue position and ETA right after submit)."""

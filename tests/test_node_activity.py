@@ -204,6 +204,23 @@ def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreach
     assert json.loads(ack.read_text())["committed"]
 
 
+def test_an_unreadable_report_is_answered_as_refused_and_not_waited_for(tmp_path):
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        raise AssertionError("an unreadable report is never sent")
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink, final_forward_for=30.0)
+    code = """
+        import os, pathlib
+        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text("{not json")
+    """
+    began = time.monotonic()
+    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    assert result.exit_code == 0 and time.monotonic() - began < 10
+    [ack] = (tmp_path / "jobs").glob("*/reports-1/checkpoint-0000000001.ack.json")
+    answer = json.loads(ack.read_text())
+    assert not answer["committed"] and "cannot read" in answer["reason"]
+
+
 def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
     beats = []
     env = ActivityEnvironment()

@@ -117,6 +117,26 @@ def test_the_database_refuses_a_second_live_hold_of_a_gpu_whatever_the_planner_s
     assert run(store.pool.fetchval("SELECT cycle_seq FROM clusters WHERE name = 'c1'")) == 1
 
 
+def test_a_placement_onto_a_held_gpu_is_dropped_and_the_rest_of_the_cycle_commits(store_env):
+    run, store = store_env
+    run(store.admit(job("a")))
+    run(store.plan_cycle("c1", 1, run_cycle))  # a holds two GPUs of one machine
+    held = run(store.pool.fetchval("SELECT gpus FROM allocations WHERE job_id = 'a'"))[0]
+    machine, gpu = held.rsplit("/", 1)
+    other = next(m.id for m in machines() if m.id != machine)
+    run(store.admit(job("b")))
+    run(store.admit(job("c")))
+
+    def half_wrong(snapshot) -> CycleResult:
+        return CycleResult(placements=(
+            Placement(job_id="b", gpus=((machine, int(gpu)), (other, 3)), reason="bug"),
+            Placement(job_id="c", gpus=((other, 0), (other, 1)), reason="fine")))
+
+    outcome = run(store.plan_cycle("c1", 2, half_wrong))
+    assert outcome.committed and [p.job_id for p in outcome.placements] == ["c"]
+    assert {v.job_id: v.state for v in run(store.list_jobs())} == {"a": "placed", "b": "queued", "c": "placed"}
+
+
 def test_a_gang_that_lost_a_machine_keeps_its_other_gpus_until_its_attempt_ends(store_env):
     run, store = store_env
     run(store.admit(job("gang", gpus=8)))  # both machines of the fixture's fleet

@@ -70,13 +70,14 @@ class ClusterSchedulerWorkflow:
             delivered = await asyncio.gather(*sends)
             # A job whose workflow is gone (terminated by hand, say) can never take its GPUs up:
             # give them back and end the job with the reason, rather than hold them forever.
-            gone = [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id)
+            gone = [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, workflow_id_prefix=prefix)
                     for o, ok in zip(outcome.placements, delivered) if not ok]
             if workflow.patched("abandon-unreachable-stops"):
                 # The same for a stop order: nothing would ever end that attempt and free its GPUs
                 # (its agent stops the process once the server forgets the attempt).
                 stops = delivered[len(outcome.placements):]
-                gone += [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, started=True)
+                gone += [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, started=True,
+                                   workflow_id_prefix=prefix)
                          for o, ok in zip(outcome.preemptions, stops) if not ok]
             if workflow.patched("reconcile-abandoned-allocations") and self._reconcile_due(inp):
                 # Allocations whose job workflow ended without ending them (terminated while it
@@ -89,7 +90,8 @@ class ClusterSchedulerWorkflow:
             # 4. Continue as new before the history grows large.
             if self.cycles >= inp.cycles_per_run or workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(inp.model_copy(update={"cycle_seq": self.cycle_seq}))
+                workflow.continue_as_new(inp.model_copy(update={"cycle_seq": self.cycle_seq,
+                                                                "reconciled_at": self.reconciled_at}))
             # 3. Sleep until woken, the tick, or the core's next wake-up.
             sleep = inp.tick_seconds
             if outcome.next_wake_in is not None:
@@ -101,10 +103,11 @@ class ClusterSchedulerWorkflow:
                     pass
 
     def _reconcile_due(self, inp: SchedulerInput) -> bool:
-        now = workflow.now()
-        if self.reconciled_at is None:  # a run's first look comes one interval after it starts
-            self.reconciled_at = now
-        if (now - self.reconciled_at).total_seconds() < inp.reconcile_seconds:
+        # Counted across runs: a busy loop continues as new sooner than the interval passes.
+        now = workflow.now().timestamp()
+        if self.reconciled_at is None:
+            self.reconciled_at = inp.reconciled_at if inp.reconciled_at is not None else now
+        if now - self.reconciled_at < inp.reconcile_seconds:
             return False
         self.reconciled_at = now
         return True

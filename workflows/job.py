@@ -251,7 +251,7 @@ class JobWorkflow:
             await workflow.execute_activity(
                 "set_job_state", JobStateChange(job_id=self.job_id, state=JobState.checkpointing), **STORE_CALL)
         await self._stop(runs)
-        if all(_ended_on_its_own(r) for r in runs):
+        if workflow.patched("stopped-success-completes") and all(_ended_on_its_own(r) for r in runs):
             # Every process had already exited 0 when the stop reached it: the job is done,
             # and running it again would only repeat its work.
             return EndReason.completed, 0, JobState.succeeded, "completed"

@@ -246,6 +246,7 @@ class SchedulerInput(Model):
     # How often to look for allocations whose job workflow has ended (terminated by hand, say):
     # nothing else would ever give their GPUs back.
     reconcile_seconds: float = 60.0
+    reconciled_at: float | None = None  # epoch seconds of the last look (continue-as-new carries it)
 
 
 class Reconcile(Model):
@@ -338,3 +339,4 @@ class Abandoned(Model):
     job_id: str
     allocation_id: int
     started: bool = False  # the workflow had taken it up (a stop order could not reach it)
+    workflow_id_prefix: str = ""  # where the job's workflow is asked about before anything ends
