@@ -89,28 +89,33 @@ class JobActivities:
         # server's word that the workflow has ended lets its allocation go.
         verdicts = await self._workflows_ended([(a.workflow_id_prefix, a.job_id) for a in abandoned])
         for a, ended in zip(abandoned, verdicts):
-            if not ended:
+            if ended:
+                await self._abandon(a)
+            else:
                 activity.logger.warning("job %s's workflow still runs: allocation %d is kept", a.job_id,
                                         a.allocation_id)
-                continue
-            activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)
-            if a.started:
-                await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.cancelled, None, JobState.failed,
-                                             "its workflow ended while the job ran; its GPUs were taken back")
-            else:
-                await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None,
-                                             JobState.failed, "its workflow ended without taking up its placement")
 
     @activity.defn(name="reconcile_allocations")
-    async def reconcile_allocations(self, inp: Reconcile) -> list[Abandoned]:
-        """The cluster's live allocations whose job workflow no longer runs (terminated, timed
-        out, or never there), to be abandoned. A workflow that cannot be asked now counts as
-        running: only the server's word that it is closed or unknown condemns an allocation."""
+    async def reconcile_allocations(self, inp: Reconcile) -> int:
+        """Abandon the cluster's live allocations whose job workflow no longer runs (terminated,
+        timed out, or never there); returns how many. A workflow that cannot be asked now counts
+        as running: only the server's word that it is closed or unknown condemns an allocation."""
         live = await self.store.live_allocations(inp.cluster)
         verdicts = await self._workflows_ended([(inp.workflow_id_prefix, a["job_id"]) for a in live])
-        return [Abandoned(job_id=a["job_id"], allocation_id=a["id"], started=a["state"] != "placed",
-                          workflow_id_prefix=inp.workflow_id_prefix)
-                for a, gone in zip(live, verdicts) if gone]
+        for a, ended in zip(live, verdicts):
+            if ended:
+                await self._abandon(Abandoned(job_id=a["job_id"], allocation_id=a["id"],
+                                              started=a["state"] != "placed"))
+        return sum(verdicts)
+
+    async def _abandon(self, a: Abandoned) -> None:
+        activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)
+        if a.started:
+            await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.cancelled, None, JobState.failed,
+                                         "its workflow ended while the job ran; its GPUs were taken back")
+        else:
+            await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None,
+                                         JobState.failed, "its workflow ended without taking up its placement")
 
     async def _workflows_ended(self, jobs: list[tuple[str, str]]) -> list[bool]:
         """For each (workflow id prefix, job id): whether the server says its workflow is closed

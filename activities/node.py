@@ -34,9 +34,9 @@ directory after writing the bytes; the agent forwards each report to the control
 attempt's allocation id (the fencing token: the job cannot choose it) and writes the answer to
 ``checkpoint-<seq>.ack.json``. Reports are forwarded while the job runs and again after it
 exits, before the activity returns (for up to a minute while the control plane cannot be
-reached), so a checkpoint taken in the grace period is committed before the allocation ends. A resumed job's ``restored.json`` (how long it took from its launch to its
-state restored) is forwarded once, with the same allocation id: the control plane learns restart
-times from it.
+reached), so a checkpoint taken in the grace period is committed before the allocation ends. A
+resumed job's ``restored.json`` (how long it took from its launch to its state restored) is
+forwarded once, with the same allocation id: the control plane learns restart times from it.
 
 Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
 group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
@@ -78,7 +78,6 @@ _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
 _POLL = 0.05  # how often a stop looks whether the process group is gone
 _KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we stop waiting
 AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
-_run_numbers = itertools.count()
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
 
@@ -120,6 +119,9 @@ def job_env(req: RunJobInput, machine_id: str, log_path: Path,
         else:
             env.pop(var, None)  # even if req.env set it: unset means "none", documented
     return env
+
+
+_run_numbers = itertools.count()
 
 
 @dataclass(eq=False)
@@ -312,12 +314,7 @@ class NodeActivities:
         if self.report_sink is None or not report_dir.is_dir():
             return 0
         answered = 0
-        for report_file in sorted(report_dir.glob("checkpoint-*.json")):
-            if report_file.name.endswith(".ack.json"):
-                continue
-            ack_file = report_file.with_name(report_file.name[:-len(".json")] + ".ack.json")
-            if ack_file.exists():
-                continue
+        for report_file, ack_file in _unanswered(report_dir):
             try:
                 report = json.loads(report_file.read_text())
             except (OSError, ValueError) as err:
@@ -371,7 +368,7 @@ class NodeActivities:
                 return
             if loop.time() + pause > give_up:
                 log.warning("allocation %d: giving up on forwarding %s after %.0f s", allocation_id,
-                            ", ".join(left), self.final_forward_for)
+                            ", ".join(f.name for f, _ in left), self.final_forward_for)
                 return
             await asyncio.sleep(pause)
             pause = min(pause * 2, 5.0)
@@ -566,12 +563,13 @@ def _write_ack(ack_file: Path, answer: dict) -> None:
     tmp.replace(ack_file)
 
 
-def _unanswered(report_dir: Path) -> list[str]:
-    """The checkpoint reports in ``report_dir`` that have no answer yet."""
+def _unanswered(report_dir: Path) -> list[tuple[Path, Path]]:
+    """(report, where its answer goes) for each checkpoint report in ``report_dir`` not answered yet."""
     if not report_dir.is_dir():
         return []
-    return [f.name for f in sorted(report_dir.glob("checkpoint-*.json"))
-            if not f.name.endswith(".ack.json") and not f.with_name(f.name[:-len(".json")] + ".ack.json").exists()]
+    pairs = ((f, f.with_name(f.name[:-len(".json")] + ".ack.json"))
+             for f in sorted(report_dir.glob("checkpoint-*.json")) if not f.name.endswith(".ack.json"))
+    return [(report, ack) for report, ack in pairs if not ack.exists()]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -324,10 +324,10 @@ class Store:
             await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             ids = [allocation_id] if allocation_id is not None else [
                 r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_OF_JOB, job_id)]
-            ended = 0
+            ended = False
             for alloc in ids:
                 if await conn.fetchval(q.END_ALLOCATION, alloc, end.value, exit_code) is not None:
-                    ended += 1
+                    ended = True
                     await conn.execute(q.RELEASE_HOLDS, alloc)
                     await conn.execute(q.AUDIT, None, job_id, "released", end.value,
                                        json.dumps({"allocation_id": alloc, "exit_code": exit_code}))

@@ -26,6 +26,14 @@ def job(job_id: str, gpus: int = 2, team: str = "vision", **kw) -> JobRequest:
     return JobRequest(job_id=job_id, team=team, num_gpus=gpus, command=["true"], **kw)
 
 
+def started(run, store, job_id: str = "a", gpus: int = 2) -> int:
+    """Admit a job alone in the queue, place it in cycle 1 and start it; its allocation id."""
+    run(store.admit(job(job_id, gpus=gpus)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt(job_id, alloc))
+    return alloc
+
+
 @pytest.fixture
 def store_env(live_servers):
     """A fresh database with the schema, a 2 × 4-GPU cluster whose agents have reported, and a
@@ -183,9 +191,7 @@ def test_unacknowledged_placements_are_sent_again_in_later_cycles(store_env):
 
 def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store_env):
     run, store = store_env
-    run(store.admit(job("a")))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-    run(store.start_attempt("a", alloc))
+    alloc = started(run, store)
     run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for b"))
     row = run(store.pool.fetchrow("SELECT state, preemptions FROM jobs WHERE id = 'a'"))
     assert row["state"] == "queued" and len(row["preemptions"]) == 1
@@ -249,9 +255,7 @@ def test_an_unknown_machine_joins_the_fleet_by_heartbeat(store_env):
 
 def test_every_decision_and_state_change_is_audited(store_env):
     run, store = store_env
-    run(store.admit(job("a")))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-    run(store.start_attempt("a", alloc))
+    alloc = started(run, store)
     run(store.end_attempt("a", alloc, EndReason.failed, 3, JobState.failed, "exit code 3"))
     events = [e["event"] for e in run(store.audit_trail("a"))]
     assert events == ["submitted", "placed", "started", "released", "failed"]
@@ -328,9 +332,7 @@ def test_an_acknowledgement_repeated_after_a_stop_was_ordered_still_launches_so_
 
 def test_an_end_repeated_after_the_job_was_placed_again_leaves_the_new_attempt_alone(store_env):
     run, store = store_env
-    run(store.admit(job("a", gpus=4)))
-    first = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-    run(store.start_attempt("a", first))
+    first = started(run, store, gpus=4)
     run(store.end_attempt("a", first, EndReason.preempted, None, JobState.queued, "preempted: for b"))
     second = run(store.plan_cycle("c1", 2, run_cycle)).placements[0].signal.allocation_id
     run(store.end_attempt("a", first, EndReason.preempted, None, JobState.queued, "preempted: for b"))
@@ -342,9 +344,7 @@ def test_an_end_repeated_after_the_job_was_placed_again_leaves_the_new_attempt_a
 
 def test_a_late_checkpointing_mark_does_not_hide_a_requeued_job_from_the_queue(store_env):
     run, store = store_env
-    run(store.admit(job("a", gpus=4)))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-    run(store.start_attempt("a", alloc))
+    alloc = started(run, store, gpus=4)
     assert not run(store.mark_checkpointing("a"))  # running, but not asked to stop
     run(store.plan_cycle("c1", 2, stop("a")))
     assert run(store.mark_checkpointing("a"))
@@ -355,9 +355,7 @@ def test_a_late_checkpointing_mark_does_not_hide_a_requeued_job_from_the_queue(s
 
 def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):
     run, store = store_env
-    run(store.admit(job("a")))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-    run(store.start_attempt("a", alloc))
+    alloc = started(run, store)
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     verdict = run(store.admit(job("a")))
     assert not verdict.accepted and verdict.field == "job_id" and "has ended (succeeded)" in verdict.reason

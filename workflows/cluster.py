@@ -82,9 +82,9 @@ class ClusterSchedulerWorkflow:
             if workflow.patched("reconcile-abandoned-allocations") and self._reconcile_due(inp):
                 # Allocations whose job workflow ended without ending them (terminated while it
                 # ran, with no stop order to find out): nothing else would free their GPUs.
-                gone += await workflow.execute_activity(
+                await workflow.execute_activity(
                     "reconcile_allocations", Reconcile(cluster=inp.cluster, workflow_id_prefix=prefix),
-                    result_type=list[Abandoned], **CYCLE_CALL)
+                    result_type=int, **CYCLE_CALL)
             if gone:
                 await workflow.execute_activity("abandon_allocations", gone, **CYCLE_CALL)
             # 4. Continue as new before the history grows large.
