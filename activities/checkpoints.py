@@ -7,11 +7,15 @@ S3 has no rename, so the design's "write under a temporary name, then rename" be
    the same N is refused by S3 itself;
 2. it reports N through its agent, which adds the attempt's allocation id (the fencing token);
 3. here the bytes are verified against the report without reading them (S3's size, its ETag —
-   the MD5 S3 computed of a single-part upload — and the SHA-256 the writer stored with them),
+   the MD5 S3 computed of a single-part upload; a multipart upload's ETag is no MD5 of the
+   object, and each of its parts was checked by S3 against the MD5 the writer sent with it —
+   and the SHA-256 the writer stored with them),
    and the checkpoint is committed as complete in Postgres only if that allocation is still the
    job's current one. The commit is the "rename": before it the object does not exist for
    anyone, after it it is what the next attempt resumes from;
-4. once two newer checkpoints are complete, older ones (and abandoned writes) are deleted.
+4. once two newer checkpoints are complete, older ones (and abandoned writes) are deleted, and
+   unfinished multipart uploads of numbers below a committed one (a writer killed mid-upload)
+   are aborted.
 """
 
 from __future__ import annotations
@@ -80,7 +84,35 @@ class CheckpointCommitter:
                 await self.store.mark_checkpoint_deleted(job_id, seq)
             except Exception as e:  # stays listed; a later commit tries again
                 log.warning("could not delete superseded checkpoint %s: %s", key, e)
+        if ack.committed:
+            await self._abort_abandoned_uploads(job_id, report.seq)
         return ack
+
+    async def _abort_abandoned_uploads(self, job_id: str, committed_seq: int) -> None:
+        """Abort the job's unfinished multipart uploads of numbers below the one just committed:
+        their writers were killed mid-upload or have moved on, and S3 keeps (and bills) the parts
+        of an upload until it is aborted. Later numbers may still be being written. Best effort."""
+        prefix = checkpoint_prefix(job_id)
+
+        def abort() -> int:
+            aborted = 0
+            pages = self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for upload in page.get("Uploads") or []:
+                    name = upload["Key"][len(prefix):]
+                    if name.isdigit() and int(name) < committed_seq:
+                        self.s3.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                       UploadId=upload["UploadId"])
+                        aborted += 1
+            return aborted
+
+        try:
+            aborted = await asyncio.to_thread(abort)
+        except Exception as e:  # a later commit tries again
+            log.warning("could not abort abandoned uploads under %s: %s", prefix, e)
+            return
+        if aborted:
+            log.info("aborted %d abandoned checkpoint upload(s) of %s", aborted, job_id)
 
     async def _verify(self, job_id: str, report: CheckpointReport) -> str | None:
         """Why the reported bytes are not what S3 holds, or None when they are."""

@@ -44,6 +44,9 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         start, i.e. at start + k * interval.
 ``GPUSCHED_S3_ENDPOINT``, ``..._REGION`` the S3 endpoint (path-style addressing) and region
 ``GPUSCHED_S3_ACCESS_KEY``, ``..._SECRET_KEY`` S3 credentials (unset: boto3's default chain)
+``GPUSCHED_S3_PART_MB``                 the part size of uploads in MiB (default 64, at least 5); an
+                                        object larger than one part is a multipart upload
+``GPUSCHED_S3_UPLOAD_THREADS``          parts uploaded at once (default 8; memory: one part each)
 ``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
                                         reports, nothing is committed: a local run)
 ``GPUSCHED_LAUNCHED_AT``                the epoch time the agent started this process; a restore
@@ -54,10 +57,14 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
 
 Protocol (S3 has no rename: write-once keys, then a commit in the control plane's database)
 ------------------------------------------------------------------------------------------
-1. Checkpoint N's bytes go to ``<prefix>/<N:010d>`` (``checkpoints/job-1/0000000004``) with one
-   single-part ``put_object(IfNoneMatch="*")``: a conditional write that never overwrites, so the
-   object's ETag is the MD5 of its bytes. Metadata: ``sha256``, ``allocation-id``, ``attempt``,
-   ``job-id``. A 412 PreconditionFailed (or 409 ConditionalRequestConflict) means the number is
+1. Checkpoint N's bytes go to ``<prefix>/<N:010d>`` (``checkpoints/job-1/0000000004``) with a
+   conditional write that never overwrites: up to one part (``GPUSCHED_S3_PART_MB``, 64 MiB), one
+   ``put_object(IfNoneMatch="*")``, whose ETag is the MD5 of the bytes; a bigger object is a
+   multipart upload (parts sent ``GPUSCHED_S3_UPLOAD_THREADS`` at a time, each with its own
+   Content-MD5, so S3 refuses a part that is not the bytes hashed) finished by
+   ``complete_multipart_upload(IfNoneMatch="*")``, and aborted if anything fails. (S3 takes at
+   most 5 GiB in one PUT and 10,000 parts: past 625 GiB the parts grow.) Metadata: ``sha256``,
+   ``allocation-id``, ``attempt``, ``job-id``. A 412 PreconditionFailed (or 409 ConditionalRequestConflict) means the number is
    taken (an earlier attempt's uncommitted write, or another writer): this writer is refused, logs
    it, and takes the next free number (at most 20 tries; after the first refusal it lists the
    prefix to jump past every taken number, when listing is allowed). A refusal of what is in fact
@@ -127,6 +134,11 @@ EXIT_STOPPED = 0
 
 MAX_WRITE_TRIES = 20
 CHUNK = 8 * 1024 * 1024
+MIB = 1024 * 1024
+PART_MB = 64  # objects over one part go up in parts (GPUSCHED_S3_PART_MB)
+MIN_PART_MB = 5  # S3's smallest part, the last excepted
+MAX_PARTS = 10_000  # S3's most parts in one upload
+UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
@@ -162,18 +174,39 @@ def seq_key(prefix: str, seq: int) -> str:
 
 
 class _Digest:
-    def __init__(self) -> None:
+    """Size, MD5 and SHA-256 of a checkpoint's bytes; with ``part_size``, also the MD5 of each
+    part of that size (the last part shorter), which a multipart upload sends with each part."""
+
+    def __init__(self, part_size: Optional[int] = None) -> None:
         self.size = 0
-        try:
-            self._md5 = hashlib.md5(usedforsecurity=False)
-        except TypeError:  # pragma: no cover - builds without the keyword
-            self._md5 = hashlib.md5()
+        self.part_size = part_size
+        self._md5 = _new_md5()
         self._sha = hashlib.sha256()
+        self.parts: list = []  # MD5 hex of each finished part
+        self._part = _new_md5()
+        self._part_fill = 0
 
     def update(self, chunk: bytes) -> None:
         self.size += len(chunk)
         self._md5.update(chunk)
         self._sha.update(chunk)
+        if self.part_size is None:
+            return
+        view = memoryview(chunk)
+        while len(view):
+            take = min(len(view), self.part_size - self._part_fill)
+            self._part.update(view[:take])
+            self._part_fill += take
+            view = view[take:]
+            if self._part_fill == self.part_size:
+                self.parts.append(self._part.hexdigest())
+                self._part, self._part_fill = _new_md5(), 0
+
+    def finish(self) -> "_Digest":
+        if self.part_size is not None and self._part_fill:
+            self.parts.append(self._part.hexdigest())
+            self._part, self._part_fill = _new_md5(), 0
+        return self
 
     @property
     def md5(self) -> str:
@@ -184,15 +217,34 @@ class _Digest:
         return self._sha.hexdigest()
 
 
-def _digest_of(source: Source) -> _Digest:
-    d = _Digest()
+def _new_md5():
+    try:
+        return hashlib.md5(usedforsecurity=False)
+    except TypeError:  # pragma: no cover - builds without the keyword
+        return hashlib.md5()
+
+
+def _size_of(source: Source) -> int:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return memoryview(source).nbytes
+    try:
+        return os.stat(source).st_size
+    except OSError as e:
+        raise CheckpointError(f"cannot read the checkpoint file {source}: {e}") from e
+
+
+def _digest_of(source: Source, part_size: Optional[int] = None) -> _Digest:
+    d = _Digest(part_size)
     if isinstance(source, (bytes, bytearray, memoryview)):
         d.update(bytes(source))
     else:
-        with open(source, "rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                d.update(chunk)
-    return d
+        try:
+            with open(source, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    d.update(chunk)
+        except OSError as e:
+            raise CheckpointError(f"cannot read the checkpoint file {source}: {e}") from e
+    return d.finish()
 
 
 class _Location:
@@ -225,6 +277,9 @@ class _Location:
 
 class _FileStore:
     """Checkpoints in a local directory: ``os.link`` claims a name atomically, never overwriting."""
+
+    def part_size_for(self, size: int) -> Optional[int]:  # noqa: ARG002 - one piece, always
+        return None
 
     def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
         path = Path("/" + key)
@@ -276,17 +331,32 @@ class _FileStore:
 
 
 class _S3Store:
+    """Checkpoints in S3. An object of up to one part is one conditional ``put_object``; a bigger
+    one is a multipart upload whose parts go up ``threads`` at a time, each with its MD5, and whose
+    completion is the conditional write (S3 refuses a single PUT over 5 GiB, and a failed part is
+    sent again alone instead of the whole object)."""
+
     def __init__(self, endpoint: Optional[str], access_key: Optional[str], secret_key: Optional[str],
-                 region: Optional[str]):
+                 region: Optional[str], part_mb: int = PART_MB, threads: int = UPLOAD_THREADS):
         import boto3
         from botocore.config import Config
 
+        self.part_size = int(part_mb) * MIB
+        self.threads = max(1, int(threads))
         self._client = boto3.client(
             "s3", endpoint_url=endpoint or None, aws_access_key_id=access_key or None,
             aws_secret_access_key=secret_key or None, region_name=region or "us-east-1",
             config=Config(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=120,
-                          retries={"max_attempts": 5, "mode": "standard"}),
+                          retries={"max_attempts": 5, "mode": "standard"},
+                          max_pool_connections=max(10, self.threads)),
         )
+
+    def part_size_for(self, size: int) -> Optional[int]:
+        """The part size of an object of ``size`` bytes: None for a single PUT; otherwise the
+        configured size, or bigger (whole MiB) where S3's 10,000 parts would not hold it."""
+        if size <= self.part_size:
+            return None
+        return max(self.part_size, -(-size // (MAX_PARTS * MIB)) * MIB)
 
     @staticmethod
     def _code(e: Exception) -> Tuple[str, int]:
@@ -296,27 +366,79 @@ class _S3Store:
         return code, status
 
     def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
-        import base64
-
         from botocore.exceptions import BotoCoreError, ClientError
 
-        content_md5 = base64.b64encode(bytes.fromhex(digest.md5)).decode()
-        kwargs = dict(Bucket=bucket, Key=key, IfNoneMatch="*", Metadata=metadata, ContentMD5=content_md5,
-                      ContentLength=digest.size, ContentType="application/octet-stream")
         try:
+            if digest.part_size is not None:
+                return self._put_parts(bucket, key, source, digest, metadata)
+            kwargs = dict(Bucket=bucket, Key=key, IfNoneMatch="*", Metadata=metadata,
+                          ContentMD5=_b64(digest.md5), ContentLength=digest.size,
+                          ContentType="application/octet-stream")
             if isinstance(source, (bytes, bytearray, memoryview)):
                 self._client.put_object(Body=bytes(source), **kwargs)
             else:
                 with open(source, "rb") as f:
                     self._client.put_object(Body=f, **kwargs)
         except ClientError as e:
-            code, status = self._code(e)
-            if status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            if self._taken(e):
                 return False
             raise CheckpointError(f"writing s3://{bucket}/{key} failed: {e}") from e
         except BotoCoreError as e:
             raise CheckpointError(f"writing s3://{bucket}/{key} failed: {_unreachable(e)}") from e
+        except OSError as e:
+            raise CheckpointError(f"writing s3://{bucket}/{key} failed: cannot read {source}: {e}") from e
         return True
+
+    def _taken(self, e: Exception) -> bool:
+        """Whether S3 refused a conditional write because the key exists (or is being written)."""
+        code, status = self._code(e)
+        return status in (412, 409) or code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+    def _put_parts(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
+        """A multipart upload that completes only if ``key`` does not exist. Whatever goes wrong,
+        the upload is aborted, so no half-written parts stay billed in the bucket."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from botocore.exceptions import ClientError
+
+        upload_id = self._client.create_multipart_upload(
+            Bucket=bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream")["UploadId"]
+        size, step = digest.size, digest.part_size
+        assert step is not None
+
+        def send(number: int) -> Dict[str, Any]:
+            offset = (number - 1) * step
+            body = _read_part(source, offset, min(step, size - offset))
+            answer = self._client.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body,
+                ContentMD5=_b64(digest.parts[number - 1]), ContentLength=len(body))
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+
+        pool = ThreadPoolExecutor(max_workers=min(self.threads, len(digest.parts)),
+                                  thread_name_prefix="jobkit-upload")
+        try:
+            parts = list(pool.map(send, range(1, len(digest.parts) + 1)))
+            pool.shutdown()
+            self._client.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
+                IfNoneMatch="*")
+        except ClientError as e:
+            pool.shutdown(cancel_futures=True)
+            self._abort(bucket, key, upload_id)
+            if self._taken(e):
+                return False
+            raise
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            self._abort(bucket, key, upload_id)
+            raise
+        return True
+
+    def _abort(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as e:  # the control plane aborts what is left once a later one commits
+            log.warning("jobkit: could not abort the upload of s3://%s/%s: %s", bucket, key, e)
 
     def head(self, bucket: str, key: str) -> Optional[Dict[str, str]]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -364,6 +486,26 @@ class _S3Store:
         return d, dict(response.get("Metadata") or {})
 
 
+def _b64(md5_hex: str) -> str:
+    """An MD5 as S3's Content-MD5 header wants it."""
+    import base64
+
+    return base64.b64encode(bytes.fromhex(md5_hex)).decode()
+
+
+def _read_part(source: Source, offset: int, length: int) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(memoryview(source)[offset:offset + length])
+    with open(source, "rb") as f:
+        f.seek(offset)
+        body = f.read(length)
+    if len(body) != length:
+        # Shorter than when it was hashed: the file changed while being saved.
+        raise CheckpointError(f"{source} changed while it was being written (read {len(body)} bytes "
+                              f"at {offset}, expected {length})")
+    return body
+
+
 def _unreachable(e: Exception) -> str:
     """A botocore error that is no answer from S3, in words that point at the likely cause."""
     name = type(e).__name__
@@ -397,6 +539,15 @@ def _float_env(env: Mapping[str, str], name: str) -> Optional[float]:
     return value
 
 
+def _int_env(env: Mapping[str, str], name: str, least: int) -> Optional[int]:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < least:
+        raise CheckpointError(f"{name}={raw!r} must be a whole number >= {least}")
+    return int(raw)
+
+
 class Checkpointer:
     """Saves and restores one job's checkpoints; see the module docstring for the protocol.
 
@@ -424,6 +575,8 @@ class Checkpointer:
         s3_access_key: Optional[str] = None,
         s3_secret_key: Optional[str] = None,
         s3_region: Optional[str] = None,
+        s3_part_mb: int = PART_MB,
+        s3_upload_threads: int = UPLOAD_THREADS,
         ack_timeout: float = 30.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -446,7 +599,10 @@ class Checkpointer:
         self.launched_at = None if launched_at is None else float(launched_at)
         self.restart_seconds: Optional[float] = None  # launch to state restored, once restored
         self.job_id, self.allocation_id, self.attempt = str(job_id), str(allocation_id), str(attempt)
-        self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region)
+        if int(s3_part_mb) < MIN_PART_MB:
+            raise CheckpointError(f"s3_part_mb={s3_part_mb}: S3's parts are at least {MIN_PART_MB} MiB")
+        self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region, int(s3_part_mb),
+                    max(1, int(s3_upload_threads)))
         self._stores: Dict[str, Any] = {}
         self.ack_timeout = float(ack_timeout)
         self._clock, self._monotonic = clock, monotonic
@@ -483,6 +639,11 @@ class Checkpointer:
             s3_secret_key=env.get("GPUSCHED_S3_SECRET_KEY") or None,
             s3_region=env.get("GPUSCHED_S3_REGION") or None,
         )
+        for name, key, least in (("GPUSCHED_S3_PART_MB", "s3_part_mb", MIN_PART_MB),
+                                 ("GPUSCHED_S3_UPLOAD_THREADS", "s3_upload_threads", 1)):
+            value = _int_env(env, name, least)
+            if value is not None:
+                kwargs[key] = value
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -563,7 +724,7 @@ class Checkpointer:
             self._reference = self._clock()
             location = self._location
             store = self._store(location.scheme)
-            digest = _digest_of(data)
+            digest = _digest_of(data, store.part_size_for(_size_of(data)))
             metadata = {"sha256": digest.sha256, "allocation-id": self.allocation_id,
                         "attempt": self.attempt, "job-id": self.job_id}
             seq, refused = self.next_seq, []

@@ -25,6 +25,7 @@ class Env:
 
     def __init__(self, live_servers):
         self.loop = asyncio.new_event_loop()
+        self.servers = live_servers
         self.s3 = live_servers.s3_client()
         self.bucket = live_servers.s3_bucket
         self.store = self.run(Store.connect(live_servers.migrated_database("ckpt")))
@@ -58,6 +59,24 @@ class Env:
                            Metadata={"sha256": sha256 or digest})
         return CheckpointReport(seq=seq, key=key, size=len(data), sha256=digest,
                                 md5=hashlib.md5(data).hexdigest(), progress=float(seq))
+
+    def write_in_parts(self, seq: int, data: bytes) -> CheckpointReport:
+        """Checkpoint ``seq`` written as a job writes it (jobkit), in 5 MiB parts."""
+        from jobkit import Checkpointer
+
+        s = self.servers
+        writer = Checkpointer(f"s3://{self.bucket}/{checkpoint_prefix(self.job)}", job_id=self.job,
+                              allocation_id=str(self.allocation), s3_endpoint=s.s3_endpoint,
+                              s3_access_key=s.s3_access_key, s3_secret_key=s.s3_secret_key,
+                              s3_region=s.s3_region, s3_part_mb=5)
+        writer.next_seq = seq
+        saved = writer.save(data)
+        assert saved.seq == seq
+        return CheckpointReport(seq=seq, key=saved.key, size=saved.size, sha256=saved.sha256, md5=saved.md5)
+
+    def uploads(self) -> list[str]:
+        answer = self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=checkpoint_prefix(self.job))
+        return sorted(u["Key"] for u in answer.get("Uploads") or [])
 
     def commit(self, report: CheckpointReport, allocation: int | None = None):
         return self.run(self.committer.commit(self.job, allocation or self.allocation, report))
@@ -202,3 +221,20 @@ def test_clearing_superseded_checkpoints_deletes_only_the_jobs_own_keys(env):
     assert env.exists(theirs)
     assert [(c.seq, c.deleted) for c in env.run(env.store.checkpoints(env.job))] == [
         (1, True), (2, True), (3, False), (4, False)]
+
+
+def test_a_checkpoint_written_in_parts_commits_and_the_uploads_abandoned_below_it_are_aborted(env):
+    prefix = checkpoint_prefix(env.job)
+    killed = env.s3.create_multipart_upload(Bucket=env.bucket, Key=f"{prefix}0000000001")  # mid-upload
+    env.s3.upload_part(Bucket=env.bucket, Key=f"{prefix}0000000001", UploadId=killed["UploadId"],
+                       PartNumber=1, Body=b"x" * 5 * 2**20)
+    env.s3.create_multipart_upload(Bucket=env.bucket, Key=f"{prefix}0000000003")  # still being written
+    report = env.write_in_parts(2, bytes(range(256)) * (11 * 2**20 // 256))
+    assert "-" in env.s3.head_object(Bucket=env.bucket, Key=report.key)["ETag"]
+    assert env.uploads() == [f"{prefix}0000000001", f"{prefix}0000000003"]
+
+    assert env.commit(report).committed
+    assert env.uploads() == [f"{prefix}0000000003"]
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 2

@@ -14,9 +14,14 @@ import time
 import uuid
 from pathlib import Path
 
+import random
+
 import pytest
 
+import jobkit
 from jobkit import EXIT_STOPPED, Checkpointer, CheckpointError, seq_key
+
+MIB = 1024 * 1024
 
 
 def md5(data: bytes) -> str:
@@ -25,6 +30,10 @@ def md5(data: bytes) -> str:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def noise(size: int, seed: int = 1) -> bytes:
+    return random.Random(seed).getrandbits(8 * size).to_bytes(size, "little")
 
 
 def local(tmp_path: Path, **kw) -> Checkpointer:
@@ -133,6 +142,9 @@ def test_the_writers_own_earlier_write_counts_as_written(tmp_path):
 
 def test_the_number_of_tries_is_bounded(tmp_path):
     class Full:
+        def part_size_for(self, size):
+            return None
+
         def put_new(self, *a):
             return False
 
@@ -266,6 +278,43 @@ def test_bad_settings_are_named():
         Checkpointer.from_env({"GPUSCHED_RESUME_SEQ": "three"})
     with pytest.raises(CheckpointError, match="only s3:// and file://"):
         Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "gs://bucket/x/"})
+    with pytest.raises(CheckpointError, match="GPUSCHED_S3_PART_MB='4' must be a whole number >= 5"):
+        Checkpointer.from_env({"GPUSCHED_S3_PART_MB": "4"})
+    for threads in ("0", "many"):
+        with pytest.raises(CheckpointError, match="GPUSCHED_S3_UPLOAD_THREADS"):
+            Checkpointer.from_env({"GPUSCHED_S3_UPLOAD_THREADS": threads})
+
+
+def test_a_checkpoint_file_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot read the checkpoint file"):
+        local(tmp_path).save(str(tmp_path / "missing.bin"))
+
+
+@pytest.mark.parametrize("name, size, part", [
+    ("an object of exactly two parts", 2 * 5 * MIB, 5 * MIB),
+    ("an object one byte over a part", 5 * MIB + 1, 5 * MIB),
+    ("parts that straddle the chunks the file is read in", 3 * 7 * MIB + 5, 7 * MIB),
+])
+def test_the_digest_hashes_each_part_as_s3_checks_it(tmp_path, name, size, part):
+    data = noise(size)
+    path = tmp_path / "state.bin"
+    path.write_bytes(data)
+    for source in (path, data):
+        digest = jobkit._digest_of(source, part)
+        assert digest.parts == [md5(data[i:i + part]) for i in range(0, size, part)], name
+        assert (digest.size, digest.md5, digest.sha256) == (size, md5(data), sha(data)), name
+
+
+@pytest.mark.parametrize("name, size, expected", [
+    ("up to one part is a single PUT", 64 * MIB, None),
+    ("a bigger object goes up in parts of the configured size", 64 * MIB + 1, 64 * MIB),
+    ("past 10,000 parts the parts grow, in whole MiB", 1024**4, 105 * MIB),
+])
+def test_the_part_size_keeps_any_object_within_s3s_limits(name, size, expected):
+    store = jobkit._S3Store(None, "key", "secret", None, part_mb=64)
+    assert store.part_size_for(size) == expected, name
+    if expected is not None:
+        assert math.ceil(size / expected) <= 10_000, name
 
 
 @pytest.mark.parametrize("name, env, words", [
@@ -406,3 +455,52 @@ def test_s3_conditional_writes_metadata_and_restore(live_servers):
     s3.put_object(Bucket=bucket, Key=bad_key, Body=b"tampered", Metadata={"sha256": sha(b"original")})
     with pytest.raises(CheckpointError, match="corrupted"):
         Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=f"s3://{bucket}/{bad_key}")).restore()
+
+
+@pytest.mark.live
+def test_a_checkpoint_bigger_than_a_part_goes_up_in_parts_and_is_still_written_once(live_servers, tmp_path):
+    prefix = f"checkpoints/jobkit-{uuid.uuid4().hex[:8]}"
+    s3, bucket = live_servers.s3_client(), live_servers.s3_bucket
+    data = noise(12 * MIB + 3)
+    source = tmp_path / "state.bin"
+    source.write_bytes(data)
+    parts = dict(GPUSCHED_S3_PART_MB="5", GPUSCHED_S3_UPLOAD_THREADS="2")
+
+    saved = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_ALLOCATION_ID="11", **parts)).save(str(source))
+    head = s3.head_object(Bucket=bucket, Key=saved.key)
+    assert head["ETag"].strip('"').endswith("-3")  # three parts: 5, 5 and 2 MiB
+    assert (head["ContentLength"], head["Metadata"]["sha256"]) == (len(data), sha(data))
+
+    # The completion is the conditional write: a second writer is refused number 1 and takes 2.
+    other = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_ALLOCATION_ID="12", **parts)).save(data[::-1])
+    assert (other.seq, other.refused) == (2, (1,))
+    assert s3.head_object(Bucket=bucket, Key=saved.key)["Metadata"]["sha256"] == sha(data)
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads") is None
+
+    back = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=saved.uri,
+                                        GPUSCHED_RESUME_SHA256=saved.sha256))
+    assert back.restore_to(tmp_path / "back.bin").read_bytes() == data
+
+
+@pytest.mark.live
+def test_a_file_that_changes_while_it_is_saved_is_refused_and_its_upload_aborted(live_servers, tmp_path,
+                                                                                 monkeypatch):
+    prefix = f"checkpoints/jobkit-{uuid.uuid4().hex[:8]}"
+    s3, bucket = live_servers.s3_client(), live_servers.s3_bucket
+    source = tmp_path / "state.bin"
+    source.write_bytes(noise(11 * MIB))
+    hashed = jobkit._digest_of
+
+    def then_changed(src, part_size=None):
+        digest = hashed(src, part_size)
+        with open(source, "r+b") as f:  # the training loop writes on after the hash was taken
+            f.seek(7 * MIB)
+            f.write(b"later bytes")
+        return digest
+
+    monkeypatch.setattr(jobkit, "_digest_of", then_changed)
+    ck = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_S3_PART_MB="5"))
+    with pytest.raises(CheckpointError, match="BadDigest"):
+        ck.save(str(source))
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount") == 0
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads") is None
