@@ -38,6 +38,13 @@ reached), so a checkpoint taken in the grace period is committed before the allo
 resumed job's ``restored.json`` (how long it took from its launch to its state restored) is
 forwarded once, with the same allocation id: the control plane learns restart times from it.
 
+A job that dies on a failing GPU: when a run exits non-zero (not stopped by us), the agent reads
+its GPUs' health at once (``gpu_faults``). A GPU of the run with a fault that can kill a process
+(``workers.devices.kills_processes``: an XID, uncorrectable ECC errors, fallen off the bus, NVML
+failing; not throttling) is named in the result's ``gpu_faults``, and the workflow requeues the
+job as a machine failure: a CUDA process usually dies of such a fault before any heartbeat
+reports it.
+
 Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
 group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
 has any processes it left behind in its group killed at once, so nothing keeps holding the GPUs.
@@ -70,6 +77,8 @@ log = logging.getLogger("gpusched.node")
 
 # (job id, allocation id, report) → the control plane's answer {"committed": bool, "reason": str}
 ReportSink = Callable[[str, int, dict], Awaitable[dict]]
+# GPU indices → the faults those GPUs show now that could kill a process on them ("GPU 3: xid:79")
+GpuFaultSource = Callable[[list[int]], Awaitable[list[str]]]
 REPORT_EVERY = 0.2  # seconds between looks into a running job's report directory
 
 TAIL_LINES = 20
@@ -149,8 +158,11 @@ class NodeActivities:
     def __init__(self, machine_id: str, log_dir: Path, heartbeat_every: float = 1.0,
                  shutdown_grace: float | None = None, remember_finished: int = 1024,
                  report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
-                 restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR):
+                 restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR,
+                 gpu_faults: GpuFaultSource | None = None):
         self.machine_id = machine_id
+        # Asked when a run fails: whether one of its GPUs is failing (None: never asked).
+        self.gpu_faults = gpu_faults
         # Where checkpoint reports and restart times go (the control plane), and what a job needs
         # to write to the checkpoint store (endpoint and credentials), given to jobs that checkpoint.
         self.report_sink = report_sink
@@ -426,16 +438,20 @@ class NodeActivities:
                 await _group_gone(run.process.pid)
             # Checkpoints written up to the exit (a stop's included) are committed before the
             # activity returns, and so before the workflow ends the allocation.
+            stopped = run.stopper is not None
+            gpu_faults = await self._gpu_faults(run) if returncode != 0 and not stopped else []
             await self._forward_last(run.req.job_id, alloc, self._report_dir(run.req))
             result = RunJobResult(
                 exit_code=returncode if returncode >= 0 else None,
                 signal=-returncode if returncode < 0 else None,
-                stopped=run.stopper is not None,
+                stopped=stopped,
                 log_path=str(run.log_path),
                 last_log_lines=_tail(run.log_path, run.body_offset),
+                gpu_faults=gpu_faults,
             )
             _append(run.log_path, f"# gpusched {_now()} ended: exit_code={result.exit_code} "
-                                  f"signal={result.signal} stopped={result.stopped}\n")
+                                  f"signal={result.signal} stopped={result.stopped}"
+                                  + (f" gpu_faults={','.join(gpu_faults)}" if gpu_faults else "") + "\n")
             log.info("allocation %d: job %s ended (exit %s, signal %s, stopped %s)", alloc,
                      run.req.job_id, result.exit_code, result.signal, result.stopped)
             return result
@@ -451,6 +467,21 @@ class NodeActivities:
                 self.finished[alloc] = result
                 while len(self.finished) > self.remember_finished:
                     self.finished.popitem(last=False)
+
+    async def _gpu_faults(self, run: _Run) -> list[str]:
+        """The faults that could have killed the run shown now by its GPUs ("GPU 3: xid:79")."""
+        if self.gpu_faults is None:
+            return []
+        try:
+            faults = await self.gpu_faults([g.index for g in run.req.gpus])
+        except Exception as err:  # no reading: the exit counts as the job's own
+            log.warning("allocation %d: cannot read GPU health after its failure: %s",
+                        run.req.allocation_id, err)
+            return []
+        if faults:
+            log.warning("allocation %d: the job died on a failing GPU (%s)", run.req.allocation_id,
+                        ", ".join(faults))
+        return faults
 
     def _prepare(self, run: _Run) -> None:
         """The agent's own part of a start: an error here is the machine's, not the job's."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -89,3 +90,30 @@ def test_an_unhealthy_gpu_leaves_the_inventory_alone_and_its_job_moves_with_a_ch
     assert s.wait("sick", timeout=90).state == "succeeded"
     neighbour = s.wait("neighbour", timeout=60)
     assert neighbour.state == "succeeded" and bad not in neighbour.attempts[0].gpus
+
+
+def test_a_job_that_dies_as_its_gpu_fails_is_requeued_off_that_gpu_instead_of_failed(stack):
+    s = stack(machines=2, gpus=4, policy={"min_runtime": 0})
+    # The first attempt's GPU fails under it (an XID, as the fake device reports it) and the
+    # process dies of it at once, long before any heartbeat could move the job.
+    dies_with_its_gpu = f"""
+import os, pathlib, sys
+from workers import devices
+from workers.settings import machine_component
+if os.environ["GPUSCHED_ATTEMPT"] == "1":
+    faults = pathlib.Path({str(s.data_dir / "faults")!r}) / (machine_component(os.environ["GPUSCHED_MACHINE_ID"]) + ".json")
+    devices.inject_fault(faults, int(os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]), "xid:79")
+    print("CUDA error: unspecified launch failure", flush=True)
+    sys.exit(1)
+print("ran on", os.environ["GPUSCHED_GPUS"])
+"""
+    s.submit("crash", 2, [sys.executable, "-c", dies_with_its_gpu])
+    view = s.wait("crash", timeout=60)
+    assert view.state == "succeeded" and view.exit_code == 0
+    first, second = view.attempts
+    bad = first.gpus[0]
+    assert first.end_reason == "machine_failure" and bad not in second.gpus
+    assert f"gpu_faults=GPU {bad.rsplit('/', 1)[1]}: xid:79" in s.log("crash", attempt=1)
+    snapshot = s.run(s.client.store.snapshot("c1"))
+    assert int(bad.rsplit("/", 1)[1]) in next(m.unhealthy_gpus for m in snapshot.machines
+                                               if m.id == machine_of(bad))

@@ -164,6 +164,41 @@ def test_a_finished_job_reports_its_exit_and_last_lines(tmp_path, name, code, ex
     assert not any(line.startswith("# gpusched") for line in result.last_log_lines)
 
 
+@pytest.mark.parametrize("name, code, reading, asked, gpu_faults", [
+    ("a job that dies as one of its GPUs fails names the fault", "import sys; sys.exit(1)",
+     ["GPU 1: xid:79"], [[3, 1]], ["GPU 1: xid:79"]),
+    ("a job that dies on healthy GPUs died of itself", "import sys; sys.exit(1)", [], [[3, 1]], []),
+    ("a job killed by a signal not ours is asked about too", "import os; os.kill(os.getpid(), 9)",
+     ["GPU 3: lost"], [[3, 1]], ["GPU 3: lost"]),
+    ("a job that succeeds is not asked about its GPUs", "print('done')", ["GPU 1: xid:79"], [], []),
+])
+def test_a_failed_job_names_the_faults_its_gpus_show_as_it_dies(tmp_path, name, code, reading, asked,
+                                                                 gpu_faults):
+    questions = []
+
+    async def failing_gpus(indices):
+        questions.append(indices)
+        return reading
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, gpu_faults=failing_gpus)
+    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    assert (questions, result.gpu_faults) == (asked, gpu_faults), name
+
+
+def test_a_stopped_job_is_not_asked_about_its_gpus(tmp_path):
+    async def failing_gpus(indices):
+        raise AssertionError("asked")
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, gpu_faults=failing_gpus)
+
+    async def scenario():
+        return await cancel_after_start(node, job(IGNORES_TERM, allocation_id=6, grace_period=0.2))
+
+    raised, _ = run(scenario())
+    assert isinstance(raised, asyncio.CancelledError)
+    assert node.finished[6].stopped and node.finished[6].gpu_faults == []
+
+
 @pytest.mark.parametrize("name, command, exit_code", [
     ("a command that does not exist fails with 127", ["/no/such/trainer", "--lr", "1"], 127),
     ("a file that cannot be executed fails with 126", ["{tmp}"], 126),
@@ -518,3 +553,44 @@ def test_the_agent_stops_a_job_whose_allocation_the_api_dropped(tmp_path):
     path, body = beats[0]
     assert path == f"/machines/{MACHINE}/heartbeat"
     assert body["running_allocations"] == [21] and len(body["gpus"]) == 4
+
+
+def test_the_agent_names_the_faults_that_kill_and_tells_the_control_plane_at_once(tmp_path):
+    import httpx
+
+    from workers.agent import Agent
+    from workers.devices import ECC_UNCORRECTABLE, THERMAL_THROTTLE, FakeDevices, inject_fault
+    from workers.settings import Settings
+
+    faults = tmp_path / "faults.json"
+    beats = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        beats.append({g["index"]: g["faults"] for g in json.loads(request.content)["gpus"]})
+        return httpx.Response(200, json={"live_allocations": []})
+
+    async def scenario():
+        node = node_in(tmp_path)
+        agent = Agent(MACHINE, Settings(api_url="http://api"), FakeDevices(4, fault_file=faults), node,
+                      interval=60, orphan_grace=1.0)
+        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(api))
+        node.gpu_faults = agent.failing_gpus
+        # The job dies as its GPU falls off the bus; the other GPU it holds only runs hot.
+        dies = f"""
+            from workers.devices import inject_fault
+            inject_fault(__import__("pathlib").Path({str(faults)!r}), 3, "xid:79")
+            raise SystemExit(1)
+        """
+        inject_fault(faults, 1, THERMAL_THROTTLE)
+        inject_fault(faults, 2, ECC_UNCORRECTABLE)  # not the job's GPU
+        sick = await ActivityEnvironment().run(node.run_job, job(dies, allocation_id=7))
+        beats_after_sick = len(beats)
+        hot = await ActivityEnvironment().run(node.run_job, job("raise SystemExit(1)", allocation_id=8,
+                                                                gpus=[GpuGrant(index=1, path=f"{MACHINE}/1")]))
+        await agent.close()
+        return sick, beats_after_sick, hot
+
+    sick, beats_after_sick, hot = run(scenario())
+    assert sick.gpu_faults == ["GPU 3: xid:79"]
+    assert beats_after_sick == 1 and beats[0][3] == ["xid:79"]  # sent before the attempt ended
+    assert hot.gpu_faults == [] and len(beats) == 1

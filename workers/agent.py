@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from activities.node import NodeActivities
-from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices
+from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     Settings,
     connect_temporal,
@@ -192,6 +192,17 @@ class Agent:
     async def health(self) -> list[GpuHealth]:
         return await self.health_reader.read()
 
+    async def failing_gpus(self, indices: list[int]) -> list[str]:
+        """The faults that could kill a process that these GPUs show now ("GPU 3: xid:79"),
+        asked when a job fails. Any, and a heartbeat goes out at once: the scheduler must know the
+        GPU is sick before the job, requeued, comes up in its next cycle."""
+        wanted = set(indices)
+        faults = [f"GPU {r.index}: {fault}" for r in sorted(await self.health(), key=lambda r: r.index)
+                  if r.index in wanted for fault in r.faults if kills_processes(fault)]
+        if faults:
+            await self.heartbeat()
+        return faults
+
     async def heartbeat(self) -> httpx.Response | None:
         """One heartbeat; the response, or None when the API could not be reached."""
         running = self.node.live_allocations()
@@ -316,6 +327,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                                                   job, alloc, report))
     agent = Agent(args.machine_id, settings, devices, node, args.heartbeat_interval,
                   args.orphan_grace)
+    node.gpu_faults = agent.failing_gpus
     log.info("agent of %s: %d %s GPUs (%s), API %s, Temporal %s, queue %s", args.machine_id,
              len(agent.inventory), ",".join(sorted({g.gpu_type for g in agent.inventory})),
              devices.kind, settings.api_url, settings.temporal_address,

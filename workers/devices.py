@@ -53,6 +53,12 @@ def xid_fault(code: int) -> str:
     return f"xid:{code}"
 
 
+def kills_processes(fault: str) -> bool:
+    """Whether a process on a GPU with this fault may have died of it: every fault but
+    throttling, which slows a GPU down and kills nothing."""
+    return fault not in (THERMAL_THROTTLE, POWER_THROTTLE)
+
+
 # XIDs after which the GPU should not take work until it is reset or drained:
 # 48 double-bit ECC, 63/64 row-remapping events and failures, 74 NVLink error, 79 fallen off the
 # bus, 92 high single-bit ECC rate, 94/95 contained/uncontained ECC errors. Application XIDs (13,

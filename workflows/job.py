@@ -275,8 +275,13 @@ class JobWorkflow:
         if failed:
             await self._stop(runs)
             result = failed[0]
-            lines = "\n".join(result.last_log_lines[-LOG_LINES_IN_REASON:])
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
+            sick = [fault for r in failed for fault in r.gpu_faults]
+            if sick and workflow.patched("gpu-fault-requeues"):
+                # A process that dies as its GPU fails died of the GPU: the job is not at fault.
+                return self._count_infra_failure(
+                    EndReason.machine_failure, f"it died ({how}) on a failing GPU ({', '.join(sick)})")
+            lines = "\n".join(result.last_log_lines[-LOG_LINES_IN_REASON:])
             return EndReason.failed, result.exit_code, JobState.failed, f"the command failed with {how}:\n{lines}"
         return EndReason.completed, 0, JobState.succeeded, "completed"
 
@@ -288,6 +293,9 @@ class JobWorkflow:
             end, why = EndReason.machine_failure, "its machine's agent stopped heartbeating"
         else:
             end, why = EndReason.machine_failure, f"the agent failed: {cause}"
+        return self._count_infra_failure(end, why)
+
+    def _count_infra_failure(self, end: EndReason, why: str) -> tuple[EndReason, int | None, JobState, str]:
         self.infra_failures += 1
         if self.infra_failures >= MAX_INFRA_FAILURES:
             return end, None, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures)"

@@ -159,6 +159,9 @@ class RunJobResult(Model):
     stopped: bool = False  # we stopped it (preemption or cancel)
     log_path: str
     last_log_lines: list[str] = Field(default_factory=list)
+    # A failed run: the faults its GPUs showed when it died ("GPU 3: xid:79"). Any, and the GPU,
+    # not the job, is taken for the cause: the job is requeued instead of failed.
+    gpu_faults: list[str] = Field(default_factory=list)
 
 
 class AttemptView(Model):
