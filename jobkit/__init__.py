@@ -47,6 +47,11 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
 ``GPUSCHED_S3_PART_MB``                 the part size of uploads in MiB (default 64, at least 5); an
                                         object larger than one part is a multipart upload
 ``GPUSCHED_S3_UPLOAD_THREADS``          parts uploaded at once (default 8; memory: one part each)
+``GPUSCHED_S3_RETRY_S``                 how long a restore, and a save after SIGTERM, keep asking a
+                                        store that does not answer (or answers 5xx) before raising
+                                        :class:`CheckpointStoreUnreachable` (default 300; a save
+                                        never past the grace deadline; a scheduled save does not
+                                        wait: it raises at once, and the job saves when next due)
 ``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
                                         reports, nothing is committed: a local run)
 ``GPUSCHED_LAUNCHED_AT``                the epoch time the agent started this process; a restore
@@ -125,7 +130,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import unquote, urlparse
 
-__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "EXIT_STOPPED", "seq_key"]
+__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointStoreUnreachable", "EXIT_STOPPED",
+           "seq_key"]
 
 log = logging.getLogger("jobkit")
 
@@ -139,6 +145,7 @@ PART_MB = 64  # objects over one part go up in parts (GPUSCHED_S3_PART_MB)
 MIN_PART_MB = 5  # S3's smallest part, the last excepted
 MAX_PARTS = 10_000  # S3's most parts in one upload
 UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
+S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable store (GPUSCHED_S3_RETRY_S)
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
@@ -146,6 +153,13 @@ Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 
 class CheckpointError(Exception):
     """A checkpoint could not be written, reported or restored; the message says why."""
+
+
+class CheckpointStoreUnreachable(CheckpointError):
+    """The checkpoint store gave no answer (no connection, a timeout) or a server-side error
+    (5xx, SlowDown): nothing is known to be wrong with the checkpoint, and asking again later may
+    work. ``restore``, and ``save`` once a stop was asked, keep asking for ``GPUSCHED_S3_RETRY_S``
+    before raising it."""
 
 
 @dataclass(frozen=True)
@@ -382,12 +396,26 @@ class _S3Store:
         except ClientError as e:
             if self._taken(e):
                 return False
-            raise CheckpointError(f"writing s3://{bucket}/{key} failed: {e}") from e
+            raise self._failure(f"writing s3://{bucket}/{key}", e) from e
         except BotoCoreError as e:
-            raise CheckpointError(f"writing s3://{bucket}/{key} failed: {_unreachable(e)}") from e
+            raise self._failure(f"writing s3://{bucket}/{key}", e) from e
         except OSError as e:
             raise CheckpointError(f"writing s3://{bucket}/{key} failed: cannot read {source}: {e}") from e
         return True
+
+    def _failure(self, what: str, e: Exception) -> CheckpointError:
+        """The error to raise for a botocore error: ``CheckpointStoreUnreachable`` when S3 gave no
+        answer or a server-side one (worth asking again), else ``CheckpointError``."""
+        from botocore.exceptions import ClientError
+
+        if isinstance(e, ClientError):
+            code, status = self._code(e)
+            if status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"):
+                return CheckpointStoreUnreachable(f"{what} failed: {e}")
+            return CheckpointError(f"{what} failed: {e}")
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            return CheckpointError(f"{what} failed: {_unreachable(e)}")
+        return CheckpointStoreUnreachable(f"{what} failed: {_unreachable(e)}")
 
     def _taken(self, e: Exception) -> bool:
         """Whether S3 refused a conditional write because the key exists (or is being written)."""
@@ -445,10 +473,13 @@ class _S3Store:
 
         try:
             return dict(self._client.head_object(Bucket=bucket, Key=key).get("Metadata") or {})
-        except ClientError:
+        except ClientError as e:
+            failure = self._failure(f"looking up s3://{bucket}/{key}", e)
+            if isinstance(failure, CheckpointStoreUnreachable):
+                raise failure from e
             return None
         except BotoCoreError as e:
-            raise CheckpointError(f"looking up s3://{bucket}/{key} failed: {_unreachable(e)}") from e
+            raise self._failure(f"looking up s3://{bucket}/{key}", e) from e
 
     def max_seq(self, bucket: str, prefix: str) -> Optional[int]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -476,10 +507,8 @@ class _S3Store:
             for chunk in iter(lambda: body.read(CHUNK), b""):
                 d.update(chunk)
                 out.write(chunk)
-        except ClientError as e:
-            raise CheckpointError(f"reading s3://{bucket}/{key} failed: {e}") from e
-        except BotoCoreError as e:
-            raise CheckpointError(f"reading s3://{bucket}/{key} failed: {_unreachable(e)}") from e
+        except (ClientError, BotoCoreError) as e:
+            raise self._failure(f"reading s3://{bucket}/{key}", e) from e
         length = response.get("ContentLength")
         if length is not None and int(length) != d.size:
             raise CheckpointError(f"s3://{bucket}/{key}: read {d.size} bytes, the object has {length}")
@@ -577,9 +606,11 @@ class Checkpointer:
         s3_region: Optional[str] = None,
         s3_part_mb: int = PART_MB,
         s3_upload_threads: int = UPLOAD_THREADS,
+        s3_retry_for: float = S3_RETRY_FOR,
         ack_timeout: float = 30.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         self.checkpoint_uri = checkpoint_uri or None
         self._location = _Location(self.checkpoint_uri) if self.checkpoint_uri else None
@@ -604,8 +635,9 @@ class Checkpointer:
         self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region, int(s3_part_mb),
                     max(1, int(s3_upload_threads)))
         self._stores: Dict[str, Any] = {}
+        self.s3_retry_for = float(s3_retry_for)
         self.ack_timeout = float(ack_timeout)
-        self._clock, self._monotonic = clock, monotonic
+        self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
         self.started_at = clock()
         self._reference = self.started_at  # when the last save began (or the start)
         self.stop_requested = False
@@ -639,6 +671,9 @@ class Checkpointer:
             s3_secret_key=env.get("GPUSCHED_S3_SECRET_KEY") or None,
             s3_region=env.get("GPUSCHED_S3_REGION") or None,
         )
+        retry_for = _float_env(env, "GPUSCHED_S3_RETRY_S")
+        if retry_for is not None:
+            kwargs["s3_retry_for"] = retry_for
         for name, key, least in (("GPUSCHED_S3_PART_MB", "s3_part_mb", MIN_PART_MB),
                                  ("GPUSCHED_S3_UPLOAD_THREADS", "s3_upload_threads", 1)):
             value = _int_env(env, name, least)
@@ -728,11 +763,12 @@ class Checkpointer:
             metadata = {"sha256": digest.sha256, "allocation-id": self.allocation_id,
                         "attempt": self.attempt, "job-id": self.job_id}
             seq, refused = self.next_seq, []
+            patiently = self._patiently(self._save_deadline())
             for _ in range(MAX_WRITE_TRIES):
                 key = seq_key(location.key, seq)
-                if store.put_new(location.bucket, key, data, digest, metadata):
+                if patiently(f"writing checkpoint {seq}", store.put_new, location.bucket, key, data, digest, metadata):
                     break
-                theirs = store.head(location.bucket, key)
+                theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
                 if theirs is not None and all(theirs.get(k) == v for k, v in metadata.items()):
                     log.info("jobkit: checkpoint %d was already written by this allocation", seq)
                     break
@@ -741,7 +777,7 @@ class Checkpointer:
                             "another writer); this writer is refused and tries the next", seq)
                 nxt = seq + 1
                 if len(refused) == 1:
-                    top = store.max_seq(location.bucket, location.key)
+                    top = patiently("listing checkpoints", store.max_seq, location.bucket, location.key)
                     if top is not None:
                         nxt = max(nxt, top + 1)
                 seq = nxt
@@ -759,6 +795,40 @@ class Checkpointer:
                                 refused=tuple(refused))
             self.last_save = result
             return result
+
+    def _save_deadline(self) -> float:
+        """Until when (monotonic) a save keeps asking an unreachable store. A scheduled save does
+        not wait: the job trains on and saves when next due. A save after a stop was asked is the
+        last one, so it keeps asking, up to the grace deadline less the reserve for exiting."""
+        now = self._monotonic()
+        if not self.stop_requested:
+            return now
+        deadline = now + self.s3_retry_for
+        if self._stop_deadline is not None:
+            deadline = min(deadline, self._stop_deadline - min(1.0, (self.grace_period or 0.0) / 10))
+        return deadline
+
+    def _patiently(self, deadline: float) -> Callable[..., Any]:
+        """A caller of store operations that, while the store is unreachable, asks again with
+        backoff (1, 2, 4 ... 30 s) until ``deadline`` (monotonic), then raises the last error."""
+
+        def call(what: str, operation: Callable[..., Any], *args: Any) -> Any:
+            pause = 1.0
+            while True:
+                try:
+                    return operation(*args)
+                except CheckpointStoreUnreachable as e:
+                    left = deadline - self._monotonic()
+                    if left <= pause:
+                        raise CheckpointStoreUnreachable(
+                            f"{e} (still unreachable after retrying for {self.s3_retry_for:g} s at most: "
+                            "GPUSCHED_S3_RETRY_S)") from e
+                    log.warning("jobkit: %s: the checkpoint store is unreachable (%s); asking again in "
+                                "%.0f s", what, e, pause)
+                    self._sleep(pause)
+                    pause = min(pause * 2, 30.0)
+
+        return call
 
     def _ack_deadline(self, began: float) -> float:
         deadline = began + self.ack_timeout
@@ -846,7 +916,15 @@ class Checkpointer:
     def _download(self, out: IO[bytes]) -> None:
         assert self.resume_from is not None
         location = _Location(self.resume_from)
-        digest, metadata = self._store(location.scheme).get(location.bucket, location.key, out)
+        store = self._store(location.scheme)
+
+        def get() -> Tuple[_Digest, Optional[Dict[str, str]]]:
+            out.seek(0)  # a retry starts the object again
+            out.truncate()
+            return store.get(location.bucket, location.key, out)
+
+        digest, metadata = self._patiently(self._monotonic() + self.s3_retry_for)(
+            f"restoring {self.resume_from}", get)
         expected = (metadata or {}).get("sha256")
         if not expected:
             raise CheckpointError(f"checkpoint {self.resume_from} has no sha256 metadata; "

@@ -19,7 +19,7 @@ import random
 import pytest
 
 import jobkit
-from jobkit import EXIT_STOPPED, Checkpointer, CheckpointError, seq_key
+from jobkit import EXIT_STOPPED, Checkpointer, CheckpointError, CheckpointStoreUnreachable, seq_key
 
 MIB = 1024 * 1024
 
@@ -317,15 +317,72 @@ def test_the_part_size_keeps_any_object_within_s3s_limits(name, size, expected):
         assert math.ceil(size / expected) <= 10_000, name
 
 
-@pytest.mark.parametrize("name, env, words", [
-    ("a store nobody listens at", {"GPUSCHED_S3_ENDPOINT": "http://127.0.0.1:1"}, "up and reachable"),
-    ("an endpoint that is no URL", {"GPUSCHED_S3_ENDPOINT": "not a url"}, "is not usable"),
+@pytest.mark.parametrize("name, env, error, words", [
+    ("a store nobody listens at", {"GPUSCHED_S3_ENDPOINT": "http://127.0.0.1:1"}, CheckpointStoreUnreachable,
+     "up and reachable"),
+    ("an endpoint that is no URL", {"GPUSCHED_S3_ENDPOINT": "not a url"}, CheckpointError, "is not usable"),
 ])
-def test_storage_trouble_is_a_checkpoint_error_naming_the_setting(name, env, words):
+def test_storage_trouble_is_a_checkpoint_error_naming_the_setting(name, env, error, words):
     ck = Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "s3://bucket/checkpoints/job-1/",
                                 "GPUSCHED_S3_ACCESS_KEY": "key", "GPUSCHED_S3_SECRET_KEY": "secret", **env})
-    with pytest.raises(CheckpointError, match=words):
-        ck.save(b"state")
+    with pytest.raises(error, match=words):
+        ck.save(b"state")  # a scheduled save: it does not wait for the store
+
+
+class Flaky:
+    """A store that is unreachable for its first ``outages`` calls of each operation."""
+
+    def __init__(self, inner, outages: int):
+        self.inner, self.outages, self.calls = inner, outages, []
+
+    def __getattr__(self, name):
+        operation = getattr(self.inner, name)
+        if name == "part_size_for":
+            return operation
+
+        def call(*args):
+            self.calls.append(name)
+            if self.calls.count(name) <= self.outages:
+                raise CheckpointStoreUnreachable(f"{name}: connection refused")
+            return operation(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("name, stopping, outages, retry_for, outcome, pauses", [
+    ("a restore waits out an outage", None, 2, 300, "restored", [1.0, 2.0]),
+    ("a restore gives up once its patience is spent", None, 9, 10, "unreachable", [1.0, 2.0, 4.0]),
+    ("a save after SIGTERM waits out an outage", 60, 2, 300, "saved", [1.0, 2.0]),
+    ("a save after SIGTERM never waits past the grace", 2.5, 9, 300, "unreachable", [1.0]),
+    ("a scheduled save does not wait", None, 1, 300, "unreachable", []),
+])
+def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path, name, stopping, outages,
+                                                                        retry_for, outcome, pauses):
+    clock = [0.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock[0] += seconds
+
+    kw = dict(monotonic=lambda: clock[0], sleep=sleep, s3_retry_for=retry_for)
+    if name.startswith("a restore"):
+        local(tmp_path).save(b"state")
+        ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", **kw)
+        ck._stores["file"] = Flaky(ck._store("file"), outages)
+        act = ck.restore
+    else:
+        ck = local(tmp_path, grace_period=stopping, **kw)
+        ck._stores["file"] = Flaky(ck._store("file"), outages)
+        if stopping is not None:
+            ck.request_stop()
+        act = lambda: ck.save(b"next")  # noqa: E731
+    if outcome == "unreachable":
+        with pytest.raises(CheckpointStoreUnreachable):
+            act()
+    else:
+        assert act() is not None
+    assert slept == pauses, name
 
 
 def test_from_env_reads_the_agents_variables(tmp_path):
@@ -504,3 +561,65 @@ def test_a_file_that_changes_while_it_is_saved_is_refused_and_its_upload_aborted
         ck.save(str(source))
     assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount") == 0
     assert s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads") is None
+
+
+class Forwarder:
+    """A TCP port that forwards to ``target`` once ``opened``: a store that comes back."""
+
+    def __init__(self, target: int):
+        import socket
+        import socketserver
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self):
+                upstream = socket.create_connection(("127.0.0.1", target))
+
+                def pump(a, b):
+                    try:
+                        while data := a.recv(65536):
+                            b.sendall(data)
+                    except OSError:
+                        pass
+                    finally:
+                        b.close()
+
+                back = threading.Thread(target=pump, args=(upstream, self.request), daemon=True)
+                back.start()
+                pump(self.request, upstream)
+                back.join(5)
+
+        from workers.servers import free_port
+
+        self.port = free_port()
+        self._make = lambda: socketserver.ThreadingTCPServer(("127.0.0.1", self.port), Pipe)
+        self.server = None
+
+    def open(self) -> None:
+        self.server = self._make()
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+@pytest.mark.live
+def test_a_restore_rides_out_a_checkpoint_store_that_is_down_for_a_while(live_servers):
+    from urllib.parse import urlparse
+
+    prefix = f"checkpoints/jobkit-{uuid.uuid4().hex[:8]}"
+    saved = Checkpointer.from_env(s3_env(live_servers, prefix)).save(b"state before the outage")
+    store = Forwarder(urlparse(live_servers.s3_endpoint).port)
+    back = threading.Timer(3.0, store.open)
+    began = time.monotonic()
+    back.start()
+    try:
+        resumed = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=saved.uri,
+                                               GPUSCHED_S3_ENDPOINT=f"http://127.0.0.1:{store.port}"))
+        assert resumed.restore() == b"state before the outage"
+        assert time.monotonic() - began >= 3.0
+    finally:
+        back.cancel()
+        store.close()
