@@ -43,6 +43,20 @@ def test_a_command_that_exits_3_fails_the_job_with_code_3_and_its_last_log_lines
     assert "exit code 3" in view.reason and "loss went NaN" in view.reason
 
 
+def test_a_job_with_retries_runs_its_failed_command_again_until_its_retries_are_spent(stack):
+    s = stack()
+    flaky = "import os, sys; print('NCCL timeout'); sys.exit(3 if os.environ['GPUSCHED_ATTEMPT'] == '1' else 0)"
+    s.submit("flaky", 1, [sys.executable, "-c", flaky], max_retries=2)
+    s.submit("broken", 1, [sys.executable, "-c", "import sys; sys.exit(3)"], max_retries=1)
+    flaky_view, broken = s.wait("flaky"), s.wait("broken")
+    assert flaky_view.state == "succeeded"
+    assert [a.end_reason for a in flaky_view.attempts] == ["failed", "completed"]
+    assert broken.state == "failed" and broken.exit_code == 3
+    assert [a.end_reason for a in broken.attempts] == ["failed", "failed"]
+    requeued = s.sql("SELECT reason FROM audit WHERE job_id = 'broken' AND event = 'requeued'")
+    assert len(requeued) == 1 and "exit code 3 (retry 1 of 1)" in requeued[0]["reason"]
+
+
 def test_a_queued_job_is_cancelled_without_ever_running(stack):
     s = stack(machines=1)
     s.submit("blocker", 4, sleeper(30))

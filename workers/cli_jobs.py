@@ -43,6 +43,8 @@ def add_job_commands(subparsers) -> None:
     submit.add_argument("--topology", default=None, choices=[t.value for t in Topology])
     submit.add_argument("--checkpoint-interval", type=float, default=None, help="seconds")
     submit.add_argument("--expected-duration", type=float, default=3600.0, help="seconds (default 3600)")
+    submit.add_argument("--max-retries", type=int, default=0,
+                        help="times a failed command is run again, from its newest checkpoint (default 0)")
     submit.add_argument("--cluster", default=None)
     submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
     submit.add_argument("--job-id", default=None, help="default: a new unique id")
@@ -158,7 +160,7 @@ def _request(args) -> JobRequest:
             job_id=args.job_id or new_job_id(), team=args.team, num_gpus=args.gpus, command=cmd,
             gpu_type=args.gpu_type, topology=args.topology, priority=args.priority,
             checkpoint_interval=args.checkpoint_interval, expected_duration=args.expected_duration,
-            kind=args.kind, cluster=args.cluster, env=env,
+            kind=args.kind, cluster=args.cluster, env=env, max_retries=args.max_retries,
         )
     except ValidationError as e:
         field, message = first_error(e)

@@ -87,6 +87,7 @@ class JobWorkflow:
         self.preempts: dict[int, PreemptSignal] = {}
         self.cancel_reason: str | None = None
         self.infra_failures = 0
+        self.failures = 0  # attempts the command itself failed (its own non-zero exit)
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -282,6 +283,13 @@ class JobWorkflow:
                 return self._count_infra_failure(
                     EndReason.machine_failure, f"it died ({how}) on a failing GPU ({', '.join(sick)})")
             lines = "\n".join(result.last_log_lines[-LOG_LINES_IN_REASON:])
+            self.failures += 1
+            if self.failures <= self.request.max_retries:
+                # The user asked for retries (a crash in the job's own code or libraries, NCCL
+                # timing out): the next attempt resumes from the newest complete checkpoint.
+                return (EndReason.failed, result.exit_code, JobState.queued,
+                        f"requeued: the command failed with {how} (retry {self.failures} of "
+                        f"{self.request.max_retries}):\n{lines}")
             return EndReason.failed, result.exit_code, JobState.failed, f"the command failed with {how}:\n{lines}"
         return EndReason.completed, 0, JobState.succeeded, "completed"
 

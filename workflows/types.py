@@ -92,6 +92,10 @@ class JobRequest(Model):
     kind: JobKind = JobKind.training
     cluster: str | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra environment for the command
+    # Times an attempt whose command fails (exits non-zero by itself) is run again, resuming from
+    # the newest complete checkpoint, before the job fails. Failures of machines, GPUs and agents
+    # are not counted here: those always requeue (at most 5 times).
+    max_retries: int = Field(default=0, ge=0, le=100)
     submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
 
 
