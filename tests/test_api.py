@@ -7,13 +7,14 @@ import httpx
 import pytest
 
 from live.jobs import sleeper
+from workers.settings import api_headers
 
 pytestmark = pytest.mark.live
 
 
 def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack):
     s = stack(machines=2, gpus=4)
-    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10)
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10, headers=api_headers(s.up.settings))
     assert api.get("/healthz").json() == {"ok": True}
     machines = api.get("/machines").json()
     assert [m["id"] for m in machines] == ["c1/b0/r0/m0", "c1/b0/r0/m1"]
@@ -46,6 +47,22 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert api.post("/jobs/seen/restarts", json={"allocation_id": seen_alloc, "seconds": 3}).status_code == 409
 
 
+def test_the_api_answers_only_those_who_have_its_token(stack):
+    s = stack(machines=1, gpus=4)
+    assert s.up.settings.api_token  # the dev stack makes one
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10)
+    beat = {"pid": 1, "gpus": [{"index": i, "healthy": False} for i in range(4)], "running_allocations": []}
+    for headers in ({}, {"Authorization": "Bearer guessed"}, {"Authorization": s.up.settings.api_token}):
+        for method, path, body in (("post", "/machines/c1/b0/r0/m0/heartbeat", beat), ("get", "/jobs", None),
+                                   ("get", "/machines", None)):
+            refused = api.request(method, path, json=body, headers=headers)
+            assert refused.status_code == 401, (headers, path)
+            assert "GPUSCHED_API_TOKEN" in refused.json()["detail"]
+    assert api.get("/healthz").status_code == 200  # for load balancers and supervisors
+    assert api.get("/machines", headers=api_headers(s.up.settings)).status_code == 200
+    assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # no forged report took
+
+
 UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps would not write)
     ("an allocation id past 64 bits", "post", "/jobs/seen/restarts", {"allocation_id": 2**63, "seconds": 3}),
     ("an infinite restart time", "post", "/jobs/seen/restarts", '{"allocation_id": 1, "seconds": Infinity}'),
@@ -59,7 +76,7 @@ UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps w
 
 def test_values_postgres_cannot_hold_are_refused_as_bad_requests_not_server_errors(stack):
     s = stack(machines=1, gpus=4)
-    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10)
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=10, headers=api_headers(s.up.settings))
     answers = {}
     for what, method, path, body in UNSTORABLE:
         if isinstance(body, str):

@@ -41,6 +41,7 @@ from activities.node import NodeActivities
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     Settings,
+    api_headers,
     connect_temporal,
     default_data_dir,
     add_settings_flags,
@@ -182,7 +183,7 @@ class Agent:
         self.health_reader = HealthReader(devices, timeout=max(1.0, interval))
         self.orphans = OrphanWatch()
         self.url = heartbeat_url(settings.api_url, machine_id)
-        self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2))
+        self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2), headers=api_headers(settings))
         self._api_ok: bool | None = None
         self._kills: set[asyncio.Task] = set()  # references, so the tasks are not collected
         self._killing: set[int] = set()
@@ -317,7 +318,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("no GPUs: %s", err)
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
-    reports = httpx.AsyncClient(timeout=30.0)
+    reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings))
     node = NodeActivities(args.machine_id, data_dir / "jobs" / machine_component(args.machine_id),
                           shutdown_grace=args.grace_period,
                           report_sink=lambda job, alloc, report: forward_checkpoint(reports, settings.api_url,

@@ -17,12 +17,18 @@
 |                                        | to restore its state; 409 when not such an attempt|
 
 Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the URL.
+
+With a token (``GPUSCHED_API_TOKEN``; ``gpusched dev up`` makes one), every request but
+``/healthz`` must carry ``Authorization: Bearer <token>``, or is answered 401: a heartbeat decides
+which GPUs jobs go to and a checkpoint report which state a job resumes from, so only agents (and
+operators) may send them. Without one, the API warns at start that it answers anyone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,6 +46,8 @@ from activities.store import GpuReport, Store
 from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
+
+log = logging.getLogger("gpusched.api")
 
 # What Postgres can hold: an id past this, or a NaN or infinite time, is a bad request (422),
 # not a database error (500).
@@ -82,6 +90,20 @@ def create_app(settings: Settings) -> FastAPI:
         await ctx["store"].close()
 
     app = FastAPI(title="gpusched", lifespan=lifespan)
+    expected = f"Bearer {settings.api_token}".encode() if settings.api_token else None
+    if expected is None:
+        log.warning("the API has no token (GPUSCHED_API_TOKEN): it answers anyone who can reach it")
+
+    @app.middleware("http")
+    async def authorized(request: Request, call_next):
+        if expected is None or request.url.path == "/healthz":
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
+                "detail": "missing or wrong API token: send the API's GPUSCHED_API_TOKEN as "
+                          "'Authorization: Bearer <token>'"})
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -14,6 +14,7 @@ import asyncio
 import fcntl
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -127,7 +128,10 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
 def _save(data_dir: Path, state: StackState) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = data_dir / (STACK_FILE + ".tmp")
-    tmp.write_text(state.model_dump_json(indent=2))
+    # Only its owner may read it: it holds the stack's secrets (S3 keys, the API token).
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(state.model_dump_json(indent=2))
+    os.chmod(tmp, 0o600)
     tmp.replace(data_dir / STACK_FILE)
 
 
@@ -311,6 +315,11 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
         prefer = (api.ports if api else None) or (STANDARD_PORTS["api"] if standard_ports else {})
         api_port = servers.choose_ports(["port"], prefer)["port"]
     state.settings["api_url"] = f"http://{servers.HOST}:{api_port}"
+    # The agents' secret for the API, made once and kept with the stack (a token given in the
+    # environment or as a setting wins).
+    state.settings.setdefault("api_token", None)
+    if not state.settings["api_token"]:
+        state.settings["api_token"] = secrets.token_urlsafe(32)
     wanted = _worker_commands(data_dir, state, api_port)
     # Agents of machines no longer in the fleet go.
     for name, comp in list(state.components.items()):

@@ -16,6 +16,7 @@ embedded stack's ``stack.json`` (written by ``gpusched dev up`` into its data di
 | GPUSCHED_S3_ACCESS_KEY/SECRET_KEY | credentials                                    |
 | GPUSCHED_S3_REGION              | region (us-east-1)                               |
 | GPUSCHED_API_URL                | http://host:port of the HTTP API                 |
+| GPUSCHED_API_TOKEN              | the secret the API asks of callers (agents)      |
 | GPUSCHED_TEMPORAL_UI_URL        | the Temporal UI, for links to job histories      |
 """
 
@@ -51,6 +52,9 @@ class Settings(BaseModel):
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
     api_url: str = "http://127.0.0.1:8080"
+    # The API's secret: it answers only requests that carry it (``Authorization: Bearer``), so
+    # nobody else on the network can report for a machine or commit a checkpoint. None: no check.
+    api_token: str | None = None
     temporal_ui_url: str | None = None  # where people read job histories, when there is a UI
     # Task queue names are prefixed so that several stacks (parallel test runs) can share one
     # Temporal server; empty in production.
@@ -77,6 +81,7 @@ _ENV = {
     "s3_secret_key": "GPUSCHED_S3_SECRET_KEY",
     "s3_region": "GPUSCHED_S3_REGION",
     "api_url": "GPUSCHED_API_URL",
+    "api_token": "GPUSCHED_API_TOKEN",
     "temporal_ui_url": "GPUSCHED_TEMPORAL_UI_URL",
     "task_queue_prefix": "GPUSCHED_TASK_QUEUE_PREFIX",
 }
@@ -122,6 +127,11 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[var] = str(value)
     return env
+
+
+def api_headers(settings: Settings) -> dict[str, str]:
+    """The headers a request to the API carries: the token, when the API has one."""
+    return {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
 
 
 async def connect_temporal(settings: Settings):
