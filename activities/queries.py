@@ -32,6 +32,26 @@ ON CONFLICT (id) DO UPDATE SET gpu_type = EXCLUDED.gpu_type,
 UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
+# An API process says it hears heartbeats. A gap of more than $1 seconds since the last refresh
+# (every API process down, or this database) starts a new stretch of hearing.
+LISTENED = f"""
+INSERT INTO listening (at, since) SELECT t, t FROM (SELECT {NOW_EPOCH} AS t) AS now
+ON CONFLICT (one) DO UPDATE SET
+    since = CASE WHEN listening.at < excluded.at - $1 THEN excluded.at ELSE listening.since END,
+    deaf_from = CASE WHEN listening.at < excluded.at - $1 THEN listening.at ELSE listening.deaf_from END,
+    at = excluded.at"""
+# Whether machine `m` counts as reachable, its cluster's timeout being `timeout`: heard within
+# the timeout; or, where the control plane was deaf, it was reachable when hearing stopped and
+# (hearing again) has been silent less than a timeout since. Without a `listening` row (no API
+# has run: the store's own tests) only the first holds.
+def reachable_sql(timeout: str, gap: str) -> str:
+    return f"""(coalesce(m.last_heartbeat >= {NOW_EPOCH} - {timeout}, false) OR coalesce((
+        SELECT CASE WHEN l.at < {NOW_EPOCH} - {gap} THEN m.last_heartbeat >= l.at - {timeout}
+                    ELSE {NOW_EPOCH} - l.since < {timeout}
+                         AND m.last_heartbeat >= coalesce(l.deaf_from, l.since) - {timeout} END
+        FROM listening l), false))"""
+
+
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
 SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
@@ -61,7 +81,7 @@ GROUP BY m.cluster, m.block, m.id ORDER BY m.cluster, m.id"""
 LIST_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        m.last_heartbeat, m.agent_pid, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
-       c.machine_timeout,
+       c.machine_timeout, {reachable_sql("c.machine_timeout", "$2")} AS reachable,
        array_agg(g.idx ORDER BY g.idx) AS gpus,
        array_agg(g.idx ORDER BY g.idx) FILTER (WHERE NOT g.healthy) AS unhealthy
 FROM machines m JOIN clusters c ON c.name = m.cluster JOIN gpus g ON g.machine_id = m.id
@@ -148,7 +168,7 @@ CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHE
 LOCK_CLUSTER = CLUSTER + " FOR UPDATE"
 SNAPSHOT_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
-       coalesce(m.last_heartbeat >= {NOW_EPOCH} - $2, false) AS reachable,
+       {reachable_sql("$2", "$3")} AS reachable,
        count(g.idx) AS gpus,
        coalesce(array_agg(g.idx) FILTER (WHERE NOT g.healthy), '{{}}') AS unhealthy
 FROM machines m JOIN gpus g ON g.machine_id = m.id

@@ -52,6 +52,10 @@ log = logging.getLogger("gpusched.store")
 Planner = Callable[[Snapshot], CycleResult]
 # Placements not acknowledged this long after the cycle that made them are sent again.
 RESEND_AFTER = 3.0
+# Every API process says it hears heartbeats this often; nobody saying it for LISTEN_GAP seconds
+# means the control plane was deaf, and machines' silence over that time is no evidence.
+LISTEN_EVERY = 1.0
+LISTEN_GAP = 3.0
 
 
 class Store:
@@ -145,7 +149,12 @@ class Store:
         return [r["name"] for r in await self.pool.fetch(q.LIST_CLUSTERS)]
 
     async def list_machines(self, cluster: str | None = None) -> list[dict]:
-        return [dict(r) for r in await self.pool.fetch(q.LIST_MACHINES, cluster)]
+        return [dict(r) for r in await self.pool.fetch(q.LIST_MACHINES, cluster, LISTEN_GAP)]
+
+    async def listened(self) -> None:
+        """An API process hears heartbeats (every ``LISTEN_EVERY`` seconds): machines' silence
+        counts as evidence only while this goes on (migration 0005)."""
+        await self.pool.execute(q.LISTENED, LISTEN_GAP)
 
     # --- quotas -----------------------------------------------------------------------------
 
@@ -413,7 +422,7 @@ class Store:
             now=now,
             lock=lock,
             config=config,
-            machines=await conn.fetch(q.SNAPSHOT_MACHINES, cluster, lock["machine_timeout"]),
+            machines=await conn.fetch(q.SNAPSHOT_MACHINES, cluster, lock["machine_timeout"], LISTEN_GAP),
             running=await conn.fetch(q.SNAPSHOT_RUNNING, cluster),
             queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster),
             quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from live.jobs import example_job
+from live.jobs import example_job, sleeper
 from workers import devices, devstack
 from workers.servers import pid_alive
 from workers.settings import machine_component
@@ -117,3 +117,17 @@ print("ran on", os.environ["GPUSCHED_GPUS"])
     snapshot = s.run(s.client.store.snapshot("c1"))
     assert int(bad.rsplit("/", 1)[1]) in next(m.unhealthy_gpus for m in snapshot.machines
                                                if m.id == machine_of(bad))
+
+
+def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_dead(stack):
+    s = stack(machines=2, gpus=4, policy={"min_runtime": 0}, machine_timeout=MACHINE_TIMEOUT)
+    s.submit("long", 4, sleeper(25))
+    s.until(lambda: s.status("long").state == "running", timeout=30)
+    # Down for several machine timeouts: no heartbeat is heard, though every agent is well.
+    devstack.stop_component(s.data_dir, "api", signal.SIGKILL)
+    time.sleep(4 * MACHINE_TIMEOUT)
+    devstack.start_component(s.data_dir, "api")
+    time.sleep(2 * MACHINE_TIMEOUT)  # heard again: the machines report, and cycles run
+    view = s.wait("long", timeout=60)
+    assert view.state == "succeeded" and len(view.attempts) == 1, [a.end_reason for a in view.attempts]
+    assert all(m.reachable for m in s.run(s.client.store.snapshot("c1")).machines)

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
-from activities.store import GpuReport, Store
+from activities.store import LISTEN_EVERY, GpuReport, Store
 from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
@@ -78,6 +78,23 @@ class RestartReport(BaseModel):
     seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json)
 
 
+async def _listen(store: Store) -> None:
+    """Say, every second, that this API hears heartbeats: while nobody says it (every API down,
+    or the database), machines are not taken for dead for being silent."""
+    ok = True
+    while True:
+        try:
+            await store.listened()
+            if not ok:
+                log.info("the database answers again: hearing heartbeats")
+            ok = True
+        except Exception as e:  # the database is down: heartbeats are not heard either
+            if ok:
+                log.warning("cannot record that the API hears heartbeats: %s", e)
+            ok = False
+        await asyncio.sleep(LISTEN_EVERY)
+
+
 def create_app(settings: Settings) -> FastAPI:
     ctx: dict = {}
 
@@ -86,7 +103,9 @@ def create_app(settings: Settings) -> FastAPI:
         ctx["store"] = await Store.connect(settings.pg_dsn)
         s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
         ctx["checkpoints"] = CheckpointCommitter(ctx["store"], s3, settings.s3_bucket)
+        listening = asyncio.create_task(_listen(ctx["store"]))
         yield
+        listening.cancel()
         await ctx["store"].close()
 
     app = FastAPI(title="gpusched", lifespan=lifespan)

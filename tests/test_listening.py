@@ -1,0 +1,80 @@
+"""When a machine's silence counts: not while the control plane could not hear it. After the API
+or the database was down, machines it could not hear are not taken for dead (nor their jobs
+requeued); machines that were gone before, or stay silent once it hears again, are. Real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from activities.store import GpuReport, Store
+from scheduler.models import Machine
+
+pytestmark = pytest.mark.live
+_names = itertools.count()
+NOW = "extract(epoch from clock_timestamp())"
+TIMEOUT = 120.0  # the cluster's machine_timeout
+
+
+@pytest.fixture
+def one_machine(live_servers):
+    """A fresh database with one reported machine; yields (run, store)."""
+    loop = asyncio.new_event_loop()
+    store = loop.run_until_complete(Store.connect(live_servers.new_database(f"listening_{next(_names)}")))
+
+    async def setup():
+        await store.migrate()
+        await store.register_fleet("c1", [Machine(id="c1/b0/r0/m0", cluster="c1", block="b0", rack="r0",
+                                                  gpus=2, gpu_type="H100")])
+        await store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in range(2)])
+        await store.configure_cluster("c1", machine_timeout=TIMEOUT)
+
+    loop.run_until_complete(setup())
+    yield loop.run_until_complete, store
+    loop.run_until_complete(store.close())
+    loop.close()
+
+
+# (name, the machine silent for, the listening row as seconds ago (at, since, deaf_from) or None, reachable)
+CASES = [
+    ("with no API ever run, a machine silent past its timeout is unreachable", 200, None, False),
+    ("a machine heard lately is reachable", 10, (0.5, 1000, None), True),
+    ("a machine silent past its timeout while the API heard throughout is unreachable", 200, (0.5, 1000, None), False),
+    ("after five minutes of a deaf control plane, a machine it could not hear is reachable", 310, (0.5, 5, 305), True),
+    ("once it has heard again for a whole timeout, a machine still silent is unreachable", 450, (0.5, 130, 440), False),
+    ("a machine already gone when hearing stopped stays unreachable", 3600, (0.5, 5, 305), False),
+    ("while nobody hears, a machine heard when hearing stopped stays reachable", 400, (390, 5000, None), True),
+    ("while nobody hears, a machine gone before hearing stopped stays unreachable", 600, (390, 5000, None), False),
+    ("a first API knows nothing of before it: a machine silent past its timeout is unreachable", 200,
+     (0.5, 2, None), False),
+]
+
+
+@pytest.mark.parametrize("name, silent, listening, reachable", CASES, ids=[c[0] for c in CASES])
+def test_silence_counts_only_while_the_control_plane_hears(one_machine, name, silent, listening, reachable):
+    run, store = one_machine
+    run(store.pool.execute(f"UPDATE machines SET last_heartbeat = {NOW} - $1", silent))
+    if listening is not None:
+        at, since, deaf_from = listening
+        run(store.pool.execute(f"INSERT INTO listening (at, since, deaf_from) VALUES ({NOW} - $1, {NOW} - $2, "
+                               f"{NOW} - $3)", at, since, deaf_from))
+    [machine] = run(store.snapshot("c1")).machines
+    [listed] = run(store.list_machines("c1"))
+    assert (machine.reachable, listed["reachable"]) == (reachable, reachable), name
+
+
+def test_a_break_in_hearing_starts_a_new_stretch_and_remembers_when_it_began(one_machine):
+    run, store = one_machine
+    row = "SELECT at, since, deaf_from FROM listening"
+    run(store.listened())
+    first = run(store.pool.fetchrow(row))
+    assert first["since"] == first["at"] and first["deaf_from"] is None
+    run(store.listened())
+    assert run(store.pool.fetchrow(row))["since"] == first["since"]  # no break: the same stretch
+    run(store.pool.execute("UPDATE listening SET at = at - 10"))  # nobody said it for 10 s
+    run(store.listened())
+    after = run(store.pool.fetchrow(row))
+    assert after["since"] == after["at"] > first["at"]
+    assert after["deaf_from"] == pytest.approx(first["at"] - 10, abs=1)
