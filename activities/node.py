@@ -45,6 +45,10 @@ failing; not throttling) is named in the result's ``gpu_faults``, and the workfl
 job as a machine failure: a CUDA process usually dies of such a fault before any heartbeat
 reports it.
 
+Logs: with ``max_log_bytes`` (the agent's ``--max-log-mb``), an attempt's log that grows past it
+is cut back to its last part (16 MiB at most) every few seconds, after a line saying how much was
+dropped, so a job that prints without end cannot fill the machine's disk.
+
 Stopping: SIGTERM to the whole process group, ``grace_period`` seconds for every process of the
 group to exit (a job checkpoints here), then SIGKILL to the group. A job that ends on its own
 has any processes it left behind in its group killed at once, so nothing keeps holding the GPUs.
@@ -89,6 +93,8 @@ _KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we 
 AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
+LOG_CHECK_EVERY = 5.0  # seconds between looks at a running job's log size
+LOG_KEEP = 16 * 1024 * 1024  # what a log cut back keeps of its end, at most
 
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
@@ -159,8 +165,12 @@ class NodeActivities:
                  shutdown_grace: float | None = None, remember_finished: int = 1024,
                  report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
                  restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR,
-                 gpu_faults: GpuFaultSource | None = None):
+                 gpu_faults: GpuFaultSource | None = None, max_log_bytes: int | None = None,
+                 log_check_every: float = LOG_CHECK_EVERY):
         self.machine_id = machine_id
+        # An attempt's log past this is cut back to its end, so a chatty job cannot fill the disk.
+        self.max_log_bytes = max_log_bytes
+        self.log_check_every = log_check_every
         # Asked when a run fails: whether one of its GPUs is failing (None: never asked).
         self.gpu_faults = gpu_faults
         # Where checkpoint reports and restart times go (the control plane), and what a job needs
@@ -387,9 +397,25 @@ class NodeActivities:
 
     async def _forward_while_running(self, run: _Run) -> None:
         report_dir = self._report_dir(run.req)
+        loop = asyncio.get_running_loop()
+        next_log_check = loop.time() + self.log_check_every
         while True:
             await self.forward_reports(run.req.job_id, run.req.allocation_id, report_dir)
+            if self.max_log_bytes is not None and loop.time() >= next_log_check:
+                next_log_check = loop.time() + self.log_check_every
+                self._cap_log(run)
             await asyncio.sleep(REPORT_EVERY)
+
+    def _cap_log(self, run: _Run) -> None:
+        try:
+            dropped = _cut_log(run.log_path, self.max_log_bytes)
+        except OSError as err:
+            log.warning("allocation %d: cannot cut its log back: %s", run.req.allocation_id, err)
+            return
+        if dropped:
+            run.body_offset = 0
+            log.warning("allocation %d: its log passed %d bytes; the first %d were dropped",
+                        run.req.allocation_id, self.max_log_bytes, dropped)
 
     async def _stop_overlapping(self, run: _Run) -> None:
         """Stop, at once, any earlier attempt still running on one of this run's GPUs: the
@@ -663,6 +689,26 @@ def _same_leader(pgid: int, start_ticks: int | None) -> bool:
         return False
     now = _start_ticks(pgid)
     return now is not None and now == start_ticks
+
+
+def _cut_log(path: Path, limit: int) -> int | None:
+    """Cut a log over ``limit`` bytes back to its last ``min(LOG_KEEP, limit / 2)`` bytes, after
+    a line saying so (copy-truncate: the job's descriptor appends, so its next write lands at the
+    new end; what it writes between the read and the cut is lost). The bytes dropped, or None."""
+    size = path.stat().st_size
+    if size <= limit:
+        return None
+    keep = min(LOG_KEEP, limit // 2)
+    with open(path, "r+b") as f:
+        f.seek(size - keep)
+        tail = f.read(keep)
+        f.truncate(0)
+    newline = tail.find(b"\n")
+    tail = tail[newline + 1:] if newline >= 0 else tail  # from a whole line on
+    with open(path, "ab") as f:  # appending too: never over what the job wrote since the cut
+        f.write(f"# gpusched {_now()} this log passed {limit} bytes: its first {size - len(tail)} "
+                f"were dropped, the rest follows\n".encode() + tail)
+    return size - len(tail)
 
 
 def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:

@@ -594,3 +594,23 @@ def test_the_agent_names_the_faults_that_kill_and_tells_the_control_plane_at_onc
     assert sick.gpu_faults == ["GPU 3: xid:79"]
     assert beats_after_sick == 1 and beats[0][3] == ["xid:79"]  # sent before the attempt ended
     assert hot.gpu_faults == [] and len(beats) == 1
+
+
+def test_a_job_that_prints_without_end_has_its_log_cut_back_to_its_end(tmp_path):
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, max_log_bytes=64 * 1024,
+                          log_check_every=0.05)
+    chatty = """
+        import sys, time
+        for i in range(40):
+            sys.stdout.write(f"line {i} " + "x" * 200 + "\\n" * 1)
+            sys.stdout.write("".join(f"step {i}.{j} {'y' * 100}\\n" for j in range(100)))
+            sys.stdout.flush()
+            time.sleep(0.02)
+        print("the end", flush=True)
+    """
+    result = run(ActivityEnvironment().run(node.run_job, job(chatty)))
+    text = Path(result.log_path).read_text()
+    assert result.exit_code == 0 and result.last_log_lines[-1] == "the end"
+    assert len(text) < 4 * 64 * 1024  # about 430 KiB printed
+    assert "this log passed 65536 bytes" in text and "were dropped" in text
+    assert all(line.startswith(("# gpusched", "line ", "step ", "the end")) for line in text.splitlines())

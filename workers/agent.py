@@ -2,7 +2,7 @@
 
     python -m workers.agent --machine-id c1/b0/r0/m0 [--data-dir DIR] [--gpus 8]
         [--gpu-type H100] [--fake-devices | --nvml] [--heartbeat-interval 2.0]
-        [--grace-period 120] [--orphan-grace 5]
+        [--grace-period 120] [--orphan-grace 5] [--max-log-mb 2048]
 
 What it does, in order:
 1. Reads the settings (flags over ``GPUSCHED_*`` over ``DIR/stack.json``) and finds the GPUs:
@@ -325,7 +325,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                                                     job, alloc, report),
                           checkpoint_env=checkpoint_env(settings),
                           restart_sink=lambda job, alloc, report: forward_restart(reports, settings.api_url,
-                                                                                  job, alloc, report))
+                                                                                  job, alloc, report),
+                          max_log_bytes=int(args.max_log_mb * 2**20) if args.max_log_mb else None)
     agent = Agent(args.machine_id, settings, devices, node, args.heartbeat_interval,
                   args.orphan_grace)
     node.gpu_faults = agent.failing_gpus
@@ -422,12 +423,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the most grace a job gets when the agent shuts down (120 s)")
     p.add_argument("--orphan-grace", type=float, default=5.0,
                    help="grace of a process whose allocation is gone (5 s)")
+    p.add_argument("--max-log-mb", type=float, default=2048.0,
+                   help="an attempt's log past this is cut back to its end (2048 MiB; 0: no limit)")
     add_settings_flags(p)
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus must be at least 1")
     if args.heartbeat_interval <= 0:
         p.error("--heartbeat-interval must be positive")
+    if not 0 <= args.max_log_mb < float("inf"):
+        p.error("--max-log-mb must be 0 (no limit) or a positive number of MiB")
     return args
 
 
