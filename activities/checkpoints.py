@@ -69,6 +69,7 @@ class CheckpointCommitter:
         self.store = store
         self.s3 = s3  # a boto3 client: blocking, so every call runs in a thread
         self.bucket = bucket
+        self._cleanups: set[asyncio.Task] = set()  # references, so the tasks are not collected
 
     async def commit(self, job_id: str, allocation_id: int, report: CheckpointReport) -> CheckpointAck:
         """Raises ``CheckpointStoreUnavailable`` when S3 cannot say whether the bytes are there:
@@ -85,8 +86,16 @@ class CheckpointCommitter:
             except Exception as e:  # stays listed; a later commit tries again
                 log.warning("could not delete superseded checkpoint %s: %s", key, e)
         if ack.committed:
-            await self._abort_abandoned_uploads(job_id, report.seq)
+            # After the answer, not before: a slow store must not make the job wait for its ack.
+            task = asyncio.create_task(self._abort_abandoned_uploads(job_id, report.seq))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
         return ack
+
+    async def settled(self) -> None:
+        """Wait for the clean-ups that commits started (for tests, and before closing)."""
+        while self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     async def _abort_abandoned_uploads(self, job_id: str, committed_seq: int) -> None:
         """Abort the job's unfinished multipart uploads of numbers below the one just committed:

@@ -39,16 +39,17 @@ INSERT INTO listening (at, since) SELECT t, t FROM (SELECT {NOW_EPOCH} AS t) AS 
 ON CONFLICT (one) DO UPDATE SET
     since = CASE WHEN listening.at < excluded.at - $1 THEN excluded.at ELSE listening.since END,
     deaf_from = CASE WHEN listening.at < excluded.at - $1 THEN listening.at ELSE listening.deaf_from END,
-    at = excluded.at"""
+    at = greatest(listening.at, excluded.at)"""
 # Whether machine `m` counts as reachable, its cluster's timeout being `timeout`: heard within
-# the timeout; or, where the control plane was deaf, it was reachable when hearing stopped and
-# (hearing again) has been silent less than a timeout since. Without a `listening` row (no API
-# has run: the store's own tests) only the first holds.
+# the timeout; or, where the control plane was deaf, it was reachable when the break became
+# plain (`gap` after the last refresh: until then the first rule judged it) and, hearing again,
+# has been silent less than a timeout since. Without a `listening` row (no API has run: the
+# store's own tests) only the first holds.
 def reachable_sql(timeout: str, gap: str) -> str:
     return f"""(coalesce(m.last_heartbeat >= {NOW_EPOCH} - {timeout}, false) OR coalesce((
-        SELECT CASE WHEN l.at < {NOW_EPOCH} - {gap} THEN m.last_heartbeat >= l.at - {timeout}
+        SELECT CASE WHEN l.at < {NOW_EPOCH} - {gap} THEN m.last_heartbeat >= l.at + {gap} - {timeout}
                     ELSE {NOW_EPOCH} - l.since < {timeout}
-                         AND m.last_heartbeat >= coalesce(l.deaf_from, l.since) - {timeout} END
+                         AND m.last_heartbeat >= coalesce(l.deaf_from + {gap}, l.since) - {timeout} END
         FROM listening l), false))"""
 
 

@@ -347,8 +347,9 @@ class _FileStore:
 class _S3Store:
     """Checkpoints in S3. An object of up to one part is one conditional ``put_object``; a bigger
     one is a multipart upload whose parts go up ``threads`` at a time, each with its MD5, and whose
-    completion is the conditional write (S3 refuses a single PUT over 5 GiB, and a failed part is
-    sent again alone instead of the whole object)."""
+    completion is the conditional write (S3 refuses a single PUT over 5 GiB; and botocore's own
+    retries send a failed part again alone, though once they give up the upload is aborted and a
+    retry of the save starts it over)."""
 
     def __init__(self, endpoint: Optional[str], access_key: Optional[str], secret_key: Optional[str],
                  region: Optional[str], part_mb: int = PART_MB, threads: int = UPLOAD_THREADS):
@@ -405,17 +406,22 @@ class _S3Store:
 
     def _failure(self, what: str, e: Exception) -> CheckpointError:
         """The error to raise for a botocore error: ``CheckpointStoreUnreachable`` when S3 gave no
-        answer or a server-side one (worth asking again), else ``CheckpointError``."""
-        from botocore.exceptions import ClientError
+        answer (no connection, a timeout, a cut-off response) or a passing server-side one
+        (500, 502, 503, 504, SlowDown), worth asking again; else ``CheckpointError`` (a refusal,
+        a bad certificate, a parameter this boto3 does not know: asking again changes nothing)."""
+        from botocore import exceptions as b
 
-        if isinstance(e, ClientError):
+        if isinstance(e, b.ClientError):
             code, status = self._code(e)
-            if status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"):
+            if status in (500, 502, 503, 504) or code in ("SlowDown", "ServiceUnavailable", "InternalError",
+                                                          "RequestTimeout"):
                 return CheckpointStoreUnreachable(f"{what} failed: {e}")
             return CheckpointError(f"{what} failed: {e}")
-        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        if isinstance(e, (b.ConnectionError, b.HTTPClientError, b.IncompleteReadError)) and not isinstance(e, b.SSLError):
+            return CheckpointStoreUnreachable(f"{what} failed: {_unreachable(e)}")
+        if isinstance(e, (b.NoCredentialsError, b.PartialCredentialsError)):
             return CheckpointError(f"{what} failed: {_unreachable(e)}")
-        return CheckpointStoreUnreachable(f"{what} failed: {_unreachable(e)}")
+        return CheckpointError(f"{what} failed: {e}")
 
     def _taken(self, e: Exception) -> bool:
         """Whether S3 refused a conditional write because the key exists (or is being written)."""
@@ -524,7 +530,9 @@ def _b64(md5_hex: str) -> str:
 
 def _read_part(source: Source, offset: int, length: int) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(memoryview(source)[offset:offset + length])
+        view = memoryview(source)
+        view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))  # by byte, whatever the items
+        return bytes(view[offset:offset + length])
     with open(source, "rb") as f:
         f.seek(offset)
         body = f.read(length)

@@ -60,6 +60,7 @@ def test_the_api_answers_only_those_who_have_its_token(stack):
             assert "GPUSCHED_API_TOKEN" in refused.json()["detail"]
     assert api.get("/healthz").status_code == 200  # for load balancers and supervisors
     assert api.get("/machines", headers=api_headers(s.up.settings)).status_code == 200
+    assert api.get("/jobs", headers={"Authorization": f"bearer {s.up.settings.api_token}"}).status_code == 200
     assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # no forged report took
 
 

@@ -234,6 +234,7 @@ def test_a_checkpoint_written_in_parts_commits_and_the_uploads_abandoned_below_i
     assert env.uploads() == [f"{prefix}0000000001", f"{prefix}0000000003"]
 
     assert env.commit(report).committed
+    env.run(env.committer.settled())
     assert env.uploads() == [f"{prefix}0000000003"]
     env.requeue()
     env.allocation = env.start()

@@ -623,3 +623,43 @@ def test_a_restore_rides_out_a_checkpoint_store_that_is_down_for_a_while(live_se
     finally:
         back.cancel()
         store.close()
+
+
+@pytest.mark.parametrize("name, error, unreachable", [
+    ("no connection", "EndpointConnectionError(endpoint_url='http://s3')", True),
+    ("a read timeout", "ReadTimeoutError(endpoint_url='http://s3')", True),
+    ("a response cut off", "ResponseStreamingError(error='reset')", True),
+    ("a bad certificate", "SSLError(endpoint_url='https://s3', error='certificate verify failed')", False),
+    ("a parameter this boto3 does not know", "ParamValidationError(report='Unknown parameter IfNoneMatch')", False),
+    ("no credentials", "NoCredentialsError()", False),
+])
+def test_only_errors_that_may_pass_are_taken_for_an_unreachable_store(name, error, unreachable):
+    from botocore import exceptions
+
+    store = jobkit._S3Store(None, "key", "secret", None)
+    failure = store._failure("writing x", eval(error, vars(exceptions)))
+    assert isinstance(failure, CheckpointStoreUnreachable) == unreachable, name
+    assert ("up and reachable" in str(failure)) == unreachable, name
+
+
+@pytest.mark.parametrize("status, code, unreachable", [
+    (503, "SlowDown", True), (500, "InternalError", True), (502, "BadGateway", True),
+    (501, "NotImplemented", False), (403, "AccessDenied", False), (400, "InvalidRequest", False),
+])
+def test_only_server_answers_that_may_pass_are_taken_for_an_unreachable_store(status, code, unreachable):
+    from botocore.exceptions import ClientError
+
+    store = jobkit._S3Store(None, "key", "secret", None)
+    error = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    assert isinstance(store._failure("writing x", error), CheckpointStoreUnreachable) == unreachable
+
+
+def test_a_memoryview_of_wider_items_goes_up_in_parts_by_byte():
+    import array
+
+    data = array.array("f", range(3 * 1024 * 1024))  # 12 MiB of 4-byte items
+    view = memoryview(data)
+    digest = jobkit._digest_of(view, 5 * MIB)
+    raw = data.tobytes()
+    parts = [jobkit._read_part(view, offset, min(5 * MIB, len(raw) - offset)) for offset in range(0, len(raw), 5 * MIB)]
+    assert b"".join(parts) == raw and [md5(p) for p in parts] == digest.parts

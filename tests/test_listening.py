@@ -47,6 +47,9 @@ CASES = [
     ("a machine already gone when hearing stopped stays unreachable", 3600, (0.5, 5, 305), False),
     ("while nobody hears, a machine heard when hearing stopped stays reachable", 400, (390, 5000, None), True),
     ("while nobody hears, a machine gone before hearing stopped stays unreachable", 600, (390, 5000, None), False),
+    ("a machine whose timeout ran out before the break was plain stays unreachable", 122, (4, 5000, None), False),
+    ("... and so once hearing resumes", 126, (0.5, 2, 8), False),
+    ("a machine still within its timeout when the break was plain stays reachable", 120.5, (4, 5000, None), True),
     ("a first API knows nothing of before it: a machine silent past its timeout is unreachable", 200,
      (0.5, 2, None), False),
 ]

@@ -614,3 +614,31 @@ def test_a_job_that_prints_without_end_has_its_log_cut_back_to_its_end(tmp_path)
     assert len(text) < 4 * 64 * 1024  # about 430 KiB printed
     assert "this log passed 65536 bytes" in text and "were dropped" in text
     assert all(line.startswith(("# gpusched", "line ", "step ", "the end")) for line in text.splitlines())
+
+
+@pytest.mark.parametrize("name, status, body, answer", [
+    ("a verdict is the answer", 200, {"committed": True, "reason": "committed"}, {"committed": True, "reason": "committed"}),
+    ("a refusal is the answer", 404, {"detail": "no job"}, "refused"),
+    ("a wrong token is no verdict: sent again", 401, {"detail": "missing or wrong API token"}, "raises"),
+    ("a server error is no verdict: sent again", 503, {"detail": "store down"}, "raises"),
+])
+def test_a_checkpoint_report_is_sent_again_unless_the_control_plane_judged_it(name, status, body, answer):
+    import httpx
+
+    from workers.agent import forward_checkpoint
+
+    async def scenario():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(status, json=body)))
+        try:
+            return await forward_checkpoint(http, "http://api", "train-1", 7, {"seq": 1})
+        finally:
+            await http.aclose()
+
+    if answer == "raises":
+        with pytest.raises(httpx.HTTPStatusError):
+            run(scenario())
+    elif answer == "refused":
+        result = run(scenario())
+        assert result["committed"] is False and "HTTP 404" in result["reason"], name
+    else:
+        assert run(scenario()) == answer, name

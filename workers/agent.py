@@ -86,8 +86,7 @@ async def forward_checkpoint(http: httpx.AsyncClient, api_url: str, job_id: str,
     Connection errors raise (the report is tried again); a refusal is an answer."""
     response = await http.post(f"{api_url.rstrip('/')}/jobs/{job_id}/checkpoints",
                                json={"allocation_id": allocation_id, "report": report})
-    if response.status_code >= 500:
-        response.raise_for_status()
+    _raise_unless_answered(response)
     if not response.is_success:
         return {"committed": False, "reason": f"HTTP {response.status_code}: {response.text[:300]}"}
     return response.json()
@@ -99,9 +98,16 @@ async def forward_restart(http: httpx.AsyncClient, api_url: str, job_id: str, al
     errors raise (tried again); a refusal (an allocation not the job's) is an answer."""
     response = await http.post(f"{api_url.rstrip('/')}/jobs/{job_id}/restarts",
                                json={"allocation_id": allocation_id, "seconds": float(report["seconds"])})
-    if response.status_code >= 500:
-        response.raise_for_status()
+    _raise_unless_answered(response)
     return {"recorded": response.is_success}
+
+
+def _raise_unless_answered(response: httpx.Response) -> None:
+    """Raise (the report is sent again) unless the control plane judged the report: a server
+    error, or a request it did not take from us (a wrong or missing token, while tokens are being
+    rolled out), is no verdict on the report."""
+    if response.status_code >= 500 or response.status_code in (401, 403):
+        response.raise_for_status()
 
 
 def heartbeat_url(api_url: str, machine_id: str) -> str:
@@ -201,11 +207,15 @@ class Agent:
         faults = [f"GPU {r.index}: {fault}" for r in sorted(await self.health(), key=lambda r: r.index)
                   if r.index in wanted for fault in r.faults if kills_processes(fault)]
         if faults:
-            await self.heartbeat()
+            try:
+                await self.heartbeat(reap=False)  # orphans are confirmed over the regular beats
+            except Exception:
+                log.exception("could not report the failing GPUs at once; the next heartbeat will")
         return faults
 
-    async def heartbeat(self) -> httpx.Response | None:
-        """One heartbeat; the response, or None when the API could not be reached."""
+    async def heartbeat(self, reap: bool = True) -> httpx.Response | None:
+        """One heartbeat; the response, or None when the API could not be reached. ``reap``:
+        count the allocations the answer does not hold toward stopping them as orphans."""
         running = self.node.live_allocations()
         payload = heartbeat_payload(os.getpid(), self.inventory, await self.health(), running)
         try:
@@ -215,7 +225,8 @@ class Agent:
             return None
         if response.is_success:
             self._api_state(True, "API answers heartbeats")
-            self._reap_orphans(running, response)
+            if reap:
+                self._reap_orphans(running, response)
         else:
             self._api_state(False, f"heartbeat refused: HTTP {response.status_code} "
                                    f"{response.text[:200]}")

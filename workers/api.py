@@ -106,10 +106,12 @@ def create_app(settings: Settings) -> FastAPI:
         listening = asyncio.create_task(_listen(ctx["store"]))
         yield
         listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+        await ctx["checkpoints"].settled()
         await ctx["store"].close()
 
     app = FastAPI(title="gpusched", lifespan=lifespan)
-    expected = f"Bearer {settings.api_token}".encode() if settings.api_token else None
+    expected = settings.api_token.encode() if settings.api_token else None
     if expected is None:
         log.warning("the API has no token (GPUSCHED_API_TOKEN): it answers anyone who can reach it")
 
@@ -117,8 +119,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def authorized(request: Request, call_next):
         if expected is None or request.url.path == "/healthz":
             return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
             return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
                 "detail": "missing or wrong API token: send the API's GPUSCHED_API_TOKEN as "
                           "'Authorization: Bearer <token>'"})

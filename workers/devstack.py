@@ -128,10 +128,11 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
 def _save(data_dir: Path, state: StackState) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = data_dir / (STACK_FILE + ".tmp")
-    # Only its owner may read it: it holds the stack's secrets (S3 keys, the API token).
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    # Only its owner may read it: it holds the stack's secrets (S3 keys, the API token). A new
+    # file, so no mode of an old one's applies while the secrets are written.
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(state.model_dump_json(indent=2))
-    os.chmod(tmp, 0o600)
     tmp.replace(data_dir / STACK_FILE)
 
 

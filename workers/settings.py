@@ -101,6 +101,8 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
         if os.environ.get(var):
             values[field] = os.environ[var]
     values.update({k: v for k, v in explicit.items() if v is not None})
+    if isinstance(values.get("api_token"), str):
+        values["api_token"] = values["api_token"].strip() or None  # read from a file, with its newline
     return Settings(**values)
 
 

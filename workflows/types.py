@@ -9,8 +9,9 @@ activities); the agent of machine M listens on ``agent_task_queue(M)`` (the node
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from scheduler.models import JobKind, Priority, Topology
 
@@ -47,6 +48,23 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class WithNewFields(Model):
+    """A model some fields of which are newer than workers that may still be running: those are
+    left out of what it serializes to while they hold their defaults, so that an older worker,
+    which refuses fields it does not know, still takes the model during a rolling upgrade."""
+
+    NEW_FIELDS: ClassVar[dict[str, Any]] = {}  # name → its default
+
+    @model_serializer(mode="wrap")
+    def _leave_out_new_defaults(self, handler):
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, default in self.NEW_FIELDS.items():
+                if name in data and data[name] == default:
+                    del data[name]
+        return data
+
+
 class JobState(str, Enum):
     queued = "queued"
     placed = "placed"
@@ -73,7 +91,7 @@ class EndReason(str, Enum):
     not_started = "not_started"  # the agent never picked the attempt up
 
 
-class JobRequest(Model):
+class JobRequest(WithNewFields):
     """What a submitter gives: the input of ``JobWorkflow``. A pipeline using the Temporal SDK
     starts ``JobWorkflow`` with this model on ``CONTROL_TASK_QUEUE`` and workflow id
     ``job_workflow_id(job_id)``; the workflow validates it and checks quota and queue cap."""
@@ -96,6 +114,8 @@ class JobRequest(Model):
     # the newest complete checkpoint, before the job fails. Failures of machines, GPUs and agents
     # are not counted here: those always requeue (at most 5 times).
     max_retries: int = Field(default=0, ge=0, le=100)
+
+    NEW_FIELDS: ClassVar[dict[str, Any]] = {"max_retries": 0}  # since 2026-12-01
     submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
 
 
@@ -157,7 +177,7 @@ class RunJobInput(Model):
     checkpoint_phase: float | None = None  # staggering: checkpoints at epoch times ≡ phase (mod interval)
 
 
-class RunJobResult(Model):
+class RunJobResult(WithNewFields):
     exit_code: int | None  # None: killed by a signal that was not ours
     signal: int | None = None
     stopped: bool = False  # we stopped it (preemption or cancel)
@@ -166,6 +186,8 @@ class RunJobResult(Model):
     # A failed run: the faults its GPUs showed when it died ("GPU 3: xid:79"). Any, and the GPU,
     # not the job, is taken for the cause: the job is requeued instead of failed.
     gpu_faults: list[str] = Field(default_factory=list)
+
+    NEW_FIELDS: ClassVar[dict[str, Any]] = {"gpu_faults": []}  # since 2026-12-01
 
 
 class AttemptView(Model):
