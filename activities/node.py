@@ -41,9 +41,9 @@ forwarded once, with the same allocation id: the control plane learns restart ti
 A job that dies on a failing GPU: when a run exits non-zero (not stopped by us), the agent reads
 its GPUs' health at once (``gpu_faults``). A GPU of the run with a fault that can kill a process
 (``workers.devices.kills_processes``: an XID, uncorrectable ECC errors, fallen off the bus, NVML
-failing; not throttling) is named in the result's ``gpu_faults``, and the workflow requeues the
-job as a machine failure: a CUDA process usually dies of such a fault before any heartbeat
-reports it.
+failing; not throttling, nor XIDs 63 and 92, which only record) is named in the result's
+``gpu_faults``, and the workflow requeues the job as a machine failure: a CUDA process usually
+dies of such a fault before any heartbeat reports it.
 
 Logs: with ``max_log_bytes`` (the agent's ``--max-log-mb``), an attempt's log that grows past it
 is cut back to its last part (16 MiB at most) every few seconds, after a line saying how much was

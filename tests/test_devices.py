@@ -399,3 +399,14 @@ def test_the_agent_command_explains_itself():
     out = subprocess.run([sys.executable, "-m", "workers.agent", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--machine-id" in out and "--fake-devices" in out
+
+
+@pytest.mark.parametrize("fault, kills", [
+    ("xid:79", True), ("xid:48", True), ("xid:94", True), ("ecc_uncorrectable", True), ("lost", True),
+    ("nvml_error", True), ("xid:63", False), ("xid:92", False), ("thermal_throttle", False),
+    ("power_throttle", False),
+])
+def test_which_faults_can_have_killed_a_job_on_the_gpu(fault, kills):
+    from workers.devices import kills_processes
+
+    assert kills_processes(fault) is kills

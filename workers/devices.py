@@ -53,10 +53,15 @@ def xid_fault(code: int) -> str:
     return f"xid:{code}"
 
 
+# Faults that keep a GPU from new work but kill no process on it: throttling slows it down; XID
+# 63 records a row remapping (or page retirement) and 92 a high rate of corrected errors.
+_HARMLESS_TO_PROCESSES = frozenset({THERMAL_THROTTLE, POWER_THROTTLE, xid_fault(63), xid_fault(92)})
+
+
 def kills_processes(fault: str) -> bool:
-    """Whether a process on a GPU with this fault may have died of it: every fault but
-    throttling, which slows a GPU down and kills nothing."""
-    return fault not in (THERMAL_THROTTLE, POWER_THROTTLE)
+    """Whether a process on a GPU with this fault may have died of it: a job that fails on such
+    a GPU is requeued instead of failed."""
+    return fault not in _HARMLESS_TO_PROCESSES
 
 
 # XIDs after which the GPU should not take work until it is reset or drained:
