@@ -117,6 +117,11 @@ def parse_fleet(text: str, source: str) -> Fleet:
 # --- Reading the node tree ---------------------------------------------------------------------
 
 
+_UNREADABLE = object()  # a scalar its tag cannot read (`!!int abc`)
+MAX_GPUS_PER_MACHINE = 1024
+MAX_MACHINES_PER_BLOCK = 100_000
+
+
 class _FleetReader:
     """Walks the composed YAML, checking each value where its line number is still known."""
 
@@ -156,6 +161,13 @@ class _FleetReader:
         racks = self.positive_int(keys["racks"], f"{field}.racks")
         per_rack = self.positive_int(keys["machines_per_rack"], f"{field}.machines_per_rack")
         gpus = self.positive_int(keys["gpus_per_machine"], f"{field}.gpus_per_machine")
+        if gpus > MAX_GPUS_PER_MACHINE:
+            raise self.error(keys["gpus_per_machine"], f"{field}.gpus_per_machine",
+                             f"is {gpus}; a machine holds at most {MAX_GPUS_PER_MACHINE} GPUs here")
+        if racks * per_rack > MAX_MACHINES_PER_BLOCK:
+            raise self.error(keys["racks"], f"{field}.racks",
+                             f"{racks} racks of {per_rack} machines is {racks * per_rack} machines; a block "
+                             f"holds at most {MAX_MACHINES_PER_BLOCK}: split it into several blocks")
         gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
         if "gpu_memory_gb" in keys:
             memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb")
@@ -279,7 +291,11 @@ class _FleetReader:
     # --- Scalars ---------------------------------------------------------------------------------
 
     def value(self, node: yaml.Node) -> Any:
-        return self.loader.construct_object(node, deep=True)
+        """The node's value, or ``_UNREADABLE`` when its tag cannot make one (``!!int abc``)."""
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError, KeyError, AttributeError):
+            return _UNREADABLE
 
     def is_null(self, node: yaml.Node) -> bool:
         return isinstance(node, yaml.ScalarNode) and self.value(node) is None
@@ -291,6 +307,9 @@ class _FleetReader:
         if isinstance(node, yaml.SequenceNode):
             return "a list"
         value = self.value(node)
+        if value is _UNREADABLE:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            return f"{tag} {node.value!r}, which is no value of that tag"
         if value is None:
             return "nothing"
         if isinstance(value, str):

@@ -201,6 +201,13 @@ BAD_FLEETS = [
         "raise max to at least 64 or lower guaranteed",
     ),
     ("clusters: []\n---\nclusters: []\n", 2, None, "more than one YAML document"),
+    (one_block(block(racks="!!int abc")), 4, "clusters[0].blocks[0].racks", "got !!int 'abc', which is no value"),
+    (one_block(block(gpu_memory_gb="!!bool maybe")), 4, "clusters[0].blocks[0].gpu_memory_gb",
+     "got !!bool 'maybe'"),
+    (one_block(block(gpu_type="!foo H100")), 4, "clusters[0].blocks[0].gpu_type", "got !foo 'H100'"),
+    (one_block(block(gpus_per_machine=10**20)), 4, "clusters[0].blocks[0].gpus_per_machine", "at most 1024 GPUs"),
+    (one_block(block(racks=10**8, machines_per_rack=10**8)), 4, "clusters[0].blocks[0].racks",
+     "split it into several blocks"),
 ]
 
 
@@ -232,6 +239,11 @@ BAD_FLEETS = [
         "a misspelt quota key gets a suggestion",
         "a max below the guarantee says how to fix it",
         "two YAML documents in one file",
+        "a tagged value its tag cannot read",
+        "a tagged flag its tag cannot read",
+        "an unknown tag",
+        "a machine of more GPUs than any",
+        "a block of more machines than any",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
