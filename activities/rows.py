@@ -37,6 +37,7 @@ from workflows.types import (
     PlacementSignal,
     PreemptOrder,
     PreemptSignal,
+    request_problem,
 )
 
 Row = Mapping[str, Any]
@@ -258,6 +259,9 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
     def refuse(field: str, reason: str) -> Admission:
         return Admission(accepted=False, job_id=request.job_id, field=field, reason=reason)
 
+    problem = request_problem(request)
+    if problem is not None:
+        return refuse(problem[0], problem[1])
     team = request.team
     if quota_row is None:
         return refuse("team", f"team '{team}' has no quota; an operator sets one with "

@@ -20,6 +20,9 @@ def gpu_path(slot: GpuSlot) -> str:
     return f"{slot[0]}/{slot[1]}"
 
 
+MIN_CHECKPOINT_INTERVAL = 1.0  # seconds; a shorter interval would checkpoint at every step
+
+
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -181,6 +184,8 @@ class Quota(Frozen):
 
 class PolicyConfig(Frozen):
     """The knobs of gpusched's policy, with the defaults documented in docs/policy.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     grace_period: float = Field(default=120.0, ge=0)
     min_runtime: float = Field(default=600.0, ge=0)  # no preemption before this much running

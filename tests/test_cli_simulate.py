@@ -111,6 +111,15 @@ def _no_fleet(d):
     (d / "fleet.yaml").unlink()
 
 
+def _not_utf8(d):
+    (d / "trace.csv").write_bytes(TRACE.encode().replace(b"language", b"l\xe9nguage", 1))
+
+
+def _unknown_cluster(d):
+    lines = TRACE.splitlines()
+    (d / "trace.csv").write_text("\n".join([lines[0] + ",cluster"] + [line + ",c9" for line in lines[1:]]) + "\n")
+
+
 def _team_without_quota(d):
     (d / "trace.csv").write_text(TRACE.replace("e,900,600,1,vision", "e,900,600,1,audio"))
 
@@ -121,6 +130,8 @@ def _team_without_quota(d):
         (_bad_num_gpus, [], ["trace.csv:3", "num_gpus", "'four'"]),
         (_no_fleet, [], ["fleet.yaml", "cannot read the fleet file"]),
         (_team_without_quota, [], ["trace.csv", "team", "'audio'", "fleet.yaml"]),
+        (_not_utf8, [], ["trace.csv:3", "not UTF-8 text (byte 0xe9)", "save it as UTF-8"]),
+        (_unknown_cluster, [], ["trace.csv", "cluster", "'c9'", "fleet.yaml does not have"]),
         (lambda d: None, ["--policy", "sjf"], ["unknown policy 'sjf'"]),
         (lambda d: None, ["--compare", "fifo,nope"], ["unknown policy 'nope'"]),
         (lambda d: None, ["--machine-failures-per-day", "-1"], ["--machine-failures-per-day", "greater than or equal to 0"]),
@@ -132,6 +143,8 @@ def _team_without_quota(d):
         "a malformed trace names its line and field",
         "a missing fleet file",
         "a team without a quota and no '*' default",
+        "a trace that is not UTF-8",
+        "a cluster the fleet does not have",
         "an unknown policy",
         "an unknown policy to compare with",
         "a negative failure rate",
@@ -160,3 +173,26 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_the_simulation_r
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert "--out" in err and "give --out a folder you can write" in err, err
     assert "simulated" not in err
+
+
+@pytest.mark.parametrize("flag", ["--restart-s", "--machine-failures-per-day", "--until"])
+def test_a_number_that_is_not_finite_is_a_usage_error(tmp_path, inputs, capsys, flag):
+    with pytest.raises(SystemExit) as exited:
+        main(simulate_argv(*inputs, tmp_path / "out", flag, "inf"))
+    assert exited.value.code == 2
+    assert f"argument {flag}: must be a finite number, not inf" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, spoil", [
+    ("a compared policy's folder is a file", lambda out: (out / "easy").write_text("x")),
+    ("a result file is a folder", lambda out: (out / "summary.json").mkdir()),
+])
+def test_an_output_that_cannot_take_every_result_is_refused_before_the_simulation_runs(tmp_path, inputs, capsys,
+                                                                                       name, spoil):
+    out = tmp_path / "out"
+    out.mkdir()
+    spoil(out)
+    assert main(simulate_argv(*inputs, out, "--compare", "easy")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "give --out a folder you can write" in err and "simulated" not in err, name

@@ -77,7 +77,7 @@ def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
             ["from-philly", "--input", "{d}/p.csv"],
             "no jobs in the 7.0-day window",
         ),
-        (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be at least 1"),
+        (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be between 1 and 10,000,000"),
     ],
     ids=[
         "a malformed Philly row names its line",

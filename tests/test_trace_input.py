@@ -157,6 +157,8 @@ BAD_TRACES = [
     (trace(row(expected_duration="0")), 2, "expected_duration", "above 0"),
     (trace(row(deadline="-3600")), 2, "deadline", "0 or more"),
     (trace(row(), "j2,0,60"), 3, None, "one value per column"),
+    (trace(row(team='"vision'), row(job_id="b"), row(job_id="c")), 2, "team", "a quoted value runs on to line 4"),
+    (trace(row(checkpoint_interval="1e-300")), 2, "checkpoint_interval", "0 (never) or at least 1 second"),
 ]
 
 
@@ -184,6 +186,8 @@ BAD_TRACES = [
         "a zero estimate",
         "a negative deadline",
         "a short row",
+        "an unclosed quote that would swallow the rows after it",
+        "a checkpoint interval too short to mean anything",
     ],
 )
 def test_a_bad_trace_names_line_column_and_fix(text, line, field, fix):

@@ -4,6 +4,10 @@ code 2, naming the flag, so a bad number never reaches the stack or a traceback.
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
+
+from scheduler.errors import InputError
 
 
 def whole(text: str) -> int:
@@ -29,12 +33,35 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A number above 0."""
+def finite(text: str) -> float:
+    """A finite number: inf and nan are no number of seconds, GPUs or failures."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:  # NaN too
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0."""
+    value = finite(text)
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
     return value
+
+
+def read_input(path: str | Path, what: str) -> str:
+    """The text of an input file, or an ``InputError`` saying why it cannot be read: missing,
+    unreadable, or not UTF-8 (with the line of the first bad byte)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise InputError(str(path), None, None, f"cannot read the {what}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(str(path), line, None, f"the {what} is not UTF-8 text (byte 0x{raw[e.start]:02x}); "
+                                                "save it as UTF-8") from None

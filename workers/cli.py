@@ -20,6 +20,7 @@ from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
 from scheduler.sim.report import write_comparison, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
+from workers.arg_types import finite, read_input
 from workers.cli_dev import add_dev_commands
 from workers.cli_jobs import add_job_commands
 from workers.example_job import add_example_job_command
@@ -27,16 +28,15 @@ from workers.cli_trace import add_trace_commands
 from workflows.types import first_error, flag_for
 
 
-def read_text(path: str, what: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        raise InputError(path, None, None, f"cannot read the {what}: {e.strerror or e}") from None
-
-
 def load_inputs(trace_path: str, fleet_path: str) -> tuple[list[TraceJob], Fleet]:
-    fleet = parse_fleet(read_text(fleet_path, "fleet file"), fleet_path)
-    trace = parse_trace(read_text(trace_path, "trace"), trace_path)
+    fleet = parse_fleet(read_input(fleet_path, "fleet file"), fleet_path)
+    trace = parse_trace(read_input(trace_path, "trace"), trace_path)
+    clusters = [c.name for c in fleet.clusters]
+    for job in trace:
+        if job.spec.cluster is not None and job.spec.cluster not in clusters:
+            raise InputError(trace_path, None, "cluster",
+                             f"job {job.spec.job_id} names cluster '{job.spec.cluster}', which {fleet_path} "
+                             f"does not have ({', '.join(clusters)}); name one of those or leave it empty")
     if fleet.default_quota is None:
         for job in trace:
             if job.spec.team not in fleet.quotas:
@@ -46,6 +46,31 @@ def load_inputs(trace_path: str, fleet_path: str) -> tuple[list[TraceJob], Fleet
                     "add it under 'quotas:' or add a '\"*\"' default quota",
                 )
     return trace, fleet
+
+
+RESULT_FILES = ("allocations.csv", "jobs.csv", "summary.json", "run.png")
+COMPARISON_FILES = ("comparison.md", "comparison.json")
+
+
+def _check_writable(out: Path, policies: list[str]) -> None:
+    """Refuse, before hours of simulation and not after, an output folder where a result could
+    not be written: DIR and each compared policy's DIR/<name>, and every file they will hold."""
+    folders = {out: RESULT_FILES + (COMPARISON_FILES if len(policies) > 1 else ())}
+    folders.update({out / name: RESULT_FILES for name in policies[1:]})
+    for folder, files in folders.items():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+            for name in files:
+                path = folder / name
+                if path.is_dir():
+                    raise IsADirectoryError(21, f"{name} there is a folder")
+                if path.exists() and not os.access(path, os.W_OK):
+                    raise PermissionError(13, f"{name} there is read-only")
+        except OSError as e:
+            raise InputError(str(folder), None, "--out", f"cannot write the results here ({e.strerror}); "
+                                                         "give --out a folder you can write") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -71,13 +96,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         flag = flag_for(field)
         raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
     out = Path(args.out)
-    try:  # before hours of simulation, not after
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as e:
-        raise InputError(str(out), None, "--out", f"cannot write the results here ({e.strerror}); "
-                                                  "give --out a folder you can write") from None
+    _check_writable(out, names)
     summaries = {}
     for name in names:
         began = time.perf_counter()
@@ -112,19 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run these policies, e.g. fifo,easy; each goes into DIR/<name>")
     sim.add_argument("--out", required=True, help="output folder")
     sim.add_argument("--json", action="store_true", help="print summary.json to stdout")
-    sim.add_argument("--machine-failures-per-day", type=float, default=0.0,
+    sim.add_argument("--machine-failures-per-day", type=finite, default=0.0,
                      help="failure injection: failures per machine per day (repaired after 30 min)")
-    sim.add_argument("--gpu-failures-per-day", type=float, default=0.0, help="failures per GPU per day")
-    sim.add_argument("--restart-s", type=float, default=0.0,
+    sim.add_argument("--gpu-failures-per-day", type=finite, default=0.0, help="failures per GPU per day")
+    sim.add_argument("--restart-s", type=finite, default=0.0,
                      help="seconds every attempt after a job's first spends starting again (a new process, "
                           "its checkpoint loaded) before it progresses (default 0)")
-    sim.add_argument("--expected-restart-s", type=float, default=None,
+    sim.add_argument("--expected-restart-s", type=finite, default=None,
                      help="what the scheduler expects a resumed job's restart to take "
                           "(PolicyConfig.expected_restart_s); default: learned from the first restart, "
                           "as the live loop learns it (0 until then, and 0 without --restart-s)")
     sim.add_argument("--no-stagger", action="store_true", help="turn checkpoint staggering off")
     sim.add_argument("--seed", type=int, default=0, help="seed of the failure injection")
-    sim.add_argument("--until", type=float, default=None, help="stop at this trace time (s)")
+    sim.add_argument("--until", type=finite, default=None, help="stop at this trace time (s)")
     sim.set_defaults(func=cmd_simulate)
 
     add_trace_commands(commands)

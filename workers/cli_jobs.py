@@ -20,10 +20,10 @@ from pydantic import ValidationError
 
 from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
-from workers.arg_types import positive_float, positive_int
+from workers.arg_types import finite, positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings, missing_stack
-from workflows.types import JobRequest, JobState, JobView, first_error, flag_for
+from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
 
 EXIT_REFUSED = 2
 EXIT_UNREACHABLE = 1
@@ -41,8 +41,8 @@ def add_job_commands(subparsers) -> None:
     submit.add_argument("--gpu-type", default=None)
     submit.add_argument("--priority", default="normal", choices=[p.value for p in Priority])
     submit.add_argument("--topology", default=None, choices=[t.value for t in Topology])
-    submit.add_argument("--checkpoint-interval", type=float, default=None, help="seconds")
-    submit.add_argument("--expected-duration", type=float, default=3600.0, help="seconds (default 3600)")
+    submit.add_argument("--checkpoint-interval", type=finite, default=None, help="seconds")
+    submit.add_argument("--expected-duration", type=finite, default=3600.0, help="seconds (default 3600)")
     submit.add_argument("--max-retries", type=int, default=0,
                         help="times a failed command is run again, from its newest checkpoint (default 0)")
     submit.add_argument("--cluster", default=None)
@@ -106,7 +106,7 @@ def add_job_commands(subparsers) -> None:
     ccmd = cluster.add_subparsers(dest="cluster_command", required=True, metavar="{set,list}")
     cset = ccmd.add_parser("set", help="change a cluster's settings (the next cycle uses them)")
     cset.add_argument("cluster")
-    cset.add_argument("--machine-timeout", type=float, default=None,
+    cset.add_argument("--machine-timeout", type=finite, default=None,
                       help="seconds without a heartbeat before a machine is unreachable (default 120)")
     cset.add_argument("--policy", action="extend", nargs="+", default=[], metavar="KNOB=VALUE",
                       help="policy knobs of docs/policy.md, e.g. --policy grace_period=300 min_runtime=600")
@@ -155,8 +155,9 @@ def _request(args) -> JobRequest:
         if not sep or not name:
             raise ClientError(f"--env '{item}' is not NAME=VALUE", "env")
         env[name] = value
+    names = {"num_gpus": "--gpus", "job_id": "--job-id"}
     try:
-        return JobRequest(
+        request = JobRequest(
             job_id=args.job_id or new_job_id(), team=args.team, num_gpus=args.gpus, command=cmd,
             gpu_type=args.gpu_type, topology=args.topology, priority=args.priority,
             checkpoint_interval=args.checkpoint_interval, expected_duration=args.expected_duration,
@@ -164,9 +165,14 @@ def _request(args) -> JobRequest:
         )
     except ValidationError as e:
         field, message = first_error(e)
-        names = {"num_gpus": "--gpus", "job_id": "--job-id"}
         raise ClientError(f"{message} (give {names.get(field, flag_for(field))} a valid value)",
                           field) from None
+    problem = request_problem(request)
+    if problem is not None:
+        field, message = problem
+        flag = "the command after --" if field == "command" else names.get(field, flag_for(field))
+        raise ClientError(f"{message} ({flag})", field)
+    return request
 
 
 def cmd_submit(args) -> int:
@@ -356,7 +362,7 @@ def cmd_cluster_set(args) -> int:
         if field in knobs:
             print(f"error: policy: {field}={knobs[field]}: {message}", file=sys.stderr)
             return EXIT_REFUSED
-    if args.machine_timeout is not None and args.machine_timeout <= 0:
+    if args.machine_timeout is not None and not args.machine_timeout > 0:
         print("error: machine_timeout: give a positive number of seconds", file=sys.stderr)
         return EXIT_REFUSED
 

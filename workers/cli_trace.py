@@ -26,7 +26,7 @@ from scheduler.sim.workloads import (
     generate_trace,
     offered_gpu_seconds,
 )
-from workers.arg_types import positive_float
+from workers.arg_types import finite, positive_float, read_input
 
 
 def add_trace_commands(subparsers) -> None:
@@ -43,16 +43,16 @@ def add_trace_commands(subparsers) -> None:
     )
     generate.add_argument("--out", required=True, type=Path, help="trace CSV to write")
     generate.add_argument("--jobs", type=int, default=3000, help="number of jobs (default 3000)")
-    generate.add_argument("--days", type=float, default=3.0, help="arrival window in days (default 3)")
+    generate.add_argument("--days", type=finite, default=3.0, help="arrival window in days (default 3)")
     generate.add_argument(
         "--gpus", type=int, default=5120, help="GPUs the load is measured against (default 5120)"
     )
     generate.add_argument(
-        "--load", type=float, default=1.2, help="offered GPU-seconds / capacity (default 1.2)"
+        "--load", type=finite, default=1.2, help="offered GPU-seconds / capacity (default 1.2)"
     )
     generate.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     generate.add_argument(
-        "--inference-fraction", type=float, default=0.0, help="share of inference jobs (default 0)"
+        "--inference-fraction", type=finite, default=0.0, help="share of inference jobs (default 0)"
     )
     generate.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
     generate.set_defaults(func=run_generate)
@@ -100,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_from_philly(args: argparse.Namespace) -> int:
     def make() -> tuple[list[TraceJob], int | None]:
-        text = args.input.read_text(encoding="utf-8")
+        text = read_input(args.input, "Philly trace")
         jobs = from_philly(text, str(args.input), start=args.start, days=args.days, seed=args.seed)
         if not jobs:
             raise InputError(

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from scheduler.models import JobKind, Priority, Topology
+from scheduler.models import MIN_CHECKPOINT_INTERVAL, JobKind, Priority, Topology
 
 CONTROL_TASK_QUEUE = "gpusched-control"
 JOB_WORKFLOW = "JobWorkflow"
@@ -117,6 +117,25 @@ class JobRequest(WithNewFields):
 
     NEW_FIELDS: ClassVar[dict[str, Any]] = {"max_retries": 0}  # since 2026-12-01
     submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
+
+    # inf and nan are no number of seconds or GBs (and JSON cannot even carry them).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def request_problem(request: JobRequest) -> tuple[str, str] | None:
+    """(field, what is wrong and how to fix it) for a request the model takes but no job can
+    run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
+    in the model: requests accepted before a check was added must still decode on replay."""
+    if not request.team.strip():
+        return "team", "is blank; give the team's name"
+    if request.gpu_type is not None and not request.gpu_type.strip():
+        return "gpu_type", "is blank; name a GPU type (H100, A100, ...) or leave it out for any"
+    if not request.command[0].strip():
+        return "command", "starts with an empty word; give the program to run first"
+    interval = request.checkpoint_interval
+    if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
+        return "checkpoint_interval", f"is {interval:g} s; give 0 (only when stopped) or at least 1 second"
+    return None
 
 
 class GpuGrant(Model):

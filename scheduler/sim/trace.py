@@ -22,7 +22,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.errors import InputError
-from scheduler.models import JobKind, JobSpec, Priority, Topology
+from scheduler.models import MIN_CHECKPOINT_INTERVAL, JobKind, JobSpec, Priority, Topology
 
 COLUMNS = (
     "job_id",
@@ -68,10 +68,19 @@ def parse_trace(text: str, source: str) -> list[TraceJob]:
     header = _header(next(reader, None), source)
     jobs: list[TraceJob] = []
     first_line_of: dict[str, int] = {}
+    ended = reader.line_num  # the line the last record ended on
     for row in reader:
+        began, ended = ended + 1, reader.line_num
         if not row or all(not cell.strip() for cell in row):
             continue  # blank lines carry no job
         line = reader.line_num
+        spread = next((name for name, cell in zip(header, row) if "\n" in cell or "\r" in cell), None)
+        if spread is not None or began != ended:
+            raise InputError(
+                source, began, spread,
+                f"a quoted value runs on to line {ended}; close the quote on its own line "
+                "(a trace value never holds a line break)",
+            )
         if len(row) != len(header):
             raise InputError(
                 source,
@@ -188,6 +197,9 @@ class _RowReader:
         interval = self.optional_number(
             "checkpoint_interval", minimum=0.0, hint="seconds, 0 or empty for never"
         )
+        if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
+            raise self.error("checkpoint_interval", f"must be 0 (never) or at least {MIN_CHECKPOINT_INTERVAL:g} "
+                                                    f"second, got {self.cells['checkpoint_interval']!r}")
         deadline = self.optional_number(
             "deadline", minimum=0.0, hint="seconds from the trace start, 0 or more"
         )

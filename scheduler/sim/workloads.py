@@ -130,14 +130,18 @@ def generate_trace(
     ]
 
 
+MAX_GENERATED_JOBS = 10_000_000
+MAX_GENERATED_DAYS = 3660  # ten years
+
+
 def _check_generator_arguments(jobs, days, gpus, load, teams, inference_fraction) -> None:
     def bad(field: str, message: str) -> InputError:
         return InputError("trace generate", None, field, message)
 
-    if jobs < 1:
-        raise bad("jobs", f"must be at least 1, got {jobs}")
-    if not days > 0:
-        raise bad("days", f"must be above 0, got {days}")
+    if not 1 <= jobs <= MAX_GENERATED_JOBS:
+        raise bad("jobs", f"must be between 1 and {MAX_GENERATED_JOBS:,}, got {jobs}")
+    if not 0 < days <= MAX_GENERATED_DAYS:
+        raise bad("days", f"must be above 0 and at most {MAX_GENERATED_DAYS}, got {days}")
     if gpus < 1:
         raise bad("gpus", f"must be at least 1, got {gpus}")
     if not load > 0:
@@ -278,6 +282,9 @@ def _clamp(value: float, low: float, high: float) -> float:
 # --- The Philly converter ---------------------------------------------------------------------
 
 
+MAX_PHILLY_GPUS = 100_000  # more than any one job of any cluster asks
+
+
 def from_philly(
     text: str,
     source: str,
@@ -335,9 +342,10 @@ def from_philly(
         submitted = _philly_timestamp(cells["timestamp"], source, line)
         duration = _philly_number(cells["duration"], "duration", source, line)
         num_gpus = _philly_number(cells["num_gpus"], "num_gpus", source, line)
-        if not num_gpus.is_integer():
+        if not num_gpus.is_integer() or num_gpus > MAX_PHILLY_GPUS:
             raise InputError(
-                source, line, "num_gpus", f"must be a whole number of GPUs, got {cells['num_gpus']!r}"
+                source, line, "num_gpus",
+                f"must be a whole number of GPUs, at most {MAX_PHILLY_GPUS:,}, got {cells['num_gpus']!r}"
             )
         if not cells["cluster"]:
             raise InputError(
