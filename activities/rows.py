@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping
 
 from scheduler.forecast import expected_arrivals
 from scheduler.models import (
-    INFERENCE_PARTITION,
     Earmark,
-    JobKind,
     JobSpec,
     Machine,
     PolicyConfig,
@@ -22,8 +21,8 @@ from scheduler.models import (
     QueuedJob,
     RunningJob,
     Snapshot,
-    Topology,
 )
+from scheduler.never_fits import why_it_never_fits
 from workflows.types import (
     Admission,
     AttemptView,
@@ -286,33 +285,10 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
             return Admission(accepted=True, job_id=request.job_id, cluster=name, reason="accepted")
         fields.add(why_not[0])
         reasons.append(f"{name}: {why_not[1]}")
-    field = "gpu_type" if "gpu_type" in fields else "num_gpus"
+    field = next((f for f in ("kind", "gpu_type", "gpu_memory_gb") if f in fields), "num_gpus")
     return refuse(field, "no cluster can ever host this job (" + "; ".join(reasons or ["no machines"]) + ")")
 
 
 def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> tuple[str, str] | None:
     """(the request field at fault, why) when no machine of the cluster can ever host the job."""
-    has_inference = any(m["partition"] == INFERENCE_PARTITION for m in machines)
-    usable = [
-        m for m in machines
-        if (request.gpu_type is None or m["gpu_type"] == request.gpu_type)
-        and (request.gpu_memory_gb is None or m["gpu_memory_gb"] >= request.gpu_memory_gb)
-        and ((m["partition"] == INFERENCE_PARTITION) == (request.kind == JobKind.inference and has_inference))
-    ]
-    if not usable:
-        if request.gpu_type:
-            return "gpu_type", f"no machine with GPU type {request.gpu_type}"
-        return "kind", "no machine of its kind"
-    largest = max(m["gpus"] for m in usable)
-    blocks: dict[str, int] = defaultdict(int)
-    for m in usable:
-        blocks[m["block"]] += m["gpus"]
-    topology = request.topology or (Topology.machine if request.num_gpus <= largest else Topology.block)
-    n = request.num_gpus
-    if topology == Topology.machine and n > largest:
-        return "num_gpus", f"needs {n} GPUs on one machine; the largest has {largest}"
-    if topology == Topology.block and n > max(blocks.values()):
-        return "num_gpus", f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
-    if n > sum(blocks.values()):
-        return "num_gpus", f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
-    return None
+    return why_it_never_fits(request, (SimpleNamespace(**m) for m in machines))

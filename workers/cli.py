@@ -108,8 +108,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         (out if name == names[0] else out / name).joinpath("summary.json").write_text(json.dumps(summary, indent=2))
         summaries[name] = summary
         if not args.json:
-            print(f"{name}: {len(trace)} jobs simulated in {elapsed:.1f} s -> {out if name == names[0] else out / name}",
-                  file=sys.stderr)
+            rejected = summary["wait_s"]["all"]["rejected"]
+            note = f" ({rejected} rejected: they can never start; jobs.csv says why)" if rejected else ""
+            print(f"{name}: {len(trace)} jobs simulated in {elapsed:.1f} s{note} -> "
+                  f"{out if name == names[0] else out / name}", file=sys.stderr)
     if len(names) > 1:
         table = write_comparison(summaries, out)
         if not args.json:

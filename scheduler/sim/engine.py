@@ -44,6 +44,7 @@ from scheduler.models import (
     Snapshot,
     gpu_path,
 )
+from scheduler.never_fits import why_it_never_fits
 from scheduler.placement import find_gpus
 from scheduler.sim.baselines import easy_cycle, fifo_cycle
 from scheduler.sim.records import AllocationRecord, CheckpointWrite, JobRecord, Sample, SimResult
@@ -280,9 +281,12 @@ class Simulation:
         shape = (spec.num_gpus, spec.topology, spec.gpu_type, spec.gpu_memory_gb, spec.kind)
         if shape not in cluster.never_fits:
             ok = find_gpus(cluster.empty, spec) is not None
+            why = None if ok else why_it_never_fits(spec, cluster.machines.values())
             cluster.never_fits[shape] = None if ok else (
-                f"can never start on cluster {cluster.name}: {spec.num_gpus} GPUs with topology "
-                f"{spec.topology.value if spec.topology else 'default'} do not fit its machines"
+                f"can never start on cluster {cluster.name}: "
+                + (f"{why[1]} (field {why[0]})" if why else
+                   f"{spec.num_gpus} GPUs with topology {spec.topology.value if spec.topology else 'default'} "
+                   "do not fit its machines")
             )
         return cluster.never_fits[shape]
 
