@@ -126,11 +126,14 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
 def admit(state: Admission, job: QueuedJob) -> None:
     spec = job.spec
     cap, usage = state.cap, state.usage
-    # a. maximum
-    if not usage.within_max(spec.team, spec.num_gpus):
+    # a. maximum (a job's own earmark is promised to it already)
+    more = 0 if spec.job_id in state.earmarks else spec.num_gpus
+    if not usage.within_max(spec.team, more):
         limit = usage.quota(spec.team).max
+        promised = usage.promised.get(spec.team, 0)
+        also = f", {promised} promised to its waiting jobs" if promised else ""
         state.waiting.append(
-            (job, f"team {spec.team} is at its maximum ({usage.held(spec.team)} of {limit} GPUs held)")
+            (job, f"team {spec.team} is at its maximum ({usage.held(spec.team)} of {limit} GPUs held{also})")
         )
         return
     # b. earmark
@@ -311,7 +314,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
             state.protected_notes[key] = note
         return False
     state.searches += 1
-    choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
+    choice = preemption.choose_victims(cap, spec, ranked, avoid, going, state.keep_whole)
     if choice is None:
         state.no_victims.add(key)
         return False
@@ -424,7 +427,9 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     if movable is None:
         movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, _exposed(state).jobs)
     state.consolidations += 1
-    plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole)
+    reserved = frozenset().union(*(h.machines for h in state.holds)) if state.holds else placement.NO_AVOID
+    plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole,
+                                   reserved=reserved)
     if plan is None:
         state.no_moves.add(key)
         return False

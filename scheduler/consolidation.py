@@ -87,9 +87,12 @@ def plan_move(
     going: set[str],
     keep_whole: float = 0.0,
     max_tries: int = 8,
+    reserved: frozenset[int] = frozenset(),
 ) -> Consolidation | None:
     """Which jobs to move where so `claimant` can start; takes the GPUs they move to out of
-    `cap`. None (and `cap` as it was) if no machine or block can be cleared that way."""
+    `cap`. None (and `cap` as it was) if no machine or block can be cleared that way. `avoid`:
+    machines held for reservations the claimant would run past; `reserved`: every machine held
+    for a reservation, where no mover lands (a mover runs on, past any reservation's start)."""
     pools = cap.eligible_pools(claimant)
     n = claimant.num_gpus
     free, pool_of = cap.free, cap.pool_of
@@ -134,9 +137,9 @@ def plan_move(
         # A mover that took a whole free machine would only trade places with the claimant,
         # which would have fitted there (unless the machine is kept whole): pieces only.
         whole = frozenset(i for p in cap.pools.values() for i in p.buckets[p.key.gpus])
-        landing_avoid = avoid | whole
+        landing_avoid = avoid | reserved | whole
     else:
-        landing_avoid = avoid
+        landing_avoid = avoid | reserved
     for *_, machines, movers in options[:max_tries]:
         found = _try(cap, claimant, frozenset(machines), movers, avoid, landing_avoid, keep_whole)
         if found is not None:
@@ -157,7 +160,7 @@ def _try(cap: Capacity, claimant: JobSpec, domain: frozenset[int], movers: list[
         moves.append(Move(job, to))
     else:
         outside = frozenset(range(len(cap.machines))) - domain
-        gpus = placement_without(cap, claimant, movers, avoid | outside)
+        gpus = placement_without(cap, claimant, movers, avoid | outside, keep_whole)
         if gpus is not None:
             used = set(gpus)
             kept = []

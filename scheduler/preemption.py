@@ -169,9 +169,11 @@ def choose_victims(
     ranked: Sequence[tuple[tuple, RunningJob]],
     avoid: frozenset[int] = frozenset(),
     leaving: Collection[str] = frozenset(),
+    keep_whole: float = 0.0,
 ) -> VictimChoice | None:
     """The victims to displace for `claimant`, or None. `ranked` is the candidates in victim
-    order (`in_victim_order`); those in `leaving` (already told to go this cycle) are passed over."""
+    order (`in_victim_order`); those in `leaving` (already told to go this cycle) are passed over.
+    `keep_whole`: the reserved pool the claimant's placement must leave whole, as without victims."""
     pools = cap.eligible_pools(claimant)
     if not pools or not ranked:
         return None
@@ -220,12 +222,13 @@ def choose_victims(
                 options.append((sum(k[3] for k, _ in listed), len(listed), met[domain], listed))
         for *_, pairs in sorted(options):
             victims = tuple(job for _, job in pairs)
-            gpus = placement_without(cap, claimant, victims, avoid)
+            gpus = placement_without(cap, claimant, victims, avoid, keep_whole)
             if gpus is not None:
                 # The real placement may not need every victim counted for the place: spare the rest.
                 used = set(gpus)
                 needed = tuple(v for v in victims if any(slot in used for slot in v.gpus))
-                return VictimChoice(needed, gpus)
+                if needed:  # a place that needs nobody displaced was not the claimant's to take
+                    return VictimChoice(needed, gpus)
     return None
 
 
@@ -237,13 +240,14 @@ def _scope(topology: Topology, n: int, pools) -> Topology:
     return topology
 
 
-def placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int]):
+def placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int],
+                      keep_whole: float = 0.0):
     """Simulate the victims gone, try the real placement, and undo."""
     slots = [slot for v in victims for slot in v.gpus if slot[0] in cap.index]
     slots = [s for s in slots if s[1] not in cap.free[cap.index[s[0]]]]
     cap.give(slots)
     try:
-        return find_gpus(cap, claimant, avoid=avoid)
+        return find_gpus(cap, claimant, avoid=avoid, keep_whole=keep_whole)
     finally:
         cap.take([s for s in slots if s[1] in cap.free[cap.index[s[0]]]])
 

@@ -37,8 +37,10 @@ class TeamUsage:
         return self.used.get(team, 0)
 
     def within_max(self, team: str, gpus: int) -> bool:
+        """Whether the team stays within its maximum taking `gpus` more, beyond what it holds and
+        what is promised to its waiting jobs (GPUs they are about to take count already)."""
         limit = self.quota(team).max
-        return limit is None or self.held(team) + gpus <= limit
+        return limit is None or self.held(team) + self.promised.get(team, 0) + gpus <= limit
 
     def under_guarantee_with(self, team: str, gpus: int) -> bool:
         """Whether the team would still be within its guarantee after taking `gpus` more, beyond

@@ -114,3 +114,18 @@ def test_a_block_job_gets_a_block_cleared_by_moving_a_job_to_another_block():
     assert move.job_id == "m" and move.moved_to == ((b1m0, 6), (b1m0, 7))
     gang = {e.job_id: e.gpus for e in result.earmarks}["gang"]
     assert {m for m, _ in gang} == {b0m0, b0m1} and len(gang) == 16
+
+
+def test_no_mover_lands_on_machines_held_for_a_starving_job():
+    # H (16 GPUs) has starved: it holds block b0 from +1000 s. The short claimant C may clear b1/m0
+    # by moving M, but M, with 40,000 s to go, must not land on b0, or H could not start there;
+    # with nowhere else to go, M stays.
+    b1 = mid(1, 0, 0)
+    machines = fleet(machines=2, gpus=8) + fleet(machines=1, gpus=8, first_block=1)
+    run = [running(job("M").gpus(2).expected(50_000)).on(b1, [0, 1]).started(0),
+           filler("f0", b1, [2, 3], expected=50_000),
+           filler("f1", M0, range(5), expected=NOW + 1000), filler("f2", M1, range(5), expected=NOW + 1000)]
+    result = cycle(snapshot(machines, running=run, queue=[job("H").gpus(16).submitted(NOW - 4000),
+                                                          job("C").gpus(6).expected(300).submitted(NOW - 600)]))
+    landed = {m for p in result.preemptions for m, _ in p.moved_to}
+    assert not landed & {M0, M1}, landed

@@ -120,14 +120,17 @@ print("ran on", os.environ["GPUSCHED_GPUS"])
 
 
 def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_dead(stack):
-    s = stack(machines=2, gpus=4, policy={"min_runtime": 0}, machine_timeout=MACHINE_TIMEOUT)
-    s.submit("long", 4, sleeper(25))
+    # The timeout must leave room for the break to show first: a heartbeat interval (2 s), the
+    # listening refresh (1 s) and its gap (3 s). Production's is 120 s.
+    timeout = 8.0
+    s = stack(machines=2, gpus=4, policy={"min_runtime": 0}, machine_timeout=timeout)
+    s.submit("long", 4, sleeper(3 * timeout + 10))
     s.until(lambda: s.status("long").state == "running", timeout=30)
     # Down for several machine timeouts: no heartbeat is heard, though every agent is well.
     devstack.stop_component(s.data_dir, "api", signal.SIGKILL)
-    time.sleep(4 * MACHINE_TIMEOUT)
+    time.sleep(2.5 * timeout)
     devstack.start_component(s.data_dir, "api")
-    time.sleep(2 * MACHINE_TIMEOUT)  # heard again: the machines report, and cycles run
+    time.sleep(timeout)  # heard again: the machines report, and cycles run
     view = s.wait("long", timeout=60)
     assert view.state == "succeeded" and len(view.attempts) == 1, [a.end_reason for a in view.attempts]
     assert all(m.reachable for m in s.run(s.client.store.snapshot("c1")).machines)

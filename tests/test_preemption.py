@@ -309,3 +309,28 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
                             expected_restart_s=restart))
     assert preempted(result) == victims
     assert pending(result)["claim"].reason.startswith(reason)
+
+
+def test_a_claimant_may_not_take_the_reserved_pool_by_preempting_nobody():
+    # The reserved pool keeps m0 whole for a large job; the high 1-GPU job may not earmark a GPU of
+    # it with no victim (it used to, and took m0 a cycle later), so the 8-GPU job gets m0 now.
+    snap = snapshot(fleet(machines=2, gpus=8), reserved_pool_fraction=0.005,
+                    running=[_run("r0", M1, started=0)],
+                    queue=[job("small").gpus(1).priority("high").submitted(9000),
+                           job("big").gpus(8).priority("low").submitted(9000)])
+    result = cycle(snap)
+    assert all(e.job_id != "small" or preempted(result) for e in result.earmarks)
+    assert "preempting ;" not in pending(result).get("small", pending(result).get("big")).reason
+    assert "big" in placements(result) and machines_of(placements(result)["big"].gpus) == {M0}
+
+
+def test_a_team_s_maximum_counts_the_gpus_promised_to_its_waiting_jobs():
+    # Team t may hold 8 GPUs: once r0 is preempted for q1, nobody is displaced for q2.
+    snap = snapshot(fleet(machines=2, gpus=8),
+                    running=[_run("r0", M0, team="o"), _run("r1", M1, team="o")],
+                    queue=[job("q1").gpus(8).priority("high").team("t").submitted(9000),
+                           job("q2").gpus(8).priority("high").team("t").submitted(9001)],
+                    quotas={"t": {"guaranteed": 0, "max": 8}, "o": {"guaranteed": 0}})
+    result = cycle(snap)
+    assert len(preempted(result)) == 1
+    assert "at its maximum (0 of 8 GPUs held, 8 promised to its waiting jobs)" in pending(result)["q2"].reason
