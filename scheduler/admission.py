@@ -313,6 +313,15 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         if note:
             state.protected_notes[key] = note
         return False
+    if state.keep_whole:
+        # A claimant with the right to displace work takes free GPUs of the reserved pool
+        # instead: a preemption costs work and a restart, a whole machine kept free costs none yet.
+        slots = placement.find_gpus(cap, spec, avoid=avoid)
+        if slots is not None:
+            cap.take(slots)
+            usage.add(spec.team, spec.num_gpus)
+            state.placed.append((job, slots, any(cap.index[m] in h.machines for h in state.holds for m, _ in slots)))
+            return True
     state.searches += 1
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going, state.keep_whole)
     if choice is None:
