@@ -109,7 +109,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         summaries[name] = summary
         if not args.json:
             rejected = summary["wait_s"]["all"]["rejected"]
-            note = f" ({rejected} rejected: they can never start; jobs.csv says why)" if rejected else ""
+            note = f" ({rejected} rejected at submit; jobs.csv says why)" if rejected else ""
             print(f"{name}: {len(trace)} jobs simulated in {elapsed:.1f} s{note} -> "
                   f"{out if name == names[0] else out / name}", file=sys.stderr)
     if len(names) > 1:
