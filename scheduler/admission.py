@@ -313,17 +313,11 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         if note:
             state.protected_notes[key] = note
         return False
-    if state.keep_whole:
-        # A claimant with the right to displace work takes free GPUs of the reserved pool
-        # instead: a preemption costs work and a restart, a whole machine kept free costs none yet.
-        slots = placement.find_gpus(cap, spec, avoid=avoid)
-        if slots is not None:
-            cap.take(slots)
-            usage.add(spec.team, spec.num_gpus)
-            state.placed.append((job, slots, any(cap.index[m] in h.machines for h in state.holds for m, _ in slots)))
-            return True
     state.searches += 1
-    choice = preemption.choose_victims(cap, spec, ranked, avoid, going, state.keep_whole)
+    # The victims' placement may use the reserved pool: a claimant entitled to displace work may
+    # take free GPUs kept whole there (earmarked, with nobody displaced) rather than cost a job
+    # its work (policy.md, Preemption 1).
+    choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
     if choice is None:
         state.no_victims.add(key)
         return False
@@ -339,8 +333,12 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
             )
         )
     names = ", ".join(v.spec.job_id for v in choice.victims)
-    state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
-                               f"{config.grace_period:.0f} s)"))
+    if not names:
+        state.waiting.append((job, "GPUs the reserved pool kept whole are earmarked for it, as it may displace "
+                                   "work instead; starts in the next cycle"))
+    else:
+        state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
+                                   f"{config.grace_period:.0f} s)"))
     return True
 
 

@@ -227,8 +227,7 @@ def choose_victims(
                 # The real placement may not need every victim counted for the place: spare the rest.
                 used = set(gpus)
                 needed = tuple(v for v in victims if any(slot in used for slot in v.gpus))
-                if needed:  # a place that needs nobody displaced was not the claimant's to take
-                    return VictimChoice(needed, gpus)
+                return VictimChoice(needed, gpus)
     return None
 
 

@@ -311,17 +311,17 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
     assert pending(result)["claim"].reason.startswith(reason)
 
 
-def test_a_claimant_takes_the_reserved_pool_s_free_gpus_rather_than_displace_anyone():
+def test_a_claimant_gets_the_reserved_pool_s_free_gpus_rather_than_displace_anyone():
     # The reserved pool keeps m0 whole while the 8-GPU job waits; the high 1-GPU job, entitled to
-    # displace r0, takes a free GPU of m0 instead, at once (it used to earmark one with no victim
-    # and start a cycle later), and nobody loses work.
+    # displace r0, has a free GPU of m0 earmarked instead, nobody loses work, and it says so.
     snap = snapshot(fleet(machines=2, gpus=8), reserved_pool_fraction=0.005,
                     running=[_run("r0", M1, started=0)],
                     queue=[job("small").gpus(1).priority("high").submitted(9000),
                            job("big").gpus(8).priority("low").submitted(9000)])
     result = cycle(snap)
-    assert not result.preemptions and not result.earmarks
-    assert machines_of(placements(result)["small"].gpus) == {M0}
+    assert not result.preemptions
+    assert [machines_of(e.gpus) for e in result.earmarks if e.job_id == "small"] == [{M0}]
+    assert "the reserved pool kept whole are earmarked for it" in pending(result)["small"].reason
 
 
 def test_a_team_s_maximum_counts_the_gpus_promised_to_its_waiting_jobs():
