@@ -169,11 +169,9 @@ def choose_victims(
     ranked: Sequence[tuple[tuple, RunningJob]],
     avoid: frozenset[int] = frozenset(),
     leaving: Collection[str] = frozenset(),
-    keep_whole: float = 0.0,
 ) -> VictimChoice | None:
     """The victims to displace for `claimant`, or None. `ranked` is the candidates in victim
-    order (`in_victim_order`); those in `leaving` (already told to go this cycle) are passed over.
-    `keep_whole`: the reserved pool the claimant's placement must leave whole, as without victims."""
+    order (`in_victim_order`); those in `leaving` (already told to go this cycle) are passed over."""
     pools = cap.eligible_pools(claimant)
     if not pools or not ranked:
         return None
@@ -222,7 +220,7 @@ def choose_victims(
                 options.append((sum(k[3] for k, _ in listed), len(listed), met[domain], listed))
         for *_, pairs in sorted(options):
             victims = tuple(job for _, job in pairs)
-            gpus = placement_without(cap, claimant, victims, avoid, keep_whole)
+            gpus = placement_without(cap, claimant, victims, avoid)
             if gpus is not None:
                 # The real placement may not need every victim counted for the place: spare the rest.
                 used = set(gpus)

@@ -18,7 +18,7 @@ from scheduler.errors import InputError
 from scheduler.fleet import Fleet, parse_fleet
 from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
-from scheduler.sim.report import write_comparison, write_run
+from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
 from workers.arg_types import finite, read_input
 from workers.cli_dev import add_dev_commands
@@ -48,15 +48,11 @@ def load_inputs(trace_path: str, fleet_path: str) -> tuple[list[TraceJob], Fleet
     return trace, fleet
 
 
-RESULT_FILES = ("allocations.csv", "jobs.csv", "summary.json", "run.png")
-COMPARISON_FILES = ("comparison.md", "comparison.json")
-
-
 def _check_writable(out: Path, policies: list[str]) -> None:
     """Refuse, before hours of simulation and not after, an output folder where a result could
     not be written: DIR and each compared policy's DIR/<name>, and every file they will hold."""
-    folders = {out: RESULT_FILES + (COMPARISON_FILES if len(policies) > 1 else ())}
-    folders.update({out / name: RESULT_FILES for name in policies[1:]})
+    folders = {out: RUN_FILES + (COMPARISON_FILES if len(policies) > 1 else ())}
+    folders.update({out / name: RUN_FILES for name in policies[1:]})
     for folder, files in folders.items():
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -105,7 +101,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         # The chosen policy's files go straight into DIR; compared baselines into DIR/<name>.
         summary = write_run(result, out if name == names[0] else out / name)
         summary["simulation_wall_s"] = round(elapsed, 2)
-        (out if name == names[0] else out / name).joinpath("summary.json").write_text(json.dumps(summary, indent=2))
+        (out if name == names[0] else out / name).joinpath(SUMMARY_JSON).write_text(json.dumps(summary, indent=2))
         summaries[name] = summary
         if not args.json:
             rejected = summary["wait_s"]["all"]["rejected"]

@@ -9,7 +9,7 @@ activities); the agent of machine M listens on ``agent_task_queue(M)`` (the node
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
@@ -53,13 +53,14 @@ class WithNewFields(Model):
     left out of what it serializes to while they hold their defaults, so that an older worker,
     which refuses fields it does not know, still takes the model during a rolling upgrade."""
 
-    NEW_FIELDS: ClassVar[dict[str, Any]] = {}  # name → its default
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
     def _leave_out_new_defaults(self, handler):
         data = handler(self)
         if isinstance(data, dict):
-            for name, default in self.NEW_FIELDS.items():
+            for name in self.NEW_FIELDS:
+                default = type(self).model_fields[name].get_default(call_default_factory=True)
                 if name in data and data[name] == default:
                     del data[name]
         return data
@@ -115,7 +116,7 @@ class JobRequest(WithNewFields):
     # are not counted here: those always requeue (at most 5 times).
     max_retries: int = Field(default=0, ge=0, le=100)
 
-    NEW_FIELDS: ClassVar[dict[str, Any]] = {"max_retries": 0}  # since 2026-12-01
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("max_retries",)  # since 2026-12-01
     submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
 
     # inf and nan are no number of seconds or GBs (and JSON cannot even carry them).
@@ -206,7 +207,7 @@ class RunJobResult(WithNewFields):
     # not the job, is taken for the cause: the job is requeued instead of failed.
     gpu_faults: list[str] = Field(default_factory=list)
 
-    NEW_FIELDS: ClassVar[dict[str, Any]] = {"gpu_faults": []}  # since 2026-12-01
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("gpu_faults",)  # since 2026-12-01
 
 
 class AttemptView(Model):

@@ -646,15 +646,20 @@ def _write_json(data: Any, path: Path) -> None:
     path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
+# The files a run writes into its folder, and a comparison beside them.
+RUN_FILES = ALLOCATIONS_CSV, JOBS_CSV, SUMMARY_JSON, PLOT_PNG = ("allocations.csv", "jobs.csv", "summary.json", "run.png")
+COMPARISON_FILES = COMPARISON_MD, COMPARISON_JSON = ("comparison.md", "comparison.json")
+
+
 def write_run(result: SimResult, out_dir: str | Path) -> dict[str, Any]:
     """Write allocations.csv, jobs.csv, summary.json and run.png into out_dir; return the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(result)
-    write_allocations_csv(result, out / "allocations.csv")
-    write_jobs_csv(result, out / "jobs.csv")
-    _write_json(summary, out / "summary.json")
-    write_plot(result, out / "run.png")
+    write_allocations_csv(result, out / ALLOCATIONS_CSV)
+    write_jobs_csv(result, out / JOBS_CSV)
+    _write_json(summary, out / SUMMARY_JSON)
+    write_plot(result, out / PLOT_PNG)
     return summary
 
 
@@ -663,6 +668,6 @@ def write_comparison(summaries: Mapping[str, Mapping[str, Any]], out_dir: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = comparison_table(summaries)
-    (out / "comparison.md").write_text(table, encoding="utf-8")
-    _write_json(comparison_values(summaries), out / "comparison.json")
+    (out / COMPARISON_MD).write_text(table, encoding="utf-8")
+    _write_json(comparison_values(summaries), out / COMPARISON_JSON)
     return table
