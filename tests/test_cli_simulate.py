@@ -129,9 +129,9 @@ def _team_without_quota(d):
     [
         (_bad_num_gpus, [], ["trace.csv:3", "num_gpus", "'four'"]),
         (_no_fleet, [], ["fleet.yaml", "cannot read the fleet file"]),
-        (_team_without_quota, [], ["trace.csv", "team", "'audio'", "fleet.yaml"]),
+        (_team_without_quota, [], ["trace.csv:6", "team", "'audio'", "fleet.yaml"]),
         (_not_utf8, [], ["trace.csv:3", "not UTF-8 text (byte 0xe9)", "save it as UTF-8"]),
-        (_unknown_cluster, [], ["trace.csv", "cluster", "'c9'", "fleet.yaml does not have"]),
+        (_unknown_cluster, [], ["trace.csv:2", "cluster", "'c9'", "fleet.yaml does not have"]),
         (lambda d: None, ["--policy", "sjf"], ["unknown policy 'sjf'"]),
         (lambda d: None, ["--compare", "fifo,nope"], ["unknown policy 'nope'"]),
         (lambda d: None, ["--machine-failures-per-day", "-1"], ["--machine-failures-per-day", "greater than or equal to 0"]),
@@ -142,9 +142,9 @@ def _team_without_quota(d):
     ids=[
         "a malformed trace names its line and field",
         "a missing fleet file",
-        "a team without a quota and no '*' default",
+        "a team without a quota and no '*' default names its line",
         "a trace that is not UTF-8",
-        "a cluster the fleet does not have",
+        "a cluster the fleet does not have names its line",
         "an unknown policy",
         "an unknown policy to compare with",
         "a negative failure rate",

@@ -30,21 +30,19 @@ from workflows.types import first_error, flag_for
 
 def load_inputs(trace_path: str, fleet_path: str) -> tuple[list[TraceJob], Fleet]:
     fleet = parse_fleet(read_input(fleet_path, "fleet file"), fleet_path)
-    trace = parse_trace(read_input(trace_path, "trace"), trace_path)
     clusters = [c.name for c in fleet.clusters]
-    for job in trace:
-        if job.spec.cluster is not None and job.spec.cluster not in clusters:
-            raise InputError(trace_path, None, "cluster",
-                             f"job {job.spec.job_id} names cluster '{job.spec.cluster}', which {fleet_path} "
-                             f"does not have ({', '.join(clusters)}); name one of those or leave it empty")
-    if fleet.default_quota is None:
-        for job in trace:
-            if job.spec.team not in fleet.quotas:
-                raise InputError(
-                    trace_path, None, "team",
-                    f"team '{job.spec.team}' (job {job.spec.job_id}) has no quota in {fleet_path}; "
-                    "add it under 'quotas:' or add a '\"*\"' default quota",
-                )
+
+    def against_fleet(job: TraceJob) -> tuple[str, str] | None:
+        spec = job.spec
+        if spec.cluster is not None and spec.cluster not in clusters:
+            return "cluster", (f"job {spec.job_id} names cluster '{spec.cluster}', which {fleet_path} "
+                               f"does not have ({', '.join(clusters)}); name one of those or leave it empty")
+        if fleet.default_quota is None and spec.team not in fleet.quotas:
+            return "team", (f"team '{spec.team}' (job {spec.job_id}) has no quota in {fleet_path}; "
+                            "add it under 'quotas:' or add a '\"*\"' default quota")
+        return None
+
+    trace = parse_trace(read_input(trace_path, "trace"), trace_path, check=against_fleet)
     return trace, fleet
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,7 +55,11 @@ class TraceJob(BaseModel):
     duration: float = Field(gt=0)  # seconds of running the job truly needs; unknown to the policy
 
 
-def parse_trace(text: str, source: str) -> list[TraceJob]:
+# A judge of one parsed job: None, or (field, problem in words).
+TraceCheck = Callable[[TraceJob], tuple[str, str] | None]
+
+
+def parse_trace(text: str, source: str, check: TraceCheck | None = None) -> list[TraceJob]:
     """Read a trace CSV into jobs sorted by (submit_time, job_id).
 
     Defaults for empty cells: ``priority`` normal, ``kind`` training, ``gpu_type`` any (None),
@@ -62,7 +67,9 @@ def parse_trace(text: str, source: str) -> list[TraceJob]:
     never checkpoints (None), ``deadline`` none, and ``expected_duration`` equal to ``duration`` —
     a trace without estimates is treated as one whose users estimate perfectly.
 
-    Line numbers in errors are 1-based with the header as line 1.
+    Line numbers in errors are 1-based with the header as line 1. ``check``, if given, judges each
+    job against what the trace alone cannot know (the fleet's clusters and teams): it returns the
+    field and the problem, and the error names the row's line.
     """
     reader = csv.reader(io.StringIO(text.lstrip("\ufeff")))
     header = _header(next(reader, None), source)
@@ -101,6 +108,9 @@ def parse_trace(text: str, source: str) -> list[TraceJob]:
                 f"{job_id!r} is already used on line {first_line_of[job_id]}; every job needs its own id",
             )
         first_line_of[job_id] = line
+        problem = check(job) if check is not None else None
+        if problem is not None:
+            raise InputError(source, line, *problem)
         jobs.append(job)
     if not jobs:
         raise InputError(source, None, None, "the trace has a header but no jobs; add at least one row")
