@@ -511,4 +511,9 @@ def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
         return f"behind the reservation of job {holders[0]}"
     if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
         return "the last whole machines are kept for jobs that need a whole machine"
+    if avoid and keep_whole and placement.find_gpus(cap, spec) is not None:
+        # Each alone leaves room; together they leave none, and the room in words would say it fits.
+        holders = [h.job_id for h in state.holds if h.machines & avoid]
+        return (f"behind the reservation of job {holders[0]}, and the last whole machines are kept "
+                "for jobs that need a whole machine")
     return placement.explain_no_fit(cap, spec)

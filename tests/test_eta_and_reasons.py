@@ -297,6 +297,20 @@ def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
     assert p.estimated_start is not None and p.estimated_start > NOW, p.estimated_start
 
 
+def test_a_job_kept_off_a_machine_both_reserved_and_kept_whole_is_told_both():
+    """m0 is free, and both the reservation of the starving 16-GPU job and the last whole machine
+    the reserved pool keeps for the capped 8-GPU job. Either alone would leave the 2-GPU job no
+    room either; the room in words ("the largest free is 8") would say it fits."""
+    run = [_ends_at(f"r{i}", M[i], range(8), NOW + 600 * i) for i in (1, 2, 3)]
+    queue = [job("big").gpus(16).topology("block").submitted(0),
+             job("capped").gpus(8).team("capped").submitted(NOW), job("j").gpus(2).expected(3600).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=4), running=run, queue=queue, quotas=CAPPED))
+    assert "j" not in placements(result)
+    assert M[0] in result.reservations[0].machines
+    assert pending(result)["j"].reason == ("behind the reservation of job big, and the last whole machines are "
+                                           "kept for jobs that need a whole machine")
+
+
 WORDS_CASES = [
     (in_words.from_now(NOW + 45, NOW), "in 45 s"),
     (in_words.from_now(NOW + 1000, NOW), "in 16.7 min"),
