@@ -242,7 +242,7 @@ class NodeActivities:
                     log.info("allocation %d: agent shutting down, stopping the job (%gs grace)",
                              alloc, grace)
                     self._request_stop(run, grace)
-                    result = await asyncio.shield(run.outcome)
+                    result = await self._stopped(run, heartbeat=True)
                     raise ApplicationError(
                         f"agent of {self.machine_id} shut down; the job was stopped",
                         result.model_dump(mode="json"), type=AGENT_SHUTDOWN, non_retryable=True,
@@ -260,12 +260,30 @@ class NodeActivities:
                          alloc, req.grace_period)
             ended_before = run.outcome.done() or (run.process is not None and run.process.returncode is not None)
             self._request_stop(run, req.grace_period)
-            result = await asyncio.shield(run.outcome)
+            # An attempt the server has given up on takes no heartbeats.
+            result = await self._stopped(run, heartbeat=not _forgotten(details))
             if ended_before and run.stopper is None:
                 return result  # it ended on its own before the stop: its own result stands
             raise
         finally:
             shutdown.cancel()
+
+    async def _stopped(self, run: _Run, *, heartbeat: bool) -> RunJobResult:
+        """The result of a run being stopped, once its process has checkpointed and exited.
+
+        Heartbeats meanwhile: the server holds an activity it has asked to cancel to its
+        heartbeat timeout too, and would end the attempt after it (giving the GPUs to the next
+        job) while the job still checkpoints in its grace period. A second cancel changes
+        nothing: the stop is already under way, and only its end may end the activity."""
+        while True:
+            if heartbeat:
+                activity.heartbeat({"pid": run.pid, "allocation_id": run.req.allocation_id})
+            try:
+                done, _ = await asyncio.wait((run.outcome,), timeout=self.heartbeat_every)
+            except asyncio.CancelledError:
+                continue
+            if done:
+                return run.outcome.result()
 
     # -- what the agent uses ----------------------------------------------------------------
 

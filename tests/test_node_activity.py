@@ -441,6 +441,63 @@ def test_worker_shutdown_stops_the_job_and_fails_the_attempt(tmp_path):
     assert node.finished[8].stopped
 
 
+CHECKPOINTS_SLOWLY = """
+    import signal, sys, time
+    def stop(*_):
+        print("checkpointing", flush=True)
+        time.sleep(1.0)  # writing the checkpoint
+        print("saved", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print("running", flush=True)
+    time.sleep(30)
+"""
+
+
+def _stop_by_cancel(env):
+    env.cancel()
+
+
+def _stop_by_a_second_cancel_too(env):
+    env.cancel()
+    asyncio.get_running_loop().call_later(0.3, env.cancel)
+
+
+def _stop_by_worker_shutdown(env):
+    env.worker_shutdown()
+
+
+@pytest.mark.parametrize("stop", [_stop_by_cancel, _stop_by_a_second_cancel_too, _stop_by_worker_shutdown],
+                         ids=["a cancelled job", "a job cancelled twice", "a job stopped by the agent's shutdown"])
+def test_a_job_checkpointing_in_its_grace_is_heartbeaten_for_until_it_exits(tmp_path, stop):
+    """The server holds an activity it asked to cancel to its heartbeat timeout too: a stop that
+    went quiet would end the attempt, and give its GPUs away, while the job still saves."""
+    node = node_in(tmp_path, heartbeat_every=0.05)
+    beats: list[float] = []
+
+    async def scenario():
+        env = ActivityEnvironment()
+        env.on_heartbeat = lambda *details: beats.append(time.monotonic())
+        req = job(CHECKPOINTS_SLOWLY, allocation_id=15, grace_period=10)
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        asked = time.monotonic()
+        stop(env)
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled, or AgentShutdown: both end the attempt
+            pass
+        return asked, time.monotonic()
+
+    asked, ended = run(scenario())
+    result = node.finished[15]
+    assert (result.exit_code, result.stopped, result.last_log_lines[-1]) == (0, True, "saved")
+    assert ended - asked >= 1.0, "the attempt ended before the job had saved"
+    during = [b for b in beats if b > asked]
+    gaps = [b - a for a, b in zip([asked] + during, during + [ended])]
+    assert len(during) >= 10 and max(gaps) < 0.5, f"silent for {max(gaps):.2f} s of a 1 s stop"
+
+
 # -- idempotency ------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ the more important job, and later resumes from that checkpoint (its step counter
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -40,6 +41,43 @@ def test_a_critical_job_preempts_a_low_one_which_checkpoints_in_its_grace_and_re
     assert len(preemptions) == 1
     events = [e["event"] for e in s.run(s.client.store.audit_trail("low"))]
     assert events.index("preempt_ordered") < events.index("checkpoint_committed") < events.index("released")
+
+
+# On SIGTERM it takes 13 s to save (longer than the agent's 10 s heartbeat timeout), then exits;
+# resumed, it says from which checkpoint and ends.
+SLOW_SAVE = [sys.executable, "-c", """
+import sys, time
+from jobkit import Checkpointer
+ck = Checkpointer.from_env()
+ck.handle_sigterm()
+if ck.restore() is not None:
+    print("resumed from", ck.resume_seq, flush=True)
+    sys.exit(0)
+print("running", flush=True)
+while not ck.stop_requested:
+    time.sleep(0.1)
+time.sleep(13)
+saved = ck.save(b"state", progress=1)
+print("saved", saved.seq, saved.committed, flush=True)
+"""]
+
+
+def test_a_victim_whose_checkpoint_takes_longer_than_the_heartbeat_timeout_keeps_its_whole_grace(stack):
+    """While its job saves, the agent heartbeats the cancelled attempt: a quiet stop would be timed
+    out by the server at 10 s, the GPUs given to the preemptor and the checkpoint refused."""
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 25})
+    s.submit("slow", 4, SLOW_SAVE, priority="low")
+    s.until(lambda: "running" in s.log("slow"))
+    s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
+    assert s.wait("urgent").state == "succeeded"
+    view = s.wait("slow", timeout=60)
+    assert view.state == "succeeded", view
+    first, second = view.attempts
+    assert first.end_reason == "preempted", first
+    saved = re.search(r"^saved (\d+) True$", s.log("slow"), re.M)
+    assert saved, s.log("slow")
+    assert second.resumed_from == int(saved.group(1))
+    assert f"resumed from {saved.group(1)}" in s.log("slow", attempt=2)
 
 
 def test_a_job_inside_its_minimum_runtime_is_not_preempted(stack):
