@@ -20,6 +20,7 @@ from temporalio.worker import Worker
 from activities.jobs import JobActivities, wake_scheduler
 from activities.planning import PlanningActivities
 from activities.store import Store
+from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
 from workers.settings import Settings, add_settings_flags, connect_temporal, mark_ready, settings_from_args
 from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
@@ -28,11 +29,48 @@ from workflows.types import SchedulerInput
 log = logging.getLogger("gpusched.control")
 
 
+async def ensure_search_attributes(client) -> None:
+    """Register gpusched's search attributes where they are missing, as the store is migrated:
+    a job workflow that publishes one the namespace lacks fails every workflow task, so its job
+    would stall. A server that lets us list but not add them (Temporal Cloud) stops the worker
+    with the command to run; one that lets us do neither is warned about and trusted."""
+    from temporalio.service import RPCError
+
+    try:
+        added = await register_search_attributes(client)
+    except RPCError as e:
+        try:
+            listed = await client.operator_service.list_search_attributes(_list_request(client.namespace))
+        except RPCError:
+            log.warning("cannot list the search attributes of namespace %s (%s); make sure %s exist",
+                        client.namespace, e.message, ", ".join(f"{k} ({v})" for k, v in SEARCH_ATTRIBUTES.items()))
+            return
+        missing = [k for k in SEARCH_ATTRIBUTES if k not in listed.custom_attributes]
+        if not missing:
+            return
+        commands = "; ".join(
+            f"`temporal operator search-attribute create --namespace {client.namespace} "
+            + " ".join(f"--name {k}" for k in missing if SEARCH_ATTRIBUTES[k] == kind) + f" --type {kind}`"
+            for kind in dict.fromkeys(SEARCH_ATTRIBUTES[k] for k in missing))
+        raise ServerError(f"namespace {client.namespace} lacks the search attributes {', '.join(missing)} and "
+                          f"they could not be added from here ({e.message}); add them with {commands} "
+                          "(or in your Temporal Cloud console) and start the worker again") from None
+    if added:
+        log.info("registered the search attributes %s on namespace %s", ", ".join(added), client.namespace)
+
+
+def _list_request(namespace: str):
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+    return ListSearchAttributesRequest(namespace=namespace)
+
+
 async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput, stop: asyncio.Event) -> None:
     store = await Store.connect(settings.pg_dsn)
     try:
         await store.migrate()
         client = await connect_temporal(settings)
+        await ensure_search_attributes(client)
         jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket)
         planning = PlanningActivities(store)
         worker = Worker(
@@ -79,7 +117,11 @@ def main(argv: list[str] | None = None) -> None:
                                        reconcile_seconds=args.reconcile_every)
         await serve(settings, args.data_dir, loop_settings, stop)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ServerError as e:  # the operator's to fix: one line, not a traceback
+        log.error("%s", e)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
