@@ -112,11 +112,16 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
     return borrowed
 
 
-def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota]) -> str | None:
-    """Why a new job of `team` must be refused at submit, or None to accept it."""
+def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_gpus: int) -> str | None:
+    """Why a new job of `team` asking for `num_gpus` must be refused at submit, or None to accept
+    it. A job bigger than its team's maximum could never start: it is refused, as live admission
+    does, instead of waiting for ever."""
     quota = quotas.get(team) or quotas.get("*")
     if quota is None:
         return f"team '{team}' has no quota; ask an operator to set one (gpusched quota set)"
+    if quota.max is not None and num_gpus > quota.max:
+        return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
+                "ask for fewer or raise the team's max")
     if quota.queue_cap is not None and queued >= quota.queue_cap:
         return f"team '{team}' already has {queued} jobs queued, its cap is {quota.queue_cap}"
     return None

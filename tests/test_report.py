@@ -188,6 +188,13 @@ TEAMS = run(
     total_gpus=4,
 )
 
+DEFAULT_QUOTA = run(
+    allocations=(alloc("a1", 0, 100, "g0"),),
+    jobs=(job("a1", team="audio"),),
+    quotas={"vision": Quota(guaranteed=2, max=4), "*": Quota(guaranteed=1, max=3)},
+    total_gpus=4,
+)
+
 JCT = run(jobs=(
     job("a", 0, 10, 100, priority="high"),
     job("b", 0, 50, 300, priority="high"),
@@ -270,6 +277,9 @@ METRIC_CASES = [
     (TEAMS, "team_share.nlp.share_of_guarantee", None),
     (TEAMS, "team_share.idle.mean_gpus", 0.0),
     (TEAMS, "team_share.idle.share_of_guarantee", 0.0),
+    (DEFAULT_QUOTA, "team_share.audio.guaranteed", 1),
+    (DEFAULT_QUOTA, "team_share.audio.max", 3),
+    (DEFAULT_QUOTA, "team_share.audio.share_of_guarantee", 1.0),
     (MISC, "cycle_ms.count", 5),
     (MISC, "cycle_ms.p50", 3.0),
     (MISC, "cycle_ms.p99", 4.96),
@@ -351,6 +361,9 @@ METRIC_IDS = [
     "a team without a guarantee has no share",
     "a team with a quota but no jobs holds nothing",
     "a team with a guarantee but no jobs has a zero share",
+    "a team the fleet does not name has the default quota's guarantee",
+    "a team the fleet does not name has the default quota's maximum",
+    "a team the fleet does not name is measured against the default guarantee",
     "every cycle is counted",
     "the median cycle time",
     "the p99 cycle time interpolates",

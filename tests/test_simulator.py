@@ -157,6 +157,43 @@ def test_a_job_alone_on_an_empty_cluster_runs_from_submit_to_submit_plus_duratio
         "completed", job.submit_time, job.submit_time + job.duration, 0)
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize(
+    "quotas, jobs, words",
+    [
+        ('t: {guaranteed: 8, max: 8}', [tj("big", 0.0, 600.0, gpus=16)],
+         "the job asks for 16 GPUs but team 't' may hold at most 8; ask for fewer or raise the team's max"),
+        ('t: {guaranteed: 8, max: 16, queue_cap: 1}', [tj("first", 0.0, 600.0, gpus=16), tj("next", 1.0, 600.0), tj("big", 2.0, 600.0)],
+         "team 't' already has 1 jobs queued, its cap is 1"),
+        ('"*": {guaranteed: 0}', [tj("big", 0.0, 600.0, gpus=32)],
+         "can never start on cluster c1: needs 32 GPUs in one block; the largest block has 16 (field num_gpus)"),
+    ],
+    ids=["a job bigger than its team's maximum, as live admission refuses it",
+         "a job over its team's queue cap",
+         "a job no machine of the cluster can ever host"],
+)
+def test_a_job_refused_at_submit_is_rejected_with_its_reason_and_the_others_still_run(policy, quotas, jobs, words):
+    result = simulate(jobs + [tj("other", 5000.0, 600.0, gpus=1)], small_fleet(machines=2, quotas=quotas), policy)
+    big = job_record(result, "big")
+    assert (big.state, big.reason, big.first_start) == ("rejected", words, None)
+    assert job_record(result, "other").state == "completed"
+
+
+def test_a_run_stopped_by_until_ends_its_running_allocations_and_says_which_jobs_were_not_submitted_yet():
+    jobs = [tj("ran", 0.0, 600.0), tj("running", 100.0, 5000.0), tj("waiting", 200.0, 600.0, gpus=16),
+            tj("later", 9000.0, 600.0)]
+    result = simulate(jobs, small_fleet(machines=2), "gpusched", SimSettings(until=1000.0))
+    states = {j.job_id: (j.state, j.reason) for j in result.jobs}
+    assert states == {
+        "ran": ("completed", ""),
+        "running": ("running", ""),
+        "waiting": ("queued", "still queued when the simulation ended"),
+        "later": ("queued", "not yet submitted when the simulation ended (--until)"),
+    }
+    [cut] = [a for a in result.allocations if a.job_id == "running"]
+    assert (cut.end, cut.reason) == (1000.0, "cancelled")
+
+
 # --- preemption --------------------------------------------------------------------------------
 
 

@@ -241,7 +241,7 @@ class Simulation:
                 queued += 1
                 if q.spec.priority.rank <= spec.priority.rank:
                     ahead += q.spec.num_gpus
-        refusal = quota_rules.admission_refusal(spec.team, queued, self.quotas)
+        refusal = quota_rules.admission_refusal(spec.team, queued, self.quotas, spec.num_gpus)
         if refusal is None:
             refusal = self.never_fits(cluster, life)
         if refusal is not None:
@@ -540,7 +540,9 @@ class Simulation:
             spec = life.spec
             state = {"draining": "running", "pending": "queued"}.get(life.state, life.state)
             reason = life.reason
-            if state == "queued" and not reason:
+            if life.state == "pending":
+                reason = "not yet submitted when the simulation ended (--until)"
+            elif state == "queued" and not reason:
                 reason = "still queued when the simulation ended"
             jobs.append(JobRecord(
                 job_id=spec.job_id, team=spec.team, priority=spec.priority, num_gpus=spec.num_gpus,
@@ -554,7 +556,7 @@ class Simulation:
         return SimResult(
             policy=self.policy_name, allocations=self.allocations, jobs=jobs, samples=self.samples,
             checkpoint_writes=sorted(self.checkpoints, key=lambda c: c.time), cycle_ms=self.cycle_ms,
-            quotas={k: v for k, v in self.fleet.quotas.items()}, total_gpus=gpus,
+            quotas=dict(self.quotas), total_gpus=gpus,
             reclaim_latencies=self.reclaim_latencies, start=self.start, end=end,
         )
 

@@ -330,10 +330,11 @@ def _team_share(result: SimResult) -> dict[str, Any]:
     for a in result.allocations:
         team = team_of.get(a.job_id, "(unknown)")
         held[team] += len(a.gpus) * _clip(a.start, a.end, result.start, result.end)
-    teams = sorted(set(result.quotas) | set(team_of.values()) | set(held))
+    # "*" is the default quota of every team the fleet does not name, not a team of its own.
+    teams = sorted((set(result.quotas) - {"*"}) | set(team_of.values()) | set(held))
     out: dict[str, Any] = {}
     for team in teams:
-        quota = result.quotas.get(team)
+        quota = result.quotas.get(team) or result.quotas.get("*")
         guaranteed = quota.guaranteed if quota is not None else 0
         mean_gpus = held[team] / span if span > 0 else None
         out[team] = {
