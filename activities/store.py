@@ -85,7 +85,11 @@ class Store:
         )
         applied_now = []
         async with self.pool.acquire() as conn:
-            await conn.execute(q.CREATE_MIGRATIONS_TABLE)
+            async with conn.transaction():
+                # Under the lock too: two processes creating it at once on a fresh database race
+                # in the catalogue (IF NOT EXISTS does not serialise), and one fails.
+                await conn.execute(q.LOCK_MIGRATIONS)
+                await conn.execute(q.CREATE_MIGRATIONS_TABLE)
             for f in files:
                 version = int(f.name.split("_", 1)[0])
                 async with conn.transaction():

@@ -62,6 +62,24 @@ def test_migrations_apply_once_and_are_recorded(store_env):
     assert [r["version"] for r in versions] == [1, 2, 3, 4, 5]
 
 
+def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each_migration_once(live_servers):
+    dsn = live_servers.new_database(f"store_{next(_names)}")
+
+    async def scenario():
+        stores = [await Store.connect(dsn) for _ in range(4)]
+        try:
+            applied = await asyncio.gather(*(s.migrate() for s in stores))
+            versions = await stores[0].pool.fetch("SELECT version FROM schema_migrations ORDER BY version")
+            return applied, [r["version"] for r in versions]
+        finally:
+            for s in stores:
+                await s.close()
+
+    applied, versions = asyncio.run(scenario())
+    assert sorted(name for names in applied for name in names) == sorted(set(n for names in applied for n in names))
+    assert len([n for names in applied for n in names]) == len(versions) == 5
+
+
 @pytest.mark.parametrize("request_, field, words", [
     (job("a", team="nobody"), "team", "has no quota"),
     (job("a", gpus=9), "num_gpus", "at most 8"),
