@@ -53,6 +53,14 @@ def reachable_sql(timeout: str, gap: str) -> str:
         FROM listening l), false))"""
 
 
+# A machine owes an answer from its agent while its latest heartbeat is older than the latest
+# attempt that ended there for want of it.
+TAKES_WORK = "(m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false))"
+MARK_SILENT = f"""
+UPDATE machines SET silent_since = {NOW_EPOCH}
+WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
+  AND coalesce(last_heartbeat < {NOW_EPOCH} - $2, true)"""
+
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
 SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
@@ -83,6 +91,7 @@ LIST_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        m.last_heartbeat, m.agent_pid, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
        c.machine_timeout, {reachable_sql("c.machine_timeout", "$2")} AS reachable,
+       {TAKES_WORK} AS takes_work,
        array_agg(g.idx ORDER BY g.idx) AS gpus,
        array_agg(g.idx ORDER BY g.idx) FILTER (WHERE NOT g.healthy) AS unhealthy
 FROM machines m JOIN clusters c ON c.name = m.cluster JOIN gpus g ON g.machine_id = m.id
@@ -169,7 +178,7 @@ CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHE
 LOCK_CLUSTER = CLUSTER + " FOR UPDATE"
 SNAPSHOT_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
-       {reachable_sql("$2", "$3")} AS reachable,
+       {reachable_sql("$2", "$3")} AS reachable, {TAKES_WORK} AS takes_work,
        count(g.idx) AS gpus,
        coalesce(array_agg(g.idx) FILTER (WHERE NOT g.healthy), '{{}}') AS unhealthy
 FROM machines m JOIN gpus g ON g.machine_id = m.id

@@ -56,6 +56,10 @@ RESEND_AFTER = 3.0
 # means the control plane was deaf, and machines' silence over that time is no evidence.
 LISTEN_EVERY = 1.0
 LISTEN_GAP = 3.0
+# An attempt that ended for want of its agent leaves a machine owing an answer only if the agent
+# has been quiet this long (over two of its 2 s heartbeat intervals): the gang's other machines,
+# or the machine of a job that died of its GPU, have heard from their agents just now.
+QUIET_S = 5.0
 
 
 class Store:
@@ -341,6 +345,8 @@ class Store:
             for alloc in ids:
                 if await conn.fetchval(q.END_ALLOCATION, alloc, end.value, exit_code) is not None:
                     ended = True
+                    if end in (EndReason.machine_failure, EndReason.not_started):
+                        await conn.execute(q.MARK_SILENT, alloc, QUIET_S)
                     await conn.execute(q.RELEASE_HOLDS, alloc)
                     await conn.execute(q.AUDIT, None, job_id, "released", end.value,
                                        json.dumps({"allocation_id": alloc, "exit_code": exit_code}))

@@ -220,9 +220,8 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     for earmark in snapshot.earmarks:
         if earmark.expires <= snapshot.now or earmark.job_id not in holders:
             continue
-        usable = all(
-            m in cap.index and g not in cap.machines[cap.index[m]].unhealthy_gpus for m, g in earmark.gpus
-        )
+        healthy = cap.layout.healthy_mask
+        usable = all(m in cap.index and healthy[cap.index[m]] >> g & 1 for m, g in earmark.gpus)
         if not usable:
             continue
         free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]

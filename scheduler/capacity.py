@@ -3,7 +3,8 @@
 Machines are grouped into *pools* of interchangeable machines (same partition, GPU type, memory
 and size). Inside a pool, machines sit in buckets by their count of free GPUs, so "the fullest
 machine that still has n free GPUs" is a walk over at most a machine's GPU count of buckets
-instead of a scan of the fleet. Only machines that are reachable and GPUs that are healthy count.
+instead of a scan of the fleet. Only machines that are reachable and take work, and GPUs that are
+healthy, count.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         cluster=cluster,
         machines=usable,
         index={m.id: i for i, m in enumerate(usable)},
-        healthy=[tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
-        healthy_mask=[sum(1 << g for g in range(m.gpus) if g not in m.unhealthy_gpus) for m in usable],
+        healthy=[_usable_gpus(m) for m in usable],
+        healthy_mask=[sum(1 << g for g in _usable_gpus(m)) for m in usable],
         blocks=list(dict.fromkeys(m.block for m in usable)),
         pools=pools,
         pool_key=pool_key,
@@ -102,12 +103,18 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         # Down or not, an inference partition stays one: its jobs wait for it to come back.
         has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
         gpus_per_machine=max((m.gpus for m in usable), default=0),
-        all_healthy=all(m.reachable and not m.unhealthy_gpus for m in machines),
+        all_healthy=all(m.reachable and m.takes_work and not m.unhealthy_gpus for m in machines),
     )
     if len(_last_layout) > 64:
         _last_layout.clear()
     _last_layout[cluster] = (machines, layout)
     return layout
+
+
+def _usable_gpus(m: Machine) -> tuple[int, ...]:
+    """The GPUs of a reachable machine that may be given to a job: its healthy ones, none while
+    it takes no work (its jobs keep theirs)."""
+    return tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) if m.takes_work else ()
 
 
 class Grouping(NamedTuple):
@@ -382,7 +389,7 @@ class Capacity:
             if i is None:
                 continue
             free = self.free[i]
-            if gpu in free or gpu in self.machines[i].unhealthy_gpus:
+            if gpu in free or not self.layout.healthy_mask[i] >> gpu & 1:
                 continue
             before.setdefault(i, len(free))
             insort(free, gpu)

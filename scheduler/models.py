@@ -168,6 +168,10 @@ class Machine(Frozen):
     partition: str = "training"
     reachable: bool = True
     unhealthy_gpus: frozenset[int] = frozenset()
+    # False while its agent owes an answer (it missed a job's heartbeat or pickup): what runs
+    # there stays, but nothing new is placed there, lest a job requeued from a dead machine go
+    # straight back to it before the machine's timeout has it declared unreachable.
+    takes_work: bool = True
 
 
 class Quota(Frozen):

@@ -217,6 +217,11 @@ def unreachable(machines: Sequence[Machine], *ids: str) -> list[Machine]:
     return [m.model_copy(update={"reachable": False}) if m.id in ids else m for m in machines]
 
 
+def silent(machines: Sequence[Machine], *ids: str) -> list[Machine]:
+    """Machines whose agent owes an answer: reachable, but taking no work."""
+    return [m.model_copy(update={"takes_work": False}) if m.id in ids else m for m in machines]
+
+
 def unhealthy(machines: Sequence[Machine], machine_id: str, gpus: Iterable[int]) -> list[Machine]:
     bad = frozenset(gpus)
     return [m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus | bad}) if m.id == machine_id else m

@@ -47,7 +47,8 @@ KINDS = [JobKind.training, JobKind.training, JobKind.inference]
 
 @st.composite
 def fleets(draw) -> list[Machine]:
-    """1-3 blocks of 1-3 racks of 1-4 machines of 4 or 8 GPUs; some unreachable, some sick GPUs."""
+    """1-3 blocks of 1-3 racks of 1-4 machines of 4 or 8 GPUs; some unreachable, some taking no
+    work, some sick GPUs."""
     machines = []
     for b in range(draw(st.integers(1, 3))):
         racks = draw(st.integers(1, 3))
@@ -57,11 +58,13 @@ def fleets(draw) -> list[Machine]:
         for r in range(racks):
             for m in range(per_rack):
                 reachable = draw(st.integers(0, 9)) > 0
+                takes_work = draw(st.integers(0, 9)) > 0
                 sick = frozenset()
                 if draw(st.integers(0, 5)) == 0:
                     sick = frozenset(draw(st.lists(st.integers(0, gpus - 1), min_size=1, max_size=2)))
                 machines.append(Machine(id=f"c1/b{b}/r{r}/m{m}", cluster="c1", block=f"b{b}", rack=f"r{r}", gpus=gpus,
-                                        gpu_type="H100", partition=partition, reachable=reachable, unhealthy_gpus=sick))
+                                        gpu_type="H100", partition=partition, reachable=reachable, unhealthy_gpus=sick,
+                                        takes_work=takes_work))
     return machines
 
 
@@ -213,7 +216,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
 
     def usable(slot) -> bool:
         m = reachable.get(slot[0])
-        return m is not None and 0 <= slot[1] < m.gpus and slot[1] not in m.unhealthy_gpus
+        return m is not None and m.takes_work and 0 <= slot[1] < m.gpus and slot[1] not in m.unhealthy_gpus
 
     # Health: who must leave, and how.
     expected_requeues = {}

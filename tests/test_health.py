@@ -13,6 +13,7 @@ from builders import (
     pending,
     placements,
     running,
+    silent,
     snapshot,
     unhealthy,
     unreachable,
@@ -111,3 +112,40 @@ def test_a_gang_lost_with_one_machine_keeps_its_gpus_on_the_others_until_it_has_
     assert [(r.job_id, r.graceful) for r in result.requeues] == [("g", False)]
     assert "next" not in placements(result)
     assert pending(result)["next"].estimated_start == NOW
+
+
+# --- a machine whose agent owes an answer takes no work -----------------------------------------
+
+
+def test_a_machine_taking_no_work_keeps_its_jobs_and_gets_no_new_one():
+    """m0's agent missed a job's heartbeat: m0 is empty but for r, and gets nothing; the waiting
+    job takes m1, the fullest machine that fits being out of bounds."""
+    machines = silent(fleet(machines=2), M0)
+    result = cycle(snapshot(machines, running=[_on("r", (M0, range(2))), _on("m1", (M1, range(2)))],
+                            queue=[job("four").gpus(4).submitted(NOW)]))
+    assert not result.requeues and not result.preemptions
+    assert machines_of(placements(result)["four"].gpus) == {M1}
+
+
+def test_an_empty_machine_taking_no_work_is_not_where_a_whole_machine_job_goes_back_to():
+    """A dead agent's machine is empty (its jobs were requeued) but still reachable until its
+    timeout; the job requeued from it waits instead of being placed there again, where nobody
+    would pick it up."""
+    result = cycle(snapshot(silent(fleet(machines=1), M0), queue=[job("back").gpus(8).submitted(NOW)]))
+    assert not result.placements
+    assert pending(result)["back"].reason == "needs 8 GPUs on one machine; the largest free is 0"
+
+
+def test_gpus_a_preemption_frees_on_a_machine_taking_no_work_do_not_count():
+    """Preempting the low job on m0 would free GPUs nobody may use yet: no preemption."""
+    run = [running(job("low").gpus(8).priority("low")).on(M0, range(8)).started(NOW - 5000)]
+    result = cycle(snapshot(silent(fleet(machines=1), M0), running=run,
+                            queue=[job("crit").gpus(8).priority("critical").submitted(NOW)]))
+    assert not result.preemptions and not result.placements
+
+
+def test_a_machine_taking_work_again_is_used_again():
+    machines = silent(fleet(machines=1), M0)
+    result = cycle(snapshot([m.model_copy(update={"takes_work": True}) for m in machines],
+                            queue=[job("back").gpus(8).submitted(NOW)]))
+    assert machines_of(placements(result)["back"].gpus) == {M0}

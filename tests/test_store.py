@@ -59,7 +59,7 @@ def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []
     versions = run(store.pool.fetch("SELECT version FROM schema_migrations ORDER BY version"))
-    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5]
+    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6]
 
 
 def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each_migration_once(live_servers):
@@ -77,7 +77,7 @@ def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each
 
     applied, versions = asyncio.run(scenario())
     assert sorted(name for names in applied for name in names) == sorted(set(n for names in applied for n in names))
-    assert len([n for names in applied for n in names]) == len(versions) == 5
+    assert len([n for names in applied for n in names]) == len(versions) == 6
 
 
 @pytest.mark.parametrize("request_, field, words", [
@@ -242,6 +242,33 @@ def test_a_machine_that_stops_heartbeating_leaves_the_snapshot(store_env):
     run(store.machine_heartbeat("c1/b0/r0/m1", 1, [GpuReport(index=i) for i in range(4)]))
     snap = run(store.snapshot("c1"))
     assert {m.id: m.reachable for m in snap.machines} == {"c1/b0/r0/m0": False, "c1/b0/r0/m1": True}
+
+
+@pytest.mark.parametrize("end, quiet_for, takes_work", [
+    (EndReason.machine_failure, 10, False),
+    (EndReason.not_started, 40, False),
+    (EndReason.machine_failure, 0, True),
+    (EndReason.preempted, 10, True),
+    (EndReason.failed, 10, True),
+], ids=["an attempt lost with its quiet agent leaves its machine taking no work",
+        "an attempt its quiet agent never picked up leaves its machine taking no work",
+        "an attempt lost on a machine whose agent was heard just now (a GPU failing, a gang's other machine) does not",
+        "a preempted attempt does not",
+        "a failed command does not"])
+def test_a_machine_whose_agent_owes_an_answer_takes_no_work_until_it_heartbeats(store_env, end, quiet_for, takes_work):
+    run, store = store_env
+    alloc = started(run, store, gpus=4)
+    [machine] = {g.rsplit("/", 1)[0] for g in run(store.job_view("a")).attempts[0].gpus}
+    run(store.pool.execute("UPDATE machines SET last_heartbeat = last_heartbeat - $1", float(quiet_for)))
+    run(store.end_attempt("a", alloc, end, None, JobState.queued, f"requeued: {end.value}"))
+    by_id = {m.id: m for m in run(store.snapshot("c1")).machines}
+    assert by_id[machine].reachable and by_id[machine].takes_work is takes_work
+    assert all(m.takes_work for i, m in by_id.items() if i != machine)
+    [again] = run(store.plan_cycle("c1", 2, run_cycle)).placements
+    if not takes_work:
+        assert [h.machine_id for h in again.signal.hosts] != [machine], "placed back where nobody answers"
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i) for i in range(4)]))
+    assert all(m.takes_work for m in run(store.snapshot("c1")).machines)
 
 
 def test_a_gpu_reported_unhealthy_is_marked_alone(store_env):
