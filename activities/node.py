@@ -357,6 +357,8 @@ class NodeActivities:
         for report_file, ack_file in _unanswered(report_dir):
             try:
                 report = json.loads(report_file.read_text())
+                if not isinstance(report, dict):
+                    raise ValueError(f"a report is a JSON object, not {type(report).__name__}")
             except (OSError, ValueError) as err:
                 # Answered here, so the job hears of it and nobody waits for an answer to it.
                 log.warning("allocation %d: unreadable report %s: %s", allocation_id, report_file, err)
@@ -418,7 +420,10 @@ class NodeActivities:
         loop = asyncio.get_running_loop()
         next_log_check = loop.time() + self.log_check_every
         while True:
-            await self.forward_reports(run.req.job_id, run.req.allocation_id, report_dir)
+            try:
+                await self.forward_reports(run.req.job_id, run.req.allocation_id, report_dir)
+            except Exception:  # noqa: BLE001 - one bad report must not end forwarding and the log cap
+                log.exception("allocation %d: forwarding its reports failed; trying again", run.req.allocation_id)
             if self.max_log_bytes is not None and loop.time() >= next_log_check:
                 next_log_check = loop.time() + self.log_check_every
                 self._cap_log(run)

@@ -239,14 +239,16 @@ def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreach
     assert json.loads(ack.read_text())["committed"]
 
 
-def test_an_unreadable_report_is_answered_as_refused_and_not_waited_for(tmp_path):
+@pytest.mark.parametrize("content", ["{not json", "[]", "5", "null"],
+                         ids=["not JSON", "a JSON list", "a JSON number", "JSON null"])
+def test_an_unreadable_report_is_answered_as_refused_and_not_waited_for(tmp_path, content):
     async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
         raise AssertionError("an unreadable report is never sent")
 
     node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink, final_forward_for=30.0)
-    code = """
+    code = f"""
         import os, pathlib
-        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text("{not json")
+        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text({content!r})
     """
     began = time.monotonic()
     result = run(ActivityEnvironment().run(node.run_job, job(code)))
@@ -254,6 +256,27 @@ def test_an_unreadable_report_is_answered_as_refused_and_not_waited_for(tmp_path
     [ack] = (tmp_path / "jobs").glob("*/reports-1/checkpoint-0000000001.ack.json")
     answer = json.loads(ack.read_text())
     assert not answer["committed"] and "cannot read" in answer["reason"]
+
+
+def test_a_bad_report_does_not_stop_the_next_one_being_forwarded_while_the_job_runs(tmp_path):
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        return {"committed": True, "reason": "committed"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink, final_forward_for=0.0)
+    code = """
+        import os, pathlib, time
+        reports = pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"])
+        (reports / "checkpoint-0000000001.json").write_text("[]")
+        time.sleep(0.5)
+        (reports / "checkpoint-0000000002.json").write_text('{"seq": 2}')
+        ack = reports / "checkpoint-0000000002.ack.json"
+        deadline = time.time() + 5
+        while not ack.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        print("answered while running" if ack.exists() else "no answer", flush=True)
+    """
+    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    assert result.last_log_lines[-1] == "answered while running"
 
 
 def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
