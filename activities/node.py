@@ -28,6 +28,7 @@ keys: a job has no business with them), plus ``RunJobInput.env``, plus these (wh
 | GPUSCHED_S3_*             | the checkpoint store's endpoint and credentials, when it has a checkpoint URI |
 | GPUSCHED_GRACE_PERIOD     | seconds between SIGTERM and SIGKILL when the job is stopped    |
 | GPUSCHED_LOG              | this attempt's log file                                        |
+| GPUSCHED_RUN_TOKEN        | a random value marking this run's processes, wherever they go  |
 
 Checkpoint reports: the job (through ``jobkit``) writes ``checkpoint-<seq>.json`` into its report
 directory after writing the bytes; the agent forwards each report to the control plane with the
@@ -74,6 +75,7 @@ from typing import Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
 from jobkit import RESTORED_REPORT
 from workflows.types import RunJobInput, RunJobResult
 
@@ -88,8 +90,6 @@ REPORT_EVERY = 0.2  # seconds between looks into a running job's report director
 TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
 _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
-_POLL = 0.05  # how often a stop looks whether the process group is gone
-_KILL_WAIT = 10.0  # how long a SIGKILLed group may take to disappear before we stop waiting
 AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
@@ -99,7 +99,8 @@ LOG_KEEP = 16 * 1024 * 1024  # what a log cut back keeps of its end, at most
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
             base: dict[str, str] | None = None, checkpoint_env: dict[str, str] | None = None,
-            report_dir: Path | None = None, launched_at: float | None = None) -> dict[str, str]:
+            report_dir: Path | None = None, launched_at: float | None = None,
+            run_token: str | None = None) -> dict[str, str]:
     """The environment of the job's process (see the module's table)."""
     base = dict(os.environ if base is None else base)
     env = {k: v for k, v in base.items() if not k.startswith("GPUSCHED_")}
@@ -127,6 +128,7 @@ def job_env(req: RunJobInput, machine_id: str, log_path: Path,
         "GPUSCHED_CHECKPOINT_PHASE": None if req.checkpoint_phase is None else f"{req.checkpoint_phase:g}",
         "GPUSCHED_REPORT_DIR": str(report_dir) if report_dir is not None else None,
         "GPUSCHED_LAUNCHED_AT": None if launched_at is None else f"{launched_at:.3f}",
+        RUN_TOKEN: run_token,
     }
     for var, value in optional.items():
         if value:
@@ -151,6 +153,8 @@ class _Run:
     stop_deadline: float | None = None  # loop time of the SIGKILL, once a stop is asked
     stopper: asyncio.Task | None = None
     spawned: asyncio.Event = field(default_factory=asyncio.Event)  # started, or failed to
+    token: str = field(default_factory=new_token)  # GPUSCHED_RUN_TOKEN: marks all its processes
+    members: RunProcesses | None = None  # once started
     number: int = field(default_factory=lambda: next(_run_numbers))  # in the order runs were asked for
 
     @property
@@ -307,8 +311,8 @@ class NodeActivities:
     def kill_all_now(self) -> None:
         """SIGKILL every live process group: the agent is exiting and nothing would watch them."""
         for run in self.processes.values():
-            if run.pid is not None:
-                _signal_group(run.pid, signal.SIGKILL)
+            if run.members is not None:
+                run.members.signal(signal.SIGKILL)
 
     async def reap_leftovers(self, grace: float) -> list[int]:
         """Stop the process groups an earlier agent of this machine left running (it was
@@ -322,14 +326,17 @@ class NodeActivities:
                 log.warning("ignoring bad pid file %s: %s", pid_file, err)
                 pid_file.unlink(missing_ok=True)
                 continue
-            if _same_leader(pgid, info.get("start_ticks")) and _group_alive(pgid):
+            # A pid now another process's leaves only the processes carrying the run's token.
+            left = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
+            if left.alive():
                 log.warning("allocation %d: stopping process group %d left by an earlier agent",
                             alloc, pgid)
-                _signal_group(pgid, signal.SIGTERM)
+                left.signal(signal.SIGTERM)
                 deadline = asyncio.get_running_loop().time() + grace
-                while _group_alive(pgid) and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(_POLL)
-                _signal_group(pgid, signal.SIGKILL)
+                while left.alive() and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(POLL)
+                left.signal(signal.SIGKILL)
+                await left.gone()
                 reaped.append(alloc)
             if info.get("report_dir") and info.get("job_id"):
                 # What the orphan reported while nobody listened: the control plane decides (a
@@ -462,6 +469,7 @@ class NodeActivities:
                 await self._stop_overlapping(run)
                 self._prepare(run)
                 run.process = await self._spawn(run)
+                run.members = RunProcesses(run.process.pid, run.token)
             except (_CannotExec, ValueError) as err:
                 result = self._spawn_failure(run, err)
                 return result
@@ -480,11 +488,11 @@ class NodeActivities:
                 forwarder.cancel()
             if run.stopper is not None:
                 await run.stopper  # the rest of the group gets its grace too
-            elif _group_alive(run.process.pid):
+            elif run.members.alive():
                 log.info("allocation %d: killing processes the job left behind",
                          run.req.allocation_id)
-                _signal_group(run.process.pid, signal.SIGKILL)
-                await _group_gone(run.process.pid)
+                run.members.signal(signal.SIGKILL)
+                await run.members.gone()
             # Checkpoints written up to the exit (a stop's included) are committed before the
             # activity returns, and so before the workflow ends the allocation.
             stopped = run.stopper is not None
@@ -505,8 +513,8 @@ class NodeActivities:
                      run.req.job_id, result.exit_code, result.signal, result.stopped)
             return result
         finally:
-            if result is None and run.pid is not None:
-                _signal_group(run.pid, signal.SIGKILL)  # the watcher itself was cancelled
+            if result is None and run.members is not None:
+                run.members.signal(signal.SIGKILL)  # the watcher itself was cancelled
             self.processes.pop(alloc, None)
             try:
                 (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
@@ -555,7 +563,8 @@ class NodeActivities:
                 process = await asyncio.create_subprocess_exec(
                     *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
-                                report_dir=self._report_dir(req), launched_at=time.time()),
+                                report_dir=self._report_dir(req), launched_at=time.time(),
+                                run_token=run.token),
                     start_new_session=True)
             except OSError as err:
                 if err.errno in _COMMAND_ERRNOS:
@@ -588,21 +597,20 @@ class NodeActivities:
             run.stop_deadline = deadline
         if run.process is None or run.process.returncode is not None or run.stopper is not None:
             return  # not started yet (_execute stops it when it is), already ended, or stopping
-        _signal_group(run.process.pid, signal.SIGTERM)
+        run.members.signal(signal.SIGTERM)
         run.stopper = asyncio.create_task(self._finish_stop(run))
 
     async def _finish_stop(self, run: _Run) -> None:
         loop = asyncio.get_running_loop()
-        pgid = run.process.pid
-        while run.process.returncode is None or _group_alive(pgid):
+        while run.process.returncode is None or run.members.alive():
             if loop.time() >= run.stop_deadline:
                 log.warning("allocation %d: still running after its grace, SIGKILL",
                             run.req.allocation_id)
-                _signal_group(pgid, signal.SIGKILL)
+                run.members.signal(signal.SIGKILL)
                 break
-            await asyncio.sleep(_POLL)
+            await asyncio.sleep(POLL)
         await run.process.wait()
-        await _group_gone(pgid)
+        await run.members.gone()
 
     def _write_pid_file(self, run: _Run) -> None:
         # Lets the next agent stop this process group if this agent dies without doing so.
@@ -610,7 +618,8 @@ class NodeActivities:
             self.pid_dir.mkdir(parents=True, exist_ok=True)
             (self.pid_dir / f"{run.req.allocation_id}.json").write_text(json.dumps({
                 "pid": run.pid, "allocation_id": run.req.allocation_id, "job_id": run.req.job_id,
-                "report_dir": str(self._report_dir(run.req)), "start_ticks": _start_ticks(run.pid)}))
+                "report_dir": str(self._report_dir(run.req)), "start_ticks": start_ticks(run.pid),
+                "token": run.token}))
         except OSError as err:
             log.warning("cannot write pid file: %s", err)
 
@@ -650,68 +659,6 @@ def _unanswered(report_dir: Path) -> list[tuple[Path, Path]]:
     pairs = ((f, f.with_name(f.name[:-len(".json")] + ".ack.json"))
              for f in sorted(report_dir.glob("checkpoint-*.json")) if not f.name.endswith(".ack.json"))
     return [(report, ack) for report, ack in pairs if not ack.exists()]
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone (or the pid now belongs to someone else's group)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs. Zombies do not count: where nothing reaps
-    orphans (a container whose PID 1 does not), they would hold every stop for its full grace."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # it exited while we looked
-        if fields[2] == str(pgid) and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
-
-
-async def _group_gone(pgid: int) -> None:
-    """Wait (a while) for a SIGKILLed group to disappear. Dying takes a moment (uninterruptible
-    I/O, GPU memory being released): a run ends only once its group is gone, so its GPUs are
-    free when the result says so."""
-    deadline = asyncio.get_running_loop().time() + _KILL_WAIT
-    while _group_alive(pgid) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(_POLL)
-
-
-def _start_ticks(pid: int | None) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), which tells a live process
-    from a later one that reused its pid; None where /proc is missing."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _same_leader(pgid: int, start_ticks: int | None) -> bool:
-    """Whether signalling group ``pgid`` reaches the group the pid file describes. While a
-    group has members its id cannot be reused, so if no process has the leader's pid, any
-    process in the group is the old job's. If one does, it must be the leader that was recorded."""
-    try:
-        os.kill(pgid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    now = _start_ticks(pgid)
-    return now is not None and now == start_ticks
 
 
 def _cut_log(path: Path, limit: int) -> int | None:

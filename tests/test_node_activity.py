@@ -72,6 +72,7 @@ def test_the_job_sees_its_gpus_and_its_identity(tmp_path, monkeypatch):
     assert result.exit_code == 0
     env = json.loads(result.last_log_lines[-1])
     assert before <= float(env.pop("GPUSCHED_LAUNCHED_AT")) <= time.time()
+    assert len(env.pop("GPUSCHED_RUN_TOKEN")) == 24
     log_path = str(tmp_path / "jobs" / "train-1" / "attempt-3.log")
     assert env == {
         "CUDA_VISIBLE_DEVICES": "3,1",
@@ -289,14 +290,51 @@ def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
     assert all(b["allocation_id"] == 9 and isinstance(b["pid"], int) for b in beats)
 
 
-def test_processes_left_behind_by_a_finished_job_are_killed(tmp_path):
-    code = """
+@pytest.mark.parametrize("own_session", [False, True],
+                         ids=["in the job's process group", "in a session of their own, as torchrun starts its workers"])
+def test_processes_left_behind_by_a_finished_job_are_killed(tmp_path, own_session):
+    code = f"""
         import subprocess, sys
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                 start_new_session={own_session})
         print(child.pid, flush=True)
     """
     result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, job(code)))
     assert not alive(int(result.last_log_lines[-1]))  # gone by the time the result says so
+
+
+# A launcher whose worker leaves its process group (torchrun: start_new_session=True); the worker
+# prints its pid, and on SIGTERM says so and exits, or ignores it.
+ESCAPING_WORKER = """
+    import signal, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+        "signal.signal(signal.SIGTERM, {on_term}); print('running', flush=True); time.sleep(30)"],
+        start_new_session=True)
+    print(worker.pid, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher leaves at once
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("on_term, grace, killed_by", [
+    ("lambda *_: (print('worker saved', flush=True), sys.exit(0))", 5.0, None),
+    ("signal.SIG_IGN", 0.5, signal.SIGKILL),
+], ids=["a worker out of the job's group gets the SIGTERM and its grace",
+        "a worker out of the job's group that ignores SIGTERM is killed after the grace"])
+def test_a_stop_reaches_workers_that_left_the_jobs_process_group(tmp_path, on_term, grace, killed_by):
+    node = node_in(tmp_path)
+    req = job(ESCAPING_WORKER.format(on_term=on_term), allocation_id=16, grace_period=grace)
+
+    async def scenario():
+        return await cancel_after_start(node, req)
+
+    _, took = run(scenario())
+    worker = int(next(line for line in Path(node._log_path(req)).read_text().splitlines() if line.isdigit()))
+    assert not alive(worker), "the worker outlived its run: the next job would share its GPUs"
+    if killed_by is None:
+        assert "worker saved" in Path(node._log_path(req)).read_text() and took < grace
+    else:
+        assert took >= grace
 
 
 # -- stopping -----------------------------------------------------------------------------------
@@ -556,16 +594,32 @@ def test_duplicates_arriving_together_start_one_process(tmp_path):
     assert Path(results[0].log_path).read_text().splitlines().count("started") == 1
 
 
+def test_workers_an_earlier_agents_run_left_outside_its_group_are_reaped_by_its_token(tmp_path):
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    token = "f00d" * 6
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
+                              env={**os.environ, "GPUSCHED_RUN_TOKEN": token})
+    (node.pid_dir / "17.json").write_text(json.dumps(
+        {"pid": 999_999_999, "allocation_id": 17, "job_id": "old", "start_ticks": None, "token": token}))
+    try:
+        assert run(node.reap_leftovers(grace=1)) == [17]  # its leader is long gone; its worker is not
+        assert worker.wait(timeout=2) == -signal.SIGTERM
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
 def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
     node = node_in(tmp_path)
     node.pid_dir.mkdir(parents=True)
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
                                 start_new_session=True)
-    from activities.node import _start_ticks
+    from activities.run_processes import start_ticks
 
     (node.pid_dir / "13.json").write_text(json.dumps(
         {"pid": leftover.pid, "allocation_id": 13, "job_id": "old",
-         "start_ticks": _start_ticks(leftover.pid)}))
+         "start_ticks": start_ticks(leftover.pid)}))
     try:
         assert run(node.reap_leftovers(grace=1)) == [13]
         assert leftover.wait(timeout=2) == -signal.SIGTERM

@@ -1,0 +1,159 @@
+"""The processes of one run of a job: its process group, and every process carrying its token.
+
+The agent starts a job's command as the leader of a new process group and stops the group. A
+launcher may put its workers in sessions of their own (torchrun starts each with
+``start_new_session=True``), out of the group's reach: killing the group kills the launcher and
+leaves its workers on the GPUs, which the next job is then given. So every run's environment
+carries ``GPUSCHED_RUN_TOKEN``, a random value its descendants inherit wherever they go, and a
+stop reaches the processes that carry it too (read from ``/proc/<pid>/environ``: Linux).
+
+A process that clears its environment before exec, or one of another user, is beyond this; a
+container or cgroup per job is the complete answer where jobs cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+
+RUN_TOKEN = "GPUSCHED_RUN_TOKEN"
+POLL = 0.05  # how often a stop looks whether the group is gone
+LOOK_EVERY = 0.5  # how often it reads every process's environment: a scan of the machine
+KILL_WAIT = 10.0  # how long SIGKILLed processes may take to disappear before we stop waiting
+
+
+def new_token() -> str:
+    return secrets.token_hex(12)
+
+
+class RunProcesses:
+    """A run's processes: the group led by ``pgid`` (None: not to be signalled, its id being
+    another process's now), and those carrying ``token`` (None: an earlier agent's run recorded
+    without one)."""
+
+    def __init__(self, pgid: int | None, token: str | None):
+        self.pgid, self.token = pgid, token
+        self._escaped: list[int] = []
+        self._looked_at: float | None = None
+
+    def signal(self, sig: int) -> None:
+        if self.pgid is not None:
+            signal_group(self.pgid, sig)
+        for pid in self.escaped(fresh=True):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def escaped(self, fresh: bool = False) -> list[int]:
+        """The live processes carrying the token outside the group; read again at most every
+        LOOK_EVERY seconds unless ``fresh``."""
+        if self.token is None:
+            return []
+        now = asyncio.get_running_loop().time() if _in_loop() else None
+        if fresh or now is None or self._looked_at is None or now - self._looked_at >= LOOK_EVERY:
+            self._escaped = [pid for pid in marked(self.token) if _group_of(pid) != self.pgid]
+            self._looked_at = now
+        return self._escaped
+
+    def alive(self) -> bool:
+        return (self.pgid is not None and group_alive(self.pgid)) or bool(self.escaped())
+
+    async def gone(self) -> None:
+        """Wait (a while) for SIGKILLed processes to disappear. Dying takes a moment
+        (uninterruptible I/O, GPU memory being released): a run ends only once they are gone,
+        so its GPUs are free when the result says so."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + KILL_WAIT
+        while self.alive() and loop.time() < deadline:
+            await asyncio.sleep(POLL)
+
+
+def marked(token: str) -> list[int]:
+    """Pids of the live processes whose environment carries ``RUN_TOKEN=token`` (a zombie's
+    environment reads empty)."""
+    mark = f"{RUN_TOKEN}={token}\0".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except (OSError, ValueError):
+            continue  # it exited while we looked, or is another user's
+    return found
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone (or the pid now belongs to someone else's group)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies do not count: where nothing reaps
+    orphans (a container whose PID 1 does not), they would hold every stop for its full grace."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields is not None and fields[2] == str(pgid) and fields[0] != "Z":  # state, ppid, pgrp, ...
+            return True
+    return False
+
+
+def start_ticks(pid: int | None) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), which tells a live process
+    from a later one that reused its pid; None where /proc is missing."""
+    if pid is None:
+        return None
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
+        return None
+
+
+def same_leader(pgid: int, ticks: int | None) -> bool:
+    """Whether signalling group ``pgid`` reaches the group a pid file describes. While a
+    group has members its id cannot be reused, so if no process has the leader's pid, any
+    process in the group is the old job's. If one does, it must be the leader that was recorded."""
+    try:
+        os.kill(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    now = start_ticks(pgid)
+    return now is not None and now == ticks
+
+
+def _group_of(pid: int) -> int | None:
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    try:
+        return int(fields[2]) if fields is not None else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _stat_fields(stat: Path) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None  # it exited while we looked
+
+
+def _in_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
