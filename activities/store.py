@@ -196,7 +196,9 @@ class Store:
                 await conn.execute(q.AUDIT, None, None, "refused", verdict.reason,
                                    json.dumps({"job_id": request.job_id, "field": verdict.field}))
                 return verdict
-            submit = request.submit_time if request.submit_time is not None else await conn.fetchval(q.NOW)
+            now = await conn.fetchval(q.NOW)
+            # A submitter may say when it first asked (a pipeline resubmitting), never a future time.
+            submit = now if request.submit_time is None else min(request.submit_time, now)
             await conn.execute(q.INSERT_JOB, request.job_id, request.team, verdict.cluster,
                                request.model_dump_json(), request.priority.value, request.num_gpus, submit)
             await conn.execute(q.AUDIT, verdict.cluster, request.job_id, "submitted", "accepted",

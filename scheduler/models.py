@@ -174,10 +174,13 @@ class Machine(Frozen):
     takes_work: bool = True
 
 
+QUOTA_LARGEST = 2**31 - 1  # what the store's integer columns hold; no fleet comes near it
+
+
 class Quota(Frozen):
-    guaranteed: int = Field(default=0, ge=0)
-    max: int | None = Field(default=None, ge=0)  # None: no maximum
-    queue_cap: int | None = Field(default=None, ge=0)  # None: no cap
+    guaranteed: int = Field(default=0, ge=0, le=QUOTA_LARGEST)
+    max: int | None = Field(default=None, ge=0, le=QUOTA_LARGEST)  # None: no maximum
+    queue_cap: int | None = Field(default=None, ge=0, le=QUOTA_LARGEST)  # None: no cap
 
     @model_validator(mode="after")
     def _max_covers_guarantee(self) -> "Quota":

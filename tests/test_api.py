@@ -105,3 +105,25 @@ def test_a_fault_injected_on_the_command_line_reaches_the_inventory_and_can_be_c
     assert main(["dev", "fault", "gpu", "c1/b0/r0/m9", "0", "--ecc", *d]) == 2
     assert main(["dev", "fault", "gpu", "c1/b0/r0/m0", "7", "--ecc", *d]) == 2
     assert "GPUs 0-3" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
+def test_health_is_503_not_500_while_the_database_does_not_answer(live_servers, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from activities.store import Store
+    from workers.api import create_app
+    from workers.settings import Settings
+
+    settings = Settings(pg_dsn=live_servers.new_database("api_health"))
+    with TestClient(create_app(settings)) as api:
+        assert api.get("/healthz").status_code == 200
+
+        async def down(self):
+            raise ConnectionRefusedError(111, "Connection refused")
+
+        monkeypatch.setattr(Store, "now", down)
+        answer = api.get("/healthz")
+        assert answer.status_code == 503 and answer.json()["ok"] is False
+        assert "does not answer" in answer.json()["detail"]
+

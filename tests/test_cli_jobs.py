@@ -28,6 +28,11 @@ from workflows.types import JobView
     (["submit", "--team", "vision", "--gpus", "1", "--checkpoint-interval", "1e-9", "--", "true"],
      "at least 1 second (--checkpoint-interval)"),
     (["submit", "--team", "vision", "--gpus", "1", "--", ""], "command: starts with an empty word"),
+    (["submit", "--team", "vision", "--gpus", "1", "--env", "=x", "--", "true"], "env: --env '=x' is not NAME=VALUE"),
+    (["submit", "--team", "vision", "--gpus", "1", "--env", "A=x\0y", "--", "true"], "env: variable A holds a NUL"),
+    (["submit", "--team", "vision", "--gpus", "1", "--", "echo", "a\0b"], "command: holds a NUL"),
+    (["quota", "set", "vision", "--guaranteed", "3000000000"], "--guaranteed"),
+    (["list", "--limit", "9223372036854775808"], "--limit"),
     (["quota", "set", "vision", "--guaranteed", "8", "--max", "4"],
      "error: max: max (4) is below guaranteed (8); give --max at least --guaranteed"),
     (["quota", "set", "vision", "--guaranteed", "-1"], "give --guaranteed a valid value"),
@@ -44,6 +49,11 @@ from workflows.types import JobView
     "a blank GPU type",
     "a checkpoint interval too short to mean anything",
     "a command that starts with an empty word",
+    "an environment variable without a name",
+    "an environment value with a NUL character",
+    "a command word with a NUL character",
+    "a guarantee too big to store",
+    "a list limit too big to store",
     "a maximum below the guarantee",
     "a negative guarantee names its flag",
     "a policy knob that is not a number",
@@ -51,9 +61,14 @@ from workflows.types import JobView
     "every knob after one --policy is checked",
 ])
 def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
-    assert main(argv + ["--data-dir", str(tmp_path)] if argv[0] in ("quota", "cluster") else argv) == 2
+    try:
+        code = main(argv + ["--data-dir", str(tmp_path)] if argv[0] in ("quota", "cluster", "list") else argv)
+    except SystemExit as e:  # argparse refused a flag
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and words in err and "Traceback" not in err
+    # One error line of ours, or argparse's usage and its error line for a flag it refused.
+    assert (err.startswith("error:") or ": error: argument " in err) and words in err and "Traceback" not in err
 
 
 def _view(**fields) -> JobView:

@@ -69,6 +69,31 @@ def test_a_queued_job_is_cancelled_without_ever_running(stack):
     s.run(s.client.cancel("blocker"))
 
 
+def test_changing_a_job_that_ended_meanwhile_is_refused_in_words_not_a_traceback(stack, monkeypatch):
+    """cancel and bump look at the job, then ask its workflow: a job that ends in between (here:
+    the look is made to see it still running) is refused as ended; wait answers from the store."""
+    s = stack(machines=1)
+    s.submit("quick", 1, sleeper(0))
+    ended = s.wait("quick")
+    assert ended.state == "succeeded"
+    from workers.client import ClientError, GpuschedClient
+
+    real_status = GpuschedClient.status
+
+    async def still_running(self, job_id):
+        view = await real_status(self, job_id)
+        return view.model_copy(update={"state": "running"}) if job_id == "quick" else view
+
+    monkeypatch.setattr(GpuschedClient, "status", still_running)
+    for change, words in ((s.client.cancel("quick"), "has already ended"),
+                          (s.client.bump("quick", Priority.critical), "cannot change the priority")):
+        with pytest.raises(ClientError) as refused:
+            s.run(change)
+        assert words in str(refused.value), str(refused.value)
+    monkeypatch.setattr(GpuschedClient, "status", real_status)
+    assert s.wait("quick").state == "succeeded"
+
+
 def test_a_running_job_is_cancelled_its_process_stopped_and_its_gpus_freed(stack):
     s = stack(machines=1)
     pid_file = s.data_dir / "victim.pid"

@@ -23,7 +23,7 @@ def machines(n: int = 2, gpus: int = 4, cluster: str = "c1") -> list[Machine]:
 
 
 def job(job_id: str, gpus: int = 2, team: str = "vision", **kw) -> JobRequest:
-    return JobRequest(job_id=job_id, team=team, num_gpus=gpus, command=["true"], **kw)
+    return JobRequest(job_id=job_id, team=team, num_gpus=gpus, **{"command": ["true"], **kw})
 
 
 def started(run, store, job_id: str = "a", gpus: int = 2) -> int:
@@ -233,6 +233,26 @@ def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_
     assert run(store.snapshot("c1")).config.expected_restart_s == 12.5
     run(store.configure_cluster("c1", policy={"expected_restart_s": 60}))
     assert run(store.snapshot("c1")).config.expected_restart_s == 60
+
+
+@pytest.mark.parametrize("request_, field, words", [
+    (job("a", env={"A": "x\0y"}), "env", "NUL"),
+    (job("a", command=["echo", "a\0b"]), "command", "NUL"),
+    (job("a", submit_time=1.7e12), "submit_time", "epoch seconds"),
+    (job("a", deadline=-5), "deadline", "epoch seconds"),
+], ids=["an environment value with a NUL", "a command word with a NUL", "a submit time in milliseconds",
+        "a negative deadline"])
+def test_a_request_the_database_or_a_process_could_not_take_is_refused_at_admission(store_env, request_, field, words):
+    run, store = store_env
+    verdict = run(store.admit(request_))
+    assert (verdict.accepted, verdict.field) == (False, field) and words in verdict.reason
+
+
+def test_a_submit_time_in_the_future_is_taken_as_now(store_env):
+    run, store = store_env
+    now = run(store.now())
+    assert run(store.admit(job("a", submit_time=now + 10**6))).accepted
+    assert run(store.pool.fetchval("SELECT submit_time FROM jobs WHERE id = 'a'")) <= now + 5
 
 
 def test_a_machine_that_stops_heartbeating_leaves_the_snapshot(store_env):

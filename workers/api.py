@@ -140,9 +140,12 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(status_code=422, content={"detail": f"a value in the request cannot be stored: {error}"})
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        await ctx["store"].now()
-        return {"ok": True}
+    async def healthz() -> JSONResponse:
+        try:
+            await ctx["store"].now()
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:  # a probe's answer, not a 500
+            return JSONResponse(status_code=503, content={"ok": False, "detail": f"the database does not answer: {e}"})
+        return JSONResponse(content={"ok": True})
 
     @app.post("/machines/{machine_id:path}/heartbeat")
     async def heartbeat(machine_id: str, beat: Heartbeat) -> HeartbeatReply:

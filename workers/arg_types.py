@@ -33,6 +33,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def limit(text: str) -> int:
+    """How many rows to show: 1 to a million."""
+    value = positive_int(text)
+    if value > 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be at most 1000000, not {value}")
+    return value
+
+
 def finite(text: str) -> float:
     """A finite number: inf and nan are no number of seconds, GPUs or failures."""
     try:

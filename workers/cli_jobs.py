@@ -16,11 +16,13 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import asyncpg
 from pydantic import ValidationError
+from temporalio.service import RPCError
 
 from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
-from workers.arg_types import finite, positive_float, positive_int
+from workers.arg_types import finite, limit, positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, new_job_id
 from workers.settings import load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
@@ -62,7 +64,7 @@ def add_job_commands(subparsers) -> None:
     lst = subparsers.add_parser("list", help="list jobs")
     lst.add_argument("--team", default=None)
     lst.add_argument("--state", default=None, choices=[s.value for s in JobState])
-    lst.add_argument("--limit", type=positive_int, default=1000, help="the newest N jobs that match (default 1000)")
+    lst.add_argument("--limit", type=limit, default=1000, help="the newest N jobs that match (default 1000)")
     common(lst)
     lst.set_defaults(func=cmd_list)
 
@@ -140,6 +142,18 @@ def _run(args, body) -> int:
                 field = f"{e.field}: " if e.field else ""
                 print(f"error: {field}{e}", file=sys.stderr)
                 return EXIT_REFUSED
+            except RPCError as e:  # Temporal could not do it now (unavailable, timed out)
+                print(f"error: Temporal did not answer ({e.status.name if e.status else 'error'}: {e.message}); "
+                      "is the stack up? `gpusched dev status` shows it", file=sys.stderr)
+                return EXIT_UNREACHABLE
+            except asyncpg.DataError as e:  # a value the database cannot store
+                print(f"error: the database cannot store a value of this request ({e}); give a smaller "
+                      "or plainer one", file=sys.stderr)
+                return EXIT_REFUSED
+            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as e:
+                print(f"error: the database did not answer ({e}); is the stack up? `gpusched dev status` "
+                      "shows it", file=sys.stderr)
+                return EXIT_UNREACHABLE
 
     return asyncio.run(go())
 

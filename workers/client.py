@@ -16,7 +16,7 @@ import time
 import uuid
 
 from pydantic import BaseModel
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -190,7 +190,13 @@ class GpuschedClient:
         view = await self.status(job_id)
         if view.state in ("succeeded", "failed", "cancelled"):
             raise ClientError(f"job {job_id} has already ended ({view.state})")
-        await self._handle(job_id).signal("cancel", reason)
+        try:
+            await self._handle(job_id).signal("cancel", reason)
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # It ended between the look and the signal (or Temporal no longer keeps it).
+            raise ClientError(f"job {job_id} has already ended ({(await self.status(job_id)).state})") from None
         return view
 
     async def bump(self, job_id: str, priority: Priority) -> JobOutcome:
@@ -198,16 +204,25 @@ class GpuschedClient:
         try:
             return await self._handle(job_id).execute_update(
                 "bump_priority", PriorityBump(priority=priority), result_type=JobOutcome)
-        except Exception as e:  # the update's validator refused it (job ended, not admitted yet)
+        except WorkflowUpdateFailedError as e:  # the update's validator refused it (not admitted yet)
             cause = getattr(e, "cause", None) or e
             raise ClientError(f"cannot change the priority of {job_id}: {getattr(cause, 'message', cause)}") from None
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                raise  # Temporal could not answer: the caller's "unreachable"
+            raise ClientError(f"cannot change the priority of {job_id}: it has ended") from None
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobView:
-        await self.status(job_id)
+        view = await self.status(job_id)
+        if view.state in ("succeeded", "failed", "cancelled"):
+            return view  # ended: the store says how, even once Temporal no longer keeps the workflow
         try:
             await asyncio.wait_for(self._handle(job_id).result(), timeout)
-        except WorkflowFailureError as e:
-            raise ClientError(f"job {job_id}'s workflow failed: {e.cause}") from None
+        except WorkflowFailureError:
+            pass  # terminated from outside gpusched: the job did not succeed, and the view says where it is
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                raise
         return await self.status(job_id)
 
     # --- quotas -----------------------------------------------------------------------------

@@ -123,6 +123,9 @@ class JobRequest(WithNewFields):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
+
+
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
@@ -133,9 +136,19 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
         return "gpu_type", "is blank; name a GPU type (H100, A100, ...) or leave it out for any"
     if not request.command[0].strip():
         return "command", "starts with an empty word; give the program to run first"
+    if any("\0" in word for word in request.command):
+        return "command", "holds a NUL character, which no program argument can carry"
+    for name, value in request.env.items():
+        if not name or "=" in name or "\0" in name:
+            return "env", f"has the variable name {name!r}; a name is not empty and holds no '=' or NUL"
+        if "\0" in value:
+            return "env", f"variable {name} holds a NUL character, which no environment value can carry"
     interval = request.checkpoint_interval
     if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
         return "checkpoint_interval", f"is {interval:g} s; give 0 (only when stopped) or at least 1 second"
+    for field, when in (("deadline", request.deadline), ("submit_time", request.submit_time)):
+        if when is not None and not 0 <= when <= LATEST_EPOCH:
+            return field, f"is {when:g}; give epoch seconds (e.g. {1.8e9:.0f} for 2027)"
     return None
 
 
