@@ -893,11 +893,18 @@ class Checkpointer:
         if self.resume_from is None:
             return None
         path = Path(path)
-        tmp = path.with_name(path.name + ".partial")
+        # A name of its own (several local ranks may restore to the same path at once: each
+        # writes and verifies its own copy, and the last rename wins with whole, verified bytes),
+        # on disk before the rename (a crash must not leave a whole name over half the data).
+        # Readable by its owner only, as the job's own state.
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+        tmp = Path(name)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 self._download(f)
                 size = f.tell()
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             if tmp.exists():

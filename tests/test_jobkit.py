@@ -177,6 +177,30 @@ def test_a_file_can_be_saved_and_restored_as_a_file(tmp_path):
     assert not (tmp_path / "nothing.bin").exists()
 
 
+def test_ranks_restoring_to_one_path_at_once_each_leave_whole_verified_bytes(tmp_path):
+    """Local ranks of one job (torchrun's) restore to the same file together: each writes its own
+    copy under a name of its own and renames it whole; no rank's bytes land in another's."""
+    import threading
+
+    data = os.urandom(2 * 1024 * 1024)
+    saved = local(tmp_path).save(data)
+    dest, errors = tmp_path / "state.bin", []
+
+    def rank():
+        try:
+            assert local(tmp_path, resume_from=saved.uri).restore_to(dest) == dest
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ranks = [threading.Thread(target=rank) for _ in range(4)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert errors == [] and dest.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("state.bin")) == ["state.bin"]
+
+
 @pytest.mark.parametrize("restore, launched, reported", [
     ("bytes", 990.0, {"seq": 1, "seconds": 10.0, "size": 5}),
     ("file", 990.0, {"seq": 1, "seconds": 10.0, "size": 5}),
