@@ -13,9 +13,9 @@ S3 has no rename, so the design's "write under a temporary name, then rename" be
    and the checkpoint is committed as complete in Postgres only if that allocation is still the
    job's current one. The commit is the "rename": before it the object does not exist for
    anyone, after it it is what the next attempt resumes from;
-4. once two newer checkpoints are complete, older ones (and abandoned writes) are deleted, and
-   unfinished multipart uploads of numbers below a committed one (a writer killed mid-upload)
-   are aborted.
+4. once two newer checkpoints are complete, older ones (and abandoned writes, reported or not)
+   are deleted, and unfinished multipart uploads of numbers below a committed one (a writer
+   killed mid-upload) are aborted; both after the job has its answer.
 """
 
 from __future__ import annotations
@@ -79,18 +79,53 @@ class CheckpointCommitter:
         # superseded checkpoints deletes that key, and only ever one of the job's own.
         report = report.model_copy(update={"key": checkpoint_key(job_id, report.seq)})
         ack, superseded = await self.store.commit_checkpoint(job_id, allocation_id, report, refusal)
+        if ack.committed:
+            # After the answer, not before: a slow store must not make the job wait for its ack
+            # (past the agent's timeout it would be told nothing of a commit that took).
+            task = asyncio.create_task(self._clean_up(job_id, report.seq, superseded))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+        return ack
+
+    async def _clean_up(self, job_id: str, committed_seq: int, superseded: list[tuple[int, str]]) -> None:
+        await self._delete_superseded(job_id, superseded)
+        await self._abort_abandoned_uploads(job_id, committed_seq)
+
+    async def _delete_superseded(self, job_id: str, superseded: list[tuple[int, str]]) -> None:
+        """Delete the checkpoints below the two newest complete ones: those reported (their rows
+        are marked deleted), and the objects no report ever named (a writer killed between its
+        upload and its report, a report the agent gave up forwarding): nothing else would ever
+        delete those, each a whole checkpoint. Below the two kept, nothing is written any more
+        (a writer's numbers only grow). Best effort: what stays, a later commit tries again."""
         for seq, key in superseded:
             try:
                 await asyncio.to_thread(self.s3.delete_object, Bucket=self.bucket, Key=key)
                 await self.store.mark_checkpoint_deleted(job_id, seq)
             except Exception as e:  # stays listed; a later commit tries again
                 log.warning("could not delete superseded checkpoint %s: %s", key, e)
-        if ack.committed:
-            # After the answer, not before: a slow store must not make the job wait for its ack.
-            task = asyncio.create_task(self._abort_abandoned_uploads(job_id, report.seq))
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
-        return ack
+        kept = await self.store.kept_checkpoints(job_id)
+        if len(kept) < 2:
+            return
+        prefix, below = checkpoint_prefix(job_id), min(kept)
+        named = {seq for seq, _ in superseded}
+
+        def delete_unreported() -> int:
+            deleted = 0
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents") or []:
+                    name = obj["Key"][len(prefix):]
+                    if name.isdigit() and int(name) < below and int(name) not in named:
+                        self.s3.delete_object(Bucket=self.bucket, Key=obj["Key"])
+                        deleted += 1
+            return deleted
+
+        try:
+            deleted = await asyncio.to_thread(delete_unreported)
+        except Exception as e:  # a later commit tries again
+            log.warning("could not clear unreported checkpoints under %s: %s", prefix, e)
+            return
+        if deleted:
+            log.info("deleted %d checkpoint(s) of %s that were never reported", deleted, job_id)
 
     async def settled(self) -> None:
         """Wait for the clean-ups that commits started (for tests, and before closing)."""

@@ -250,12 +250,14 @@ CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""
 RECORD_CHECKPOINT_TIME = f"UPDATE allocations SET last_checkpoint_at = {NOW_EPOCH} WHERE id = $1"
+# What garbage collection keeps of a job: its two newest complete checkpoints.
+KEPT_CHECKPOINTS = """
+SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
+ORDER BY seq DESC LIMIT 2"""
 # Superseded: every complete checkpoint but the two newest, and incomplete ones older than the
-# newest complete (abandoned or refused writes). Their bytes can go.
-SUPERSEDED_CHECKPOINTS = """
-WITH keep AS (
-    SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
-    ORDER BY seq DESC LIMIT 2)
+# older of those (abandoned or refused writes). Their bytes can go.
+SUPERSEDED_CHECKPOINTS = f"""
+WITH keep AS ({KEPT_CHECKPOINTS})
 SELECT seq, key FROM checkpoints
 WHERE job_id = $1 AND deleted_at IS NULL AND seq NOT IN (SELECT seq FROM keep)
   AND seq < (SELECT coalesce(min(seq), 0) FROM keep)

@@ -329,6 +329,10 @@ class Store:
             superseded = [(r["seq"], r["key"]) for r in await conn.fetch(q.SUPERSEDED_CHECKPOINTS, job_id)]
             return CheckpointAck(committed=True, reason="committed"), superseded
 
+    async def kept_checkpoints(self, job_id: str) -> list[int]:
+        """The two newest complete checkpoints, which garbage collection keeps (fewer if fewer)."""
+        return [r["seq"] for r in await self.pool.fetch(q.KEPT_CHECKPOINTS, job_id)]
+
     async def mark_checkpoint_deleted(self, job_id: str, seq: int) -> None:
         await self.pool.execute(q.MARK_CHECKPOINT_DELETED, job_id, seq)
 

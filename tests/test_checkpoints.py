@@ -79,7 +79,10 @@ class Env:
         return sorted(u["Key"] for u in answer.get("Uploads") or [])
 
     def commit(self, report: CheckpointReport, allocation: int | None = None):
-        return self.run(self.committer.commit(self.job, allocation or self.allocation, report))
+        """Commit, and wait for the clean-up the commit starts after its answer."""
+        ack = self.run(self.committer.commit(self.job, allocation or self.allocation, report))
+        self.run(self.committer.settled())
+        return ack
 
     def exists(self, key: str) -> bool:
         try:
@@ -191,6 +194,19 @@ def test_older_checkpoints_are_deleted_once_two_newer_ones_are_complete(env):
     assert [env.exists(r.key) for r in reports] == [False, False, True, True]
     views = env.run(env.store.checkpoints(env.job))
     assert [(c.seq, c.deleted) for c in views] == [(1, True), (2, True), (3, False), (4, False)]
+
+
+def test_checkpoints_written_but_never_reported_are_deleted_once_two_newer_ones_are_complete(env):
+    """A writer killed between its upload and its report leaves an object no row names."""
+    lost = [env.write(seq, f"step={seq}".encode()) for seq in (1, 3)]  # uploaded, never reported
+    later = env.write(5, b"step=5")  # uploaded after the newest commit, not reported yet
+    assert env.commit(env.write(2, b"step=2")).committed
+    assert env.exists(lost[0].key), "one complete checkpoint: nothing goes yet"
+    assert env.commit(env.write(4, b"step=4")).committed
+    assert [env.exists(r.key) for r in lost] == [False, True]  # 3 is above the older kept one, 2
+    assert env.commit(env.write(6, b"step=6")).committed
+    assert [env.exists(r.key) for r in lost] == [False, False]
+    assert env.exists(later.key), "above the older kept one (4): it may still be reported"
 
 
 def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
