@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from activities.store import Store
 from workflows.types import CheckpointAck, CheckpointReport
@@ -106,26 +107,11 @@ class CheckpointCommitter:
         kept = await self.store.kept_checkpoints(job_id)
         if len(kept) < 2:
             return
-        prefix, below = checkpoint_prefix(job_id), min(kept)
         named = {seq for seq, _ in superseded}
-
-        def delete_unreported() -> int:
-            deleted = 0
-            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                for obj in page.get("Contents") or []:
-                    name = obj["Key"][len(prefix):]
-                    if name.isdigit() and int(name) < below and int(name) not in named:
-                        self.s3.delete_object(Bucket=self.bucket, Key=obj["Key"])
-                        deleted += 1
-            return deleted
-
-        try:
-            deleted = await asyncio.to_thread(delete_unreported)
-        except Exception as e:  # a later commit tries again
-            log.warning("could not clear unreported checkpoints under %s: %s", prefix, e)
-            return
-        if deleted:
-            log.info("deleted %d checkpoint(s) of %s that were never reported", deleted, job_id)
+        await self._each_below(
+            job_id, "list_objects_v2", "Contents", min(kept),
+            lambda entry, seq: None if seq in named else self.s3.delete_object(Bucket=self.bucket, Key=entry["Key"]),
+            "deleted %d checkpoint(s) of %s that were never reported")
 
     async def settled(self) -> None:
         """Wait for the clean-ups that commits started (for tests, and before closing)."""
@@ -136,27 +122,35 @@ class CheckpointCommitter:
         """Abort the job's unfinished multipart uploads of numbers below the one just committed:
         their writers were killed mid-upload or have moved on, and S3 keeps (and bills) the parts
         of an upload until it is aborted. Later numbers may still be being written. Best effort."""
+        await self._each_below(
+            job_id, "list_multipart_uploads", "Uploads", committed_seq,
+            lambda entry, seq: self.s3.abort_multipart_upload(Bucket=self.bucket, Key=entry["Key"],
+                                                              UploadId=entry["UploadId"]),
+            "aborted %d abandoned checkpoint upload(s) of %s")
+
+    async def _each_below(self, job_id: str, listing: str, entries: str, below: int,
+                          act: Callable[[dict, int], object], done: str) -> None:
+        """Run ``act`` on each entry of an S3 listing of the job's checkpoints numbered below
+        ``below`` (``act`` answers None when it leaves one alone), in a thread; logs how many
+        ``done`` says. Best effort: a failure is logged, and a later commit tries again."""
         prefix = checkpoint_prefix(job_id)
 
-        def abort() -> int:
-            aborted = 0
-            pages = self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
-            for page in pages:
-                for upload in page.get("Uploads") or []:
-                    name = upload["Key"][len(prefix):]
-                    if name.isdigit() and int(name) < committed_seq:
-                        self.s3.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
-                                                       UploadId=upload["UploadId"])
-                        aborted += 1
-            return aborted
+        def walk() -> int:
+            count = 0
+            for page in self.s3.get_paginator(listing).paginate(Bucket=self.bucket, Prefix=prefix):
+                for entry in page.get(entries) or []:
+                    name = entry["Key"][len(prefix):]
+                    if name.isdigit() and int(name) < below and act(entry, int(name)) is not None:
+                        count += 1
+            return count
 
         try:
-            aborted = await asyncio.to_thread(abort)
-        except Exception as e:  # a later commit tries again
-            log.warning("could not abort abandoned uploads under %s: %s", prefix, e)
+            count = await asyncio.to_thread(walk)
+        except Exception as e:
+            log.warning("could not clean up checkpoints under %s (%s): %s", prefix, listing, e)
             return
-        if aborted:
-            log.info("aborted %d abandoned checkpoint upload(s) of %s", aborted, job_id)
+        if count:
+            log.info(done, count, job_id)
 
     async def _verify(self, job_id: str, report: CheckpointReport) -> str | None:
         """Why the reported bytes are not what S3 holds, or None when they are."""
