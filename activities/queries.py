@@ -249,7 +249,8 @@ ON CONFLICT (job_id, seq) DO NOTHING"""
 CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""
-RECORD_CHECKPOINT_TIME = f"UPDATE allocations SET last_checkpoint_at = {NOW_EPOCH} WHERE id = $1"
+RECORD_CHECKPOINT_TIME = """
+UPDATE allocations SET last_checkpoint_at = greatest(last_checkpoint_at, $2) WHERE id = $1"""
 # What garbage collection keeps of a job: its two newest complete checkpoints.
 KEPT_CHECKPOINTS = """
 SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL

@@ -302,10 +302,15 @@ class Store:
             elif refusal is None and alloc["state"] not in ("running", "draining"):
                 refusal = (f"allocation {allocation_id} is no longer the job's current one "
                            f"({alloc['state']}): a zombie writer's checkpoint is never committed")
-            work = None
+            work = as_of = None
             if refusal is None:
                 now = await conn.fetchval(q.NOW)
-                work = alloc["progress_at_start"] + max(0.0, now - (alloc["started_at"] or now))
+                started = alloc["started_at"] or now
+                # The work the bytes hold is as of when they were written, not when the report
+                # arrived (a report sent again for a minute, or committed after a later one);
+                # the writer's clock is believed only between the start and now.
+                as_of = now if report.written_at is None else min(now, max(started, report.written_at))
+                work = alloc["progress_at_start"] + max(0.0, as_of - started)
             done = await conn.execute(q.INSERT_CHECKPOINT, job_id, report.seq, allocation_id, report.key,
                                       report.size, report.sha256, report.progress, work, refusal is None,
                                       refusal, report.written_at)
@@ -323,7 +328,7 @@ class Store:
                                    json.dumps({"seq": report.seq, "allocation_id": allocation_id}))
                 return CheckpointAck(committed=False, reason=refusal), []
             await conn.execute(q.RECORD_PROGRESS, job_id, work)
-            await conn.execute(q.RECORD_CHECKPOINT_TIME, allocation_id)
+            await conn.execute(q.RECORD_CHECKPOINT_TIME, allocation_id, as_of)
             await conn.execute(q.AUDIT, None, job_id, "checkpoint_committed", f"checkpoint {report.seq}",
                                json.dumps({"seq": report.seq, "size": report.size, "allocation_id": allocation_id}))
             superseded = [(r["seq"], r["key"]) for r in await conn.fetch(q.SUPERSEDED_CHECKPOINTS, job_id)]

@@ -218,6 +218,18 @@ def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
     assert snapshot.running[0].last_checkpoint_at is not None
 
 
+def test_a_late_report_records_the_work_as_of_its_writing_not_its_arrival(env):
+    started = env.run(env.store.pool.fetchval("SELECT started_at FROM allocations WHERE id = $1", env.allocation))
+    env.run(asyncio.sleep(0.6))  # the report is sent again and again meanwhile
+    assert env.commit(env.write(2, b"y").model_copy(update={"written_at": started + 0.1})).committed
+    assert env.commit(env.write(1, b"x").model_copy(update={"written_at": started + 0.05})).committed  # later, older
+    work = {r["seq"]: r["work_seconds"] for r in env.run(env.store.pool.fetch(
+        "SELECT seq, work_seconds FROM checkpoints WHERE job_id = $1", env.job))}
+    assert work[2] == pytest.approx(0.1, abs=0.01) and work[1] == pytest.approx(0.05, abs=0.01)
+    last = env.run(env.store.pool.fetchval("SELECT last_checkpoint_at FROM allocations WHERE id = $1", env.allocation))
+    assert last == pytest.approx(started + 0.1, abs=0.01)  # not moved back by the older one
+
+
 def test_a_report_the_store_cannot_check_now_is_not_refused_and_commits_when_sent_again(env):
     report = env.write(1, b"step=1")
     unreachable = CheckpointCommitter(env.store, s3_client("http://127.0.0.1:1", "key", "secret"), env.bucket)
