@@ -209,6 +209,16 @@ def test_a_job_id_already_taken_running_or_ended_is_refused_naming_the_field(sta
     assert len(s.status("taken").attempts) == 1
 
 
+def test_the_same_submit_sent_again_under_its_id_is_that_job_not_a_refusal_nor_a_second_one(stack):
+    """A client whose first answer was lost (or came too late) sends the same request again."""
+    s = stack(machines=1)
+    request = JobRequest(job_id="retried", team="vision", num_gpus=1, command=sleeper(1))
+    first = s.run(s.client.submit(request))
+    again = s.run(s.client.submit(request))
+    assert (again.job_id, again.cluster) == (first.job_id, first.cluster)
+    assert s.wait("retried").state == "succeeded" and len(s.status("retried").attempts) == 1
+
+
 def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_reason(stack):
     s = stack(machines=1)
     prefix = s.up.settings.task_queue_prefix
@@ -305,3 +315,20 @@ def test_a_job_whose_workflow_is_terminated_while_it_runs_has_its_gpus_back_thou
     assert "workflow ended while the job ran" in s.status("forgotten").reason
     s.submit("next", 4, sleeper(0))
     assert s.wait("next", timeout=60).state == "succeeded"
+
+
+def test_a_submit_no_control_worker_admits_in_time_is_not_refused_and_runs_once_one_does(stack, monkeypatch, capsys):
+    s = stack(machines=1)
+    from workers.cli import main
+    from workers.client import GpuschedClient
+
+    devstack.stop_component(s.data_dir, "control")
+    monkeypatch.setattr(GpuschedClient, "ADMIT_WAIT", 1.0)
+    code = main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "patient", "--data-dir", str(s.data_dir),
+                 "--", *sleeper(0)])
+    err = capsys.readouterr().err
+    assert code == 1 and "not admitted within 1 s" in err and "gpusched status patient" in err, err
+    devstack.start_component(s.data_dir, "control")
+    s.until(lambda: s.sql("SELECT 1 FROM jobs WHERE id = 'patient'"), timeout=30)
+    assert s.wait("patient", timeout=60).state == "succeeded"
+

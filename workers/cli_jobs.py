@@ -23,7 +23,7 @@ from temporalio.service import RPCError
 from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import finite, limit, positive_float, positive_int
-from workers.client import ClientError, GpuschedClient, new_job_id
+from workers.client import ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
 
@@ -197,7 +197,11 @@ def cmd_submit(args) -> int:
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
-        sub = await client.submit(request)
+        try:
+            sub = await client.submit(request)
+        except NotYetAdmitted as e:  # not refused: submitting again would make a second job
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_UNREACHABLE
         if args.json:
             print(json.dumps({"job_id": sub.job_id, "position": sub.position,
                               "estimated_start": sub.estimated_start, "cluster": sub.cluster}))

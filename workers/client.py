@@ -53,6 +53,11 @@ class UnknownJob(ClientError):
     pass
 
 
+class NotYetAdmitted(ClientError):
+    """The job's workflow started, but nothing admitted it in time (the control worker is down
+    or busy): it is not refused, and will be admitted once a control worker runs."""
+
+
 class Submitted(BaseModel):
     job_id: str
     cluster: str | None
@@ -118,13 +123,23 @@ class GpuschedClient:
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             )
         except (WorkflowAlreadyStartedError, RPCError) as e:
-            if isinstance(e, WorkflowAlreadyStartedError) or e.status == RPCStatusCode.ALREADY_EXISTS:
+            if not (isinstance(e, WorkflowAlreadyStartedError) or e.status == RPCStatusCode.ALREADY_EXISTS):
+                raise
+            if not await self._same_submit(request):
                 raise SubmitRefused(f"a job with id '{request.job_id}' already exists; choose another id",
                                     "job_id") from None
-            raise
+            # The same request under the same id: a submit tried again (its first answer was
+            # lost, or it was not admitted in time), which is that job, not a second one.
         view = await self._admitted(request.job_id)
         position, eta = await self._estimate(view)
         return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta)
+
+    async def _same_submit(self, request: JobRequest) -> bool:
+        """Whether the job already under this id was asked for with this very request."""
+        known = await self.store.request_of(request.job_id)
+        if known is None:
+            return False  # not admitted (yet): nothing to compare with, so not taken for the same
+        return known.model_dump(exclude={"submit_time"}) == request.model_dump(exclude={"submit_time"})
 
     async def _check(self, request: JobRequest):
         quotas = await self.store.list_quotas()
@@ -135,10 +150,13 @@ class GpuschedClient:
         capacity = await self.store.capacity()
         return admission_verdict(request, quota_row, capacity, waiting)
 
-    async def _admitted(self, job_id: str, timeout: float = 30.0) -> JobView:
+    ADMIT_WAIT = 30.0  # seconds a submit waits for its admission before saying it is not yet
+
+    async def _admitted(self, job_id: str, timeout: float | None = None) -> JobView:
         """Wait for the workflow's admission step: the job row appears, or the workflow ends
         refused (a race with another submit for the team's last queue slot, say)."""
         handle = self._handle(job_id)
+        timeout = self.ADMIT_WAIT if timeout is None else timeout
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             view = await self.store.job_view(job_id)
@@ -149,8 +167,9 @@ class GpuschedClient:
                 outcome = await handle.result()
                 raise SubmitRefused(outcome.reason or "refused")
             if asyncio.get_running_loop().time() > deadline:
-                raise ClientError(f"job {job_id} was started but not admitted within {timeout:.0f} s; "
-                                  "is the control worker running? (gpusched dev status)")
+                raise NotYetAdmitted(f"job {job_id} was submitted but not admitted within {timeout:.0f} s; "
+                                     "it will be once a control worker runs (is one running? `gpusched dev "
+                                     f"status`); `gpusched status {job_id}` follows it")
             await asyncio.sleep(0.05)
 
     async def _estimate(self, view: JobView, wait_for_cycle: float = 1.0) -> tuple[int | None, str | None]:
