@@ -582,10 +582,7 @@ class NodeActivities:
         code = 127 if isinstance(err, (FileNotFoundError, ValueError)) else 126
         line = f"gpusched: cannot start {json.dumps(run.req.command)}: {err}"
         log.warning("allocation %d: %s", run.req.allocation_id, line)
-        try:
-            _append(run.log_path, line + "\n")
-        except OSError:
-            pass
+        _append(run.log_path, line + "\n")
         return RunJobResult(exit_code=code, log_path=str(run.log_path), last_log_lines=[line])
 
     def _request_stop(self, run: _Run, grace: float) -> None:
@@ -647,9 +644,14 @@ class _CannotExec(Exception):
 
 
 def _write_ack(ack_file: Path, answer: dict) -> None:
+    """Answer a report. One that cannot be written (a full disk) stays unanswered: the report is
+    forwarded again later, and the control plane answers it the same."""
     tmp = ack_file.with_suffix(".tmp")  # written whole, then renamed: the job never reads half
-    tmp.write_text(json.dumps(answer))
-    tmp.replace(ack_file)
+    try:
+        tmp.write_text(json.dumps(answer))
+        tmp.replace(ack_file)
+    except OSError as err:
+        log.warning("cannot write %s: %s", ack_file, err)
 
 
 def _unanswered(report_dir: Path) -> list[tuple[Path, Path]]:
@@ -697,8 +699,13 @@ def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:
 
 
 def _append(path: Path, text: str) -> None:
-    with open(path, "a") as f:
-        f.write(text)
+    """Add the agent's own line to a log. A line that cannot be written (a full disk) is lost, not
+    the run's result: a job that succeeded must not be taken for the machine's failure, and run again."""
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as err:
+        log.warning("cannot write to %s: %s", path, err)
 
 
 def _now() -> str:

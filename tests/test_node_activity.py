@@ -280,6 +280,38 @@ def test_a_bad_report_does_not_stop_the_next_one_being_forwarded_while_the_job_r
     assert result.last_log_lines[-1] == "answered while running"
 
 
+def test_a_job_that_succeeded_on_a_full_disk_is_still_reported_succeeded(tmp_path, monkeypatch):
+    """The agent's last line in the log (and a report's answer) cannot be written: the run's
+    result stands, instead of failing the activity and so having the job run again."""
+    import builtins
+    import errno as errnos
+
+    def full(path, mode="r", *args, **kwargs):
+        if mode in ("a", "w"):
+            raise OSError(errnos.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        return {"committed": True, "reason": "committed"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink, final_forward_for=0.0)
+    code = """
+        import os, pathlib, time
+        pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text('{"seq": 1}')
+        time.sleep(0.5)  # the disk fills meanwhile
+    """
+
+    async def scenario():
+        task = asyncio.create_task(ActivityEnvironment().run(node.run_job, job(code)))
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr("activities.node.open", full, raising=False)
+        monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: full(self, "w"))
+        return await task
+
+    result = run(scenario())
+    assert (result.exit_code, result.stopped) == (0, False)
+
+
 def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
     beats = []
     env = ActivityEnvironment()
