@@ -63,6 +63,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -346,6 +347,34 @@ class NodeActivities:
         return reaped
 
     # -- one run ----------------------------------------------------------------------------
+
+    def live_job_dirs(self) -> set[Path]:
+        """The log folders of the jobs running here now."""
+        return {self._log_path(run.req).parent for run in self.processes.values()}
+
+    def prune_logs(self, older_than: float, running: set[Path]) -> int:
+        """Delete the attempt logs and report folders untouched for ``older_than`` seconds, but
+        those of the jobs ``running`` here; returns how many went. Each attempt keeps up to a
+        log's cap (--max-log-mb) for ever otherwise, and a busy machine runs thousands. Safe in
+        a thread: it reads no live state."""
+        cutoff = time.time() - older_than
+        pruned = 0
+        for job_dir in self.log_dir.iterdir() if self.log_dir.is_dir() else ():
+            if job_dir.name.startswith(".") or not job_dir.is_dir() or job_dir in running:
+                continue
+            for entry in list(job_dir.iterdir()):
+                try:
+                    if entry.stat().st_mtime >= cutoff:
+                        continue
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                    pruned += 1
+                except OSError as err:
+                    log.warning("cannot prune %s: %s", entry, err)
+            try:
+                job_dir.rmdir()  # only once empty
+            except OSError:
+                pass
+        return pruned
 
     def _log_path(self, req: RunJobInput) -> Path:
         safe_job = req.job_id.replace("/", "_").lstrip(".") or "job"

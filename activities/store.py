@@ -297,9 +297,11 @@ class Store:
         bytes may now be deleted."""
         async with self.pool.acquire() as conn, conn.transaction():
             alloc = await conn.fetchrow(q.ALLOCATION_FOR_FENCE, allocation_id)
-            if refusal is None and (alloc is None or alloc["job_id"] != job_id):
+            # The fence's word comes first: a zombie writer is told it is one, whatever became of
+            # its bytes (superseded checkpoints' clean-up may have deleted them meanwhile).
+            if alloc is None or alloc["job_id"] != job_id:
                 refusal = f"allocation {allocation_id} is not job {job_id}'s"
-            elif refusal is None and alloc["state"] not in ("running", "draining"):
+            elif alloc["state"] not in ("running", "draining"):
                 refusal = (f"allocation {allocation_id} is no longer the job's current one "
                            f"({alloc['state']}): a zombie writer's checkpoint is never committed")
             work = as_of = None

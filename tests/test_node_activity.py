@@ -312,6 +312,23 @@ def test_a_job_that_succeeded_on_a_full_disk_is_still_reported_succeeded(tmp_pat
     assert (result.exit_code, result.stopped) == (0, False)
 
 
+def test_old_attempt_logs_are_pruned_but_not_a_running_jobs_nor_recent_ones(tmp_path):
+    node = node_in(tmp_path)
+    day = 86400
+    files = {"old/attempt-1.log": 20 * day, "old/reports-1/checkpoint-0000000001.json": 20 * day,
+             "recent/attempt-1.log": 1 * day, "running/attempt-1.log": 20 * day}
+    for name, age in files.items():
+        path = tmp_path / "jobs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    os.utime(tmp_path / "jobs" / "old" / "reports-1", (time.time() - 20 * day,) * 2)
+    assert node.prune_logs(14 * day, running={tmp_path / "jobs" / "running"}) == 2
+    left = sorted(str(p.relative_to(tmp_path / "jobs")) for p in (tmp_path / "jobs").rglob("*") if p.is_file())
+    assert left == ["recent/attempt-1.log", "running/attempt-1.log"]
+    assert not (tmp_path / "jobs" / "old").exists()
+
+
 def test_heartbeats_carry_the_pid_and_allocation(tmp_path):
     beats = []
     env = ActivityEnvironment()

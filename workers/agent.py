@@ -291,6 +291,22 @@ class Agent:
         self.devices.close()
 
 
+PRUNE_EVERY = 3600.0  # seconds between looks for old attempt logs
+
+
+async def prune_forever(node: NodeActivities, older_than: float, stop: asyncio.Event) -> None:
+    """Delete old attempt logs now and every hour (in a thread: a big directory takes a while)."""
+    while not stop.is_set():
+        try:
+            pruned = await asyncio.to_thread(node.prune_logs, older_than, node.live_job_dirs())
+            if pruned:
+                log.info("deleted %d attempt log(s) and report folder(s) older than %.0f days",
+                         pruned, older_than / 86400)
+        except Exception:
+            log.exception("pruning old attempt logs failed; trying again in an hour")
+        await _sleep_or_stop(stop, PRUNE_EVERY)
+
+
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
@@ -361,6 +377,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
 
     beats: asyncio.Task | None = None
+    pruning: asyncio.Task | None = None
     worker_task: asyncio.Task | None = None
     code = 0
     try:
@@ -370,6 +387,8 @@ async def serve(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 0
         beats = asyncio.create_task(agent.heartbeat_forever())
+        if args.keep_logs_days:
+            pruning = asyncio.create_task(prune_forever(node, args.keep_logs_days * 86400, stop))
         client = await connect(settings, stop)
         if client is None:
             return 0
@@ -408,6 +427,8 @@ async def serve(args: argparse.Namespace) -> int:
         node.kill_all_now()
         if beats is not None:
             beats.cancel()
+        if pruning is not None:
+            pruning.cancel()
         ready_path(data_dir, component).unlink(missing_ok=True)
         await agent.close()
         log.info("agent of %s stopped", args.machine_id)
@@ -436,6 +457,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="grace of a process whose allocation is gone (5 s)")
     p.add_argument("--max-log-mb", type=float, default=2048.0,
                    help="an attempt's log past this is cut back to its end (2048 MiB; 0: no limit)")
+    p.add_argument("--keep-logs-days", type=float, default=14.0,
+                   help="attempt logs and reports untouched this long, of jobs not running here, "
+                        "are deleted (14 days; 0: kept for ever)")
     add_settings_flags(p)
     args = p.parse_args(argv)
     if args.gpus < 1:
@@ -444,6 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--heartbeat-interval must be positive")
     if not 0 <= args.max_log_mb < float("inf"):
         p.error("--max-log-mb must be 0 (no limit) or a positive number of MiB")
+    if not 0 <= args.keep_logs_days < float("inf"):
+        p.error("--keep-logs-days must be 0 (keep for ever) or a positive number of days")
     return args
 
 
