@@ -226,6 +226,8 @@ def test_nvml_inventory_reads_type_memory_and_uuid():
     ("throttle reasons not supported are skipped", Gpu(reasons=NOT_SUPPORTED), [], 3, []),
     ("a critical XID makes a GPU unhealthy", Gpu(), [(0, 79)], 1, ["xid:79"]),
     ("a critical XID sticks after later quiet polls", Gpu(), [(0, 48)], 4, ["xid:48"]),
+    ("a GSP timeout (Hopper) makes a GPU unhealthy", Gpu(), [(0, 119)], 1, ["xid:119"]),
+    ("an unrecovered ECC error makes a GPU unhealthy", Gpu(), [(0, 140)], 1, ["xid:140"]),
     ("an application XID is the job's fault, not the GPU's", Gpu(), [(0, 13)], 1, []),
     ("an XID on another GPU leaves this one alone", Gpu(), [(1, 79)], 1, []),
     ("a GPU that falls off the bus is lost", Gpu(lost=True), [], 1, ["lost"]),

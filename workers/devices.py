@@ -65,10 +65,13 @@ def kills_processes(fault: str) -> bool:
 
 
 # XIDs after which the GPU should not take work until it is reset or drained:
-# 48 double-bit ECC, 63/64 row-remapping events and failures, 74 NVLink error, 79 fallen off the
-# bus, 92 high single-bit ECC rate, 94/95 contained/uncontained ECC errors. Application XIDs (13,
-# 31, 43, 45: a job's own fault) are not the GPU's fault and are ignored.
-CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
+# 48 double-bit ECC, 62 internal micro-controller halt, 63/64 row-remapping events and failures,
+# 74 NVLink error, 79 fallen off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained
+# ECC errors, 119/120 GSP RPC timeout and GSP error (the GPU System Processor of Hopper and later
+# stopped answering), 140 unrecovered ECC error. Each calls for a GPU reset in NVIDIA's XID
+# catalogue. Application XIDs (13, 31, 43, 45: a job's own fault) are not the GPU's fault and are
+# ignored.
+CRITICAL_XIDS = frozenset({48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 
 
 class GpuInfo(BaseModel):
