@@ -247,10 +247,20 @@ def _size_of(source: Source) -> int:
         raise CheckpointError(f"cannot read the checkpoint file {source}: {e}") from e
 
 
+def _by_byte(source: Source) -> Source:
+    """In-memory bytes as a flat view by byte, without a copy where the buffer allows (a
+    bytearray or a contiguous array of any item type): a checkpoint of tens of GiB must not be
+    held twice. A path stays a path."""
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        return source
+    view = memoryview(source)
+    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+
+
 def _digest_of(source: Source, part_size: Optional[int] = None) -> _Digest:
     d = _Digest(part_size)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        d.update(bytes(source))
+        d.update(_by_byte(source))
     else:
         try:
             with open(source, "rb") as f:
@@ -530,9 +540,7 @@ def _b64(md5_hex: str) -> str:
 
 def _read_part(source: Source, offset: int, length: int) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
-        view = memoryview(source)
-        view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))  # by byte, whatever the items
-        return bytes(view[offset:offset + length])
+        return bytes(_by_byte(source)[offset:offset + length])
     with open(source, "rb") as f:
         f.seek(offset)
         body = f.read(length)
@@ -763,6 +771,7 @@ class Checkpointer:
         if self._location is None:
             log.info("jobkit: checkpointing is off (GPUSCHED_CHECKPOINT_URI unset); nothing saved")
             return None
+        data = _by_byte(data)
         with self._lock:
             self._reference = self._clock()
             location = self._location

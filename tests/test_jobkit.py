@@ -687,3 +687,16 @@ def test_a_memoryview_of_wider_items_goes_up_in_parts_by_byte():
     raw = data.tobytes()
     parts = [jobkit._read_part(view, offset, min(5 * MIB, len(raw) - offset)) for offset in range(0, len(raw), 5 * MIB)]
     assert b"".join(parts) == raw and [md5(p) for p in parts] == digest.parts
+
+
+def test_bytes_in_memory_are_hashed_and_cut_in_parts_without_a_copy_of_the_whole():
+    """A checkpoint of tens of GiB in a bytearray or an array must not be held twice."""
+    import array
+
+    for buffer in (bytearray(b"abcd" * 1024), array.array("f", range(1024))):
+        given = buffer if isinstance(buffer, bytearray) else memoryview(buffer)
+        view = jobkit._by_byte(given)
+        assert view.obj is buffer and view.nbytes == memoryview(buffer).nbytes  # a view of it, by byte
+    data = bytearray(os.urandom(3 * MIB + 5))
+    digest = jobkit._digest_of(data, MIB)
+    assert (digest.size, digest.sha256) == (len(data), sha(bytes(data)))
