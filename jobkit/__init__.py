@@ -820,14 +820,18 @@ class Checkpointer:
         now = self._monotonic()
         if not self.stop_requested:
             return now
-        deadline = now + self.s3_retry_for
-        if self._stop_deadline is not None:
-            deadline = min(deadline, self._stop_deadline - min(1.0, (self.grace_period or 0.0) / 10))
-        return deadline
+        return self._within_grace(now + self.s3_retry_for)
 
-    def _patiently(self, deadline: float) -> Callable[..., Any]:
+    def _within_grace(self, deadline: float) -> float:
+        """``deadline``, or the grace deadline less the reserve for exiting once a stop was asked."""
+        if self._stop_deadline is None:
+            return deadline
+        return min(deadline, self._stop_deadline - min(1.0, (self.grace_period or 0.0) / 10))
+
+    def _patiently(self, deadline: Union[float, Callable[[], float]]) -> Callable[..., Any]:
         """A caller of store operations that, while the store is unreachable, asks again with
-        backoff (1, 2, 4 ... 30 s) until ``deadline`` (monotonic), then raises the last error."""
+        backoff (1, 2, 4 ... 30 s) until ``deadline`` (monotonic; a function is asked again before
+        each retry, so a stop that comes meanwhile can bring it forward), then raises the last error."""
 
         def call(what: str, operation: Callable[..., Any], *args: Any) -> Any:
             pause = 1.0
@@ -835,7 +839,7 @@ class Checkpointer:
                 try:
                     return operation(*args)
                 except CheckpointStoreUnreachable as e:
-                    left = deadline - self._monotonic()
+                    left = (deadline() if callable(deadline) else deadline) - self._monotonic()
                     if left <= pause:
                         raise CheckpointStoreUnreachable(
                             f"{e} (still unreachable after retrying for {self.s3_retry_for:g} s at most: "
@@ -947,7 +951,9 @@ class Checkpointer:
             out.truncate()
             return store.get(location.bucket, location.key, out)
 
-        digest, metadata = self._patiently(self._monotonic() + self.s3_retry_for)(
+        give_up = self._monotonic() + self.s3_retry_for
+        # A stop during the restore leaves the job its grace to exit, not the whole retry time.
+        digest, metadata = self._patiently(lambda: self._within_grace(give_up))(
             f"restoring {self.resume_from}", get)
         expected = (metadata or {}).get("sha256")
         if not expected:

@@ -379,6 +379,7 @@ class Flaky:
     ("a save after SIGTERM waits out an outage", 60, 2, 300, "saved", [1.0, 2.0]),
     ("a save after SIGTERM never waits past the grace", 2.5, 9, 300, "unreachable", [1.0]),
     ("a scheduled save does not wait", None, 1, 300, "unreachable", []),
+    ("a restore that SIGTERM interrupts never waits past the grace", 2.5, 9, 300, "unreachable", [1.0]),
 ])
 def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path, name, stopping, outages,
                                                                         retry_for, outcome, pauses):
@@ -386,13 +387,15 @@ def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path,
     slept = []
 
     def sleep(seconds):
+        if not slept and "SIGTERM interrupts" in name:
+            ck.request_stop()  # the stop comes while the restore waits for the store
         slept.append(seconds)
         clock[0] += seconds
 
     kw = dict(monotonic=lambda: clock[0], sleep=sleep, s3_retry_for=retry_for)
     if name.startswith("a restore"):
         local(tmp_path).save(b"state")
-        ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", **kw)
+        ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", grace_period=stopping, **kw)
         ck._stores["file"] = Flaky(ck._store("file"), outages)
         act = ck.restore
     else:
