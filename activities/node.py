@@ -193,6 +193,7 @@ class NodeActivities:
         # Results of recently ended allocations: a retry of an activity whose first attempt the
         # server gave up on (agent partitioned) gets the real result instead of a second run.
         self.finished: OrderedDict[int, RunJobResult] = OrderedDict()
+        self._unforwarded: set[Path] = set()  # reports already said to be unforwardable
         self.remember_finished = remember_finished
         # One directory per machine: the dev stack runs many agents over one log directory,
         # and an agent must reap only what an earlier agent *of its machine* left.
@@ -403,8 +404,12 @@ class NodeActivities:
             try:
                 answer = await self.report_sink(job_id, allocation_id, report)
             except Exception as err:  # the control plane is unreachable: try again next time
-                log.warning("allocation %d: cannot forward %s: %s", allocation_id, report_file.name, err)
+                # Said once per report, not every 0.2 s it is tried again.
+                (log.debug if report_file in self._unforwarded else log.warning)(
+                    "allocation %d: cannot forward %s: %s (trying again)", allocation_id, report_file.name, err)
+                self._unforwarded.add(report_file)
                 continue
+            self._unforwarded.discard(report_file)
             _write_ack(ack_file, answer)
             answered += 1
             log.info("allocation %d: checkpoint %s %s%s", allocation_id, report.get("seq"),

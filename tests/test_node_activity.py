@@ -219,7 +219,7 @@ def test_a_machine_that_cannot_prepare_the_start_fails_the_attempt_not_the_job(t
     assert raised.value.type == "AgentFault" and "cannot start the job" in str(raised.value)
 
 
-def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreachable(tmp_path):
+def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreachable(tmp_path, caplog):
     calls = []
 
     async def flaky(job_id: str, allocation_id: int, report: dict) -> dict:
@@ -234,8 +234,11 @@ def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreach
         import json, os, pathlib
         pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], "checkpoint-0000000001.json").write_text(json.dumps({"seq": 1}))
     """
-    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    with caplog.at_level("INFO", logger="gpusched.node"):
+        result = run(ActivityEnvironment().run(node.run_job, job(code)))
     assert result.exit_code == 0 and calls == [1, 1, 1]
+    said = [r for r in caplog.records if "cannot forward" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(said) == 1, "an unreachable control plane is said once per report, not at every try"
     [ack] = (tmp_path / "jobs").glob("*/reports-1/checkpoint-0000000001.ack.json")
     assert json.loads(ack.read_text())["committed"]
 
