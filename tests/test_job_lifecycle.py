@@ -227,6 +227,10 @@ def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_r
         "JobWorkflow", bad, id=prefix + job_workflow_id("direct"), task_queue=prefix + "gpusched-control"))
     outcome = s.run(asyncio.wait_for(handle.result(), 30))
     assert outcome["state"] == "failed" and "refused" in outcome["reason"]
+    # The id stays taken (an id names one job for good), and a later submit is told why.
+    with pytest.raises(SubmitRefused, match="was used by a submit that was refused .*num_gpus|GPUs") as again:
+        s.run(s.client.submit(JobRequest(job_id="direct", team="vision", num_gpus=1, command=["true"])))
+    assert again.value.field == "job_id" and "choose another id" in str(again.value)
 
 
 def test_a_job_whose_agent_dies_is_requeued_when_its_heartbeat_lapses_and_runs_elsewhere(stack):

@@ -126,13 +126,26 @@ class GpuschedClient:
             if not (isinstance(e, WorkflowAlreadyStartedError) or e.status == RPCStatusCode.ALREADY_EXISTS):
                 raise
             if not await self._same_submit(request):
-                raise SubmitRefused(f"a job with id '{request.job_id}' already exists; choose another id",
-                                    "job_id") from None
+                raise SubmitRefused(await self._taken_because(request.job_id), "job_id") from None
             # The same request under the same id: a submit tried again (its first answer was
             # lost, or it was not admitted in time), which is that job, not a second one.
         view = await self._admitted(request.job_id)
         position, eta = await self._estimate(view)
         return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta)
+
+    async def _taken_because(self, job_id: str) -> str:
+        """Why an id cannot be used again, in words: an id names one job for good, even one that
+        was refused (its workflow ended without a job row)."""
+        if await self.store.request_of(job_id) is None:
+            try:
+                desc = await self._handle(job_id).describe()
+            except RPCError:
+                desc = None
+            if desc is not None and desc.status != WorkflowExecutionStatus.RUNNING:
+                outcome = await self._handle(job_id).result()
+                return (f"job id '{job_id}' was used by a submit that was refused ({outcome.reason}); "
+                        "choose another id")
+        return f"a job with id '{job_id}' already exists; choose another id"
 
     async def _same_submit(self, request: JobRequest) -> bool:
         """Whether the job already under this id was asked for with this very request."""
