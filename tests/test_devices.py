@@ -246,12 +246,37 @@ def test_nvml_health(name, gpu, xids, polls, faults):
     assert health[0] == GpuHealth(index=0, healthy=not faults, faults=faults)
 
 
-def test_a_throttle_that_stops_stops_counting():
+def test_a_throttle_that_never_tripped_stops_counting_when_it_stops():
     nvml = FakeNvml([Gpu(reasons=HW_THERMAL)])
-    devices = NvmlDevices(nvml, throttle_after=2)
-    assert [devices.health()[0].healthy for _ in range(2)] == [True, False]
+    devices = NvmlDevices(nvml, throttle_after=3)
+    assert [devices.health()[0].healthy for _ in range(2)] == [True, True]
     nvml.gpus[0].reasons = 0
     assert devices.health()[0].healthy
+    nvml.gpus[0].reasons = HW_THERMAL
+    assert devices.health()[0].healthy  # the streak started over
+
+
+def test_a_throttle_that_tripped_counts_for_a_cool_down_doubled_at_each_trip_and_forgiven_after_a_day():
+    """A GPU that overheats under load cools at once when idle: without a cool-down it would be
+    given job after job, each moved off it minutes later."""
+    now = [0.0]
+    nvml = FakeNvml([Gpu(reasons=HW_THERMAL)])
+    devices = NvmlDevices(nvml, throttle_after=2, throttle_cool_down=600, clock=lambda: now[0])
+
+    def healthy_at(t, reasons=None):
+        now[0] = t
+        if reasons is not None:
+            nvml.gpus[0].reasons = reasons
+        return devices.health()[0].healthy
+
+    assert [healthy_at(0), healthy_at(2)] == [True, False]  # tripped
+    assert healthy_at(4, reasons=0) is False and healthy_at(600) is False  # cooling down
+    assert healthy_at(603) is True  # 10 min after the last throttled reading
+    assert [healthy_at(700, HW_THERMAL), healthy_at(702)] == [True, False]  # the second trip
+    assert healthy_at(704, reasons=0) is False and healthy_at(1900) is False  # 20 min now
+    assert healthy_at(1903) is True
+    assert [healthy_at(1903 + 90000, HW_THERMAL), healthy_at(1905 + 90000)] == [True, False]  # a day on: 10 min again
+    assert healthy_at(1905 + 90000 + 601, reasons=0) is True
 
 
 def test_a_gpu_that_is_lost_later_stays_lost():

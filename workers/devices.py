@@ -11,8 +11,8 @@ A GPU is healthy exactly when its list of faults is empty. The fault words:
 | fault             | meaning                                                 | lasts             |
 |-------------------|---------------------------------------------------------|-------------------|
 | ecc_uncorrectable | uncorrectable (double-bit) ECC errors, volatile counter | to driver reload  |
-| thermal_throttle  | HW or SW thermal slowdown, sustained over several polls | while it lasts    |
-| power_throttle    | HW power brake (the power supply asked), sustained      | while it lasts    |
+| thermal_throttle  | HW or SW thermal slowdown, sustained over several polls | a cool-down after |
+| power_throttle    | HW power brake (the power supply asked), sustained      | a cool-down after |
 | xid:<code>        | a critical XID event (see ``CRITICAL_XIDS``)            | to agent restart  |
 | lost              | the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST)       | to agent restart  |
 | nvml_error        | NVML will not hand out the GPU, or its checks crashed   | while it lasts    |
@@ -23,7 +23,9 @@ Choices worth knowing:
 - SW power capping is the driver holding the GPU under its power limit, which any busy GPU does;
   it is not a fault and is not reported.
 - Throttling is a state, not an event: it counts only after ``throttle_after`` consecutive polls
-  (one poll per agent heartbeat) so that a brief spike does not make the scheduler move a job.
+  (one poll per agent heartbeat) so that a brief spike does not make the scheduler move a job,
+  and once it has counted it keeps counting for a cool-down after it stops (``THROTTLE_COOL_DOWN``,
+  doubled at each trip), so that a GPU that overheats under load is not given job after job.
 - XID and lost faults stick until the agent restarts, which on real hardware follows the GPU
   reset they need anyway.
 """
@@ -34,6 +36,8 @@ import json
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol
@@ -213,6 +217,14 @@ def nominal_memory_gb(gpu_type: str, total_bytes: int) -> float:
     return round(gib, 1)
 
 
+# A GPU that throttled under load cools as soon as it is idle and throttles again under the next
+# job: counted healthy the moment it stops, it would have job after job moved off it. So a throttle
+# that tripped keeps counting for a cool-down after it stops, doubled at each trip (10 min, 20,
+# 40 ... at most a day), and forgotten after a day without one.
+THROTTLE_COOL_DOWN = 600.0
+THROTTLE_FORGIVEN = 86400.0
+
+
 class NvmlDevices:
     """The machine's GPUs through NVML. Every query tolerates NVML_ERROR_NOT_SUPPORTED (that
     check is then skipped); a GPU that answers NVML_ERROR_GPU_IS_LOST is ``lost`` for good.
@@ -222,12 +234,18 @@ class NvmlDevices:
     kind = "nvml"
 
     def __init__(self, nvml: ModuleType | None = None, gpu_type: str | None = None,
-                 throttle_after: int = 3, max_events_per_poll: int = 256):
+                 throttle_after: int = 3, max_events_per_poll: int = 256,
+                 throttle_cool_down: float = THROTTLE_COOL_DOWN, clock: Callable[[], float] = time.monotonic):
         if nvml is None:
             import pynvml as nvml
         self.nvml = nvml
         self.gpu_type_override = gpu_type
         self.throttle_after = max(1, throttle_after)
+        self.throttle_cool_down = throttle_cool_down
+        self.clock = clock
+        # (GPU, fault): until when a throttle that tripped still counts, and how often it tripped
+        self.throttled_until: dict[tuple[int, str], float] = {}
+        self.trips: dict[tuple[int, str], int] = {}
         self.max_events_per_poll = max_events_per_poll
         nvml.nvmlInit()
         self.count = nvml.nvmlDeviceGetCount()
@@ -306,10 +324,20 @@ class NvmlDevices:
             if reasons & _bit(nvml, "HwPowerBrakeSlowdown"):
                 seen.add(POWER_THROTTLE)
         faults = set()
+        now = self.clock()
         for word in (THERMAL_THROTTLE, POWER_THROTTLE):
-            streak = self.throttle_streak.get((i, word), 0) + 1 if word in seen else 0
-            self.throttle_streak[(i, word)] = streak
-            if streak >= self.throttle_after:
+            key = (i, word)
+            streak = self.throttle_streak.get(key, 0) + 1 if word in seen else 0
+            self.throttle_streak[key] = streak
+            until = self.throttled_until.get(key)
+            if until is not None and now - until > THROTTLE_FORGIVEN:
+                self.trips.pop(key, None)  # a day without it: the next trip starts over
+            if streak == self.throttle_after:
+                self.trips[key] = self.trips.get(key, 0) + 1
+            if streak >= self.throttle_after:  # tripped: it counts until its cool-down after the last poll
+                hold = min(THROTTLE_FORGIVEN, self.throttle_cool_down * 2 ** (self.trips[key] - 1))
+                self.throttled_until[key] = until = max(until or now, now + hold)
+            if until is not None and now < until:
                 faults.add(word)
         return faults
 
