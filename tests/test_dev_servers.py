@@ -127,6 +127,21 @@ def test_s3_credentials_are_made_once_per_data_directory(tmp_path):
     assert (tmp_path / "credentials.json").stat().st_mode & 0o077 == 0
 
 
+def test_credentials_left_half_written_are_made_again_not_a_crash_of_every_later_start(tmp_path):
+    (tmp_path / "credentials.json").write_text("")  # a crash, or a full disk, midway
+    with pytest.warns(UserWarning, match="unreadable"):
+        access, secret = srv.s3_credentials(tmp_path)
+    assert srv.s3_credentials(tmp_path) == (access, secret)
+
+
+def test_a_secret_file_is_its_owners_alone_even_over_an_old_readable_one(tmp_path):
+    path = tmp_path / "s3.json"
+    path.write_text("old")
+    path.chmod(0o644)
+    srv.write_private(path, "secret")
+    assert path.read_text() == "secret" and path.stat().st_mode & 0o077 == 0
+
+
 # --- processes and ports ----------------------------------------------------------------------
 
 def sleeper(tmp_path, name: str, ignore_term: bool = False) -> tuple[subprocess.Popen, list[str]]:

@@ -37,6 +37,8 @@ def add_dev_commands(subparsers) -> None:
     up.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
     up.add_argument("--timeout", type=positive_float, default=90.0,
                     help="seconds to wait for every component to be healthy (default 90)")
+    up.add_argument("--fake-devices", action="store_true", default=None,
+                    help="agents use fake GPUs even where NVML finds real ones (kept for later `up`s)")
     up.set_defaults(func=run_up)
 
     status = commands.add_parser("status", help="show each component: pid, port, health")
@@ -71,7 +73,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
                     cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
-                    timeout=args.timeout, out=sys.stdout)
+                    timeout=args.timeout, fake_devices=args.fake_devices, out=sys.stdout)
     except devstack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         print("the components that did start keep running: see `gpusched dev status`, "

@@ -84,6 +84,7 @@ class StackState(BaseModel):
     external: list[str] = Field(default_factory=list)  # servers we use but did not start
     temporal_ui_url: str | None = None
     fast: bool = False  # Postgres without fsync (tests)
+    fake_devices: bool = False  # agents use fake GPUs even where NVML finds real ones (the demo)
     worker_args: dict[str, list[str]] = Field(default_factory=dict)  # extra argv by role
 
 
@@ -126,14 +127,7 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
 
 
 def _save(data_dir: Path, state: StackState) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / (STACK_FILE + ".tmp")
-    # Only its owner may read it: it holds the stack's secrets (S3 keys, the API token). A new
-    # file, so no mode of an old one's applies while the secrets are written.
-    tmp.unlink(missing_ok=True)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(state.model_dump_json(indent=2))
-    tmp.replace(data_dir / STACK_FILE)
+    servers.write_private(data_dir / STACK_FILE, state.model_dump_json(indent=2))  # S3 keys, the API token
 
 
 @contextmanager
@@ -157,7 +151,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
        agent_args: list[str] | None = None, control_args: list[str] | None = None,
        api_args: list[str] | None = None, fast: bool | None = None, ui: bool = True,
        standard_ports: bool = False, workers: bool = True, timeout: float = 60.0,
-       out: IO[str] | None = None) -> UpResult:
+       fake_devices: bool | None = None, out: IO[str] | None = None) -> UpResult:
     """Start whatever of the stack is not running, wait until all of it is healthy, and say where
     it is. ``settings`` (Settings fields) and ``GPUSCHED_*`` variables naming a Postgres DSN,
     Temporal address or S3 endpoint make the stack use that server instead of starting one;
@@ -170,6 +164,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         state.gpus_per_machine = gpus_per_machine or state.gpus_per_machine
         state.gpu_type = gpu_type or state.gpu_type
         state.fast = state.fast if fast is None else fast
+        state.fake_devices = state.fake_devices if fake_devices is None else fake_devices
         count = machines if machines is not None else (len(state.machines) or 2)
         state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
         for role, extra in (("agent", agent_args), ("control", control_args), ("api", api_args)):
@@ -237,6 +232,9 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         except servers.ServerError as e:
             errors.append(str(e))
             continue
+        except Exception as e:  # a full disk, a failing useradd: the others' servers are still recorded
+            errors.append(f"{name} did not start: {type(e).__name__}: {e}")
+            continue
         state.components[name] = Component(
             kind="server", pid=server.pid, port=server.port, ports=server.ports, cmd=server.cmd,
             log=server.log_path, stop_signal=server.stop_signal, stop_grace=server.stop_grace)
@@ -285,7 +283,7 @@ def _worker_commands(data_dir: Path, state: StackState,
         "api": (base + ["workers.api", "--data-dir", d, "--port", str(api_port)]
                 + state.worker_args.get("api", []), None),
     }
-    fake = ["--fake-devices"] if _nvml_gpu_count() == 0 else []
+    fake = ["--fake-devices"] if state.fake_devices or _nvml_gpu_count() == 0 else []
     for m in state.machines:
         cmds[machine_component(m.id)] = (
             base + ["workers.agent", "--data-dir", d, "--machine-id", m.id, "--gpus", str(m.gpus),
@@ -336,12 +334,31 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
         state.components[name] = Component(
             kind="worker", port=api_port if name == "api" else None,
             ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
-            cmd=[str(c) for c in cmd], log=str(_log(data_dir, name)))
+            cmd=[str(c) for c in cmd], log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd))
         _launch_worker(data_dir, name, state.components[name], env)
     _save(data_dir, state)
     # All of them, not only those just started: one that runs but hangs is reported too.
     ours = [n for n, c in state.components.items() if c.kind == "server"]
     _wait_healthy(data_dir, state, ours + list(wanted), timeout, env)
+
+
+AGENT_GRACE = 120.0  # workers.agent's --grace-period unless the agent's arguments say otherwise
+
+
+def _stop_grace(cmd: list[str]) -> float:
+    """How long `down` waits for a worker after SIGTERM before SIGKILL: an agent gives its jobs
+    their grace to checkpoint, and SIGKILLed before that it would leave them running (they run in
+    sessions of their own) with nobody to stop them."""
+    if "workers.agent" not in cmd:
+        return 10.0
+    grace = AGENT_GRACE
+    for flag, value in zip(cmd, cmd[1:]):
+        if flag == "--grace-period":
+            try:
+                grace = float(value)
+            except ValueError:
+                pass
+    return grace + 15.0
 
 
 def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, str]) -> None:

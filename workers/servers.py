@@ -596,17 +596,32 @@ async def register_search_attributes(client, namespace: str | None = None) -> li
 
 # --- SeaweedFS S3 ---------------------------------------------------------------------------
 
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (it holds secrets), whole or not at all: a new file
+    under another name, renamed over the old, so neither an old file's mode nor a crash midway
+    leaves the secrets readable or the file half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
 def s3_credentials(data_dir: Path) -> tuple[str, str]:
-    """The access key and secret of this S3 data directory, made on first use."""
+    """The access key and secret of this S3 data directory, made on first use (and again if the
+    file cannot be read: the gateway takes whatever keys s3.json names at its next start)."""
     path = Path(data_dir) / "credentials.json"
-    if path.exists():
+    try:
         creds = json.loads(path.read_text())
         return creds["access_key"], creds["secret_key"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        warnings.warn(f"{path} is unreadable ({err}); making new S3 credentials")
     access = "GS" + secrets.token_hex(9).upper()
     secret = secrets.token_urlsafe(30)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
+    write_private(path, json.dumps({"access_key": access, "secret_key": secret}))
     return access, secret
 
 
@@ -620,7 +635,7 @@ def start_s3(data_dir: Path, *, ports: dict[str, int] | None = None, bucket: str
     log_path = Path(log_path or data_dir / "s3.log")
     access, secret = s3_credentials(data_dir)
     config = data_dir / "s3.json"
-    config.write_text(json.dumps({"identities": [{
+    write_private(config, json.dumps({"identities": [{
         "name": "gpusched",
         "credentials": [{"accessKey": access, "secretKey": secret}],
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
