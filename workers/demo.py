@@ -88,11 +88,14 @@ async def run(data_dir: Path | None, scale: float) -> int:
                   f"{len(v.attempts):>8}  {complete:>11}  {' '.join(a.gpus) if a else ''}")
         failed = next(v for v in views if v.job_id == ids["eval-nan"])
         print(f"\n{failed.job_id} failed with: {failed.reason}")
+        resumed_after_preemption = 0
         for v in views:
             if len(v.attempts) < 2:
                 continue
             why = [e["reason"] for e in await gs.store.audit_trail(v.job_id) if e["event"] == "preempt_ordered"]
-            print(f"\n{v.job_id} was preempted: {'; '.join(why)}")
+            print(f"\n{v.job_id} " + (f"was preempted: {'; '.join(why)}" if why else "ran again"))
+            if why and any(a.resumed_from is not None for a in v.attempts[1:]):
+                resumed_after_preemption += 1
             for a in v.attempts:
                 start = f"resumed from checkpoint {a.resumed_from}" if a.resumed_from is not None else "from the start"
                 if a.restart_s is not None:
@@ -102,7 +105,22 @@ async def run(data_dir: Path | None, scale: float) -> int:
                                 _log(data_dir, v.job_id, len(v.attempts)))
             if resumed:
                 print(f"  its last attempt's log says: {resumed.group(0)}")
-        return 0
+        return _check(views, ids, resumed_after_preemption)
+
+
+def _check(views, ids: dict[str, str], resumed_after_preemption: int) -> int:
+    """What the demo says it shows, checked: 0 when all of it happened, else 1 with what did not."""
+    expected = {ids["eval-nan"]: "failed", ids["abandoned"]: "cancelled"}
+    problems = [f"{v.job_id} ended {v.state}, expected {expected.get(v.job_id, 'succeeded')}"
+                for v in views if v.state != expected.get(v.job_id, "succeeded")]
+    if resumed_after_preemption == 0:
+        problems.append("no job was preempted and then resumed from a checkpoint")
+    if problems:
+        print("\nthe demo did not go as it should: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    print(f"\nchecked: every job ended as expected, and {resumed_after_preemption} preempted job(s) "
+          "resumed from their checkpoints")
+    return 0
 
 
 def _log(data_dir: Path | None, job_id: str, attempt: int) -> str:
