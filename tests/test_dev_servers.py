@@ -233,6 +233,20 @@ def test_dev_status_and_down_of_a_folder_without_a_stack_do_nothing(tmp_path):
     assert (tmp_path / "precious" / "file").exists()
 
 
+def test_dev_down_while_a_first_up_is_under_way_waits_for_it_then_stops_what_it_started(tmp_path):
+    import threading
+
+    done = []
+    with devstack._locked(tmp_path):  # an `up` starting its servers: no stack.json yet
+        waiting = threading.Thread(target=lambda: done.append(devstack.down(tmp_path)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive(), "down answered 'nothing to stop' while up was starting"
+        devstack._save(tmp_path, devstack.StackState())  # what the up recorded
+    waiting.join(5)
+    assert done == [[]] and (tmp_path / devstack.STACK_FILE).exists()
+
+
 def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
     assert main(["dev", "down", "--data-dir", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out

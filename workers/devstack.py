@@ -507,14 +507,18 @@ def down(data_dir: Path | str | None = None, *, purge: bool = False) -> list[str
     recorded pid; returns the names stopped. The data stays (a later `up` resumes on it) unless
     ``purge``, which deletes the data directory."""
     data_dir = resolve_data_dir(data_dir)
-    if not (data_dir / STACK_FILE).exists():
-        if purge and data_dir.exists() and any(p.name != "stack.lock" for p in data_dir.iterdir()):
-            raise StackError(f"{data_dir} has no {STACK_FILE}: not a gpusched stack, not deleting it")
-        if purge:
-            shutil.rmtree(data_dir, ignore_errors=True)
+    if not data_dir.exists():
         return []
     stopped = []
+    # Under the lock before anything is read: an `up` under way (its first, say, before it has
+    # written stack.json) is waited for, then stopped, instead of "nothing to stop".
     with _locked(data_dir):
+        if not (data_dir / STACK_FILE).exists():
+            if purge and any(p.name != "stack.lock" for p in data_dir.iterdir()):
+                raise StackError(f"{data_dir} has no {STACK_FILE}: not a gpusched stack, not deleting it")
+            if purge:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            return []
         state = load_state(data_dir)
         names = sorted(state.components, key=lambda n: _order(n, state.components[n]))
         agents = [n for n in names if state.components[n].machine_id]
