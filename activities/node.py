@@ -452,6 +452,7 @@ class NodeActivities:
             if loop.time() + pause > give_up:
                 log.warning("allocation %d: giving up on forwarding %s after %.0f s", allocation_id,
                             ", ".join(f.name for f, _ in left), self.final_forward_for)
+                self._unforwarded.difference_update(f for f, _ in left)
                 return
             await asyncio.sleep(pause)
             pause = min(pause * 2, 5.0)

@@ -846,7 +846,13 @@ class Checkpointer:
                             "GPUSCHED_S3_RETRY_S)") from e
                     log.warning("jobkit: %s: the checkpoint store is unreachable (%s); asking again in "
                                 "%.0f s", what, e, pause)
-                    self._sleep(pause)
+                    if callable(deadline):
+                        # A stop during the pause may bring the deadline forward: look again each second.
+                        end = self._monotonic() + pause
+                        while (now := self._monotonic()) < end and deadline() > now:
+                            self._sleep(min(1.0, end - now))
+                    else:
+                        self._sleep(pause)
                     pause = min(pause * 2, 30.0)
 
         return call

@@ -437,3 +437,12 @@ def test_which_faults_can_have_killed_a_job_on_the_gpu(fault, kills):
     from workers.devices import kills_processes
 
     assert kills_processes(fault) is kills
+
+
+def test_a_gpu_that_has_tripped_its_throttle_thousands_of_times_is_held_a_day_not_an_overflow():
+    now = [0.0]
+    nvml = FakeNvml([Gpu(reasons=HW_THERMAL)])
+    devices = NvmlDevices(nvml, throttle_after=1, throttle_cool_down=600, clock=lambda: now[0])
+    devices.trips[(0, "thermal_throttle")] = 5000
+    assert devices.health()[0].faults == ["thermal_throttle"]
+    assert devices.throttled_until[(0, "thermal_throttle")] == 86400.0

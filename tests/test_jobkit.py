@@ -409,7 +409,8 @@ def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path,
             act()
     else:
         assert act() is not None
-    assert slept == pauses, name
+    # A restore's pauses are slept a second at a time: a stop meanwhile may bring its deadline forward.
+    assert slept == ([1.0] * round(sum(pauses)) if name.startswith("a restore") else pauses), (name, slept)
 
 
 def test_from_env_reads_the_agents_variables(tmp_path):

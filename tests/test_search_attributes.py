@@ -48,8 +48,8 @@ ALL = list(SEARCH_ATTRIBUTES)
 @pytest.mark.parametrize("present, may_list, refused_with", [
     (ALL, True, None),
     (["Team", "Cluster"], True, ["JobState, PriorityClass, GpuCount",
-                                  "--namespace prod --name JobState --name PriorityClass --type Keyword",
-                                  "--namespace prod --name GpuCount --type Int"]),
+                                  "--namespace prod --name JobState --type Keyword --name PriorityClass "
+                                  "--type Keyword --name GpuCount --type Int`"]),
     ([], False, None),
 ], ids=["a namespace that has them all, where adding is not allowed, serves",
         "a namespace that lacks some and refuses adding stops the worker with the commands to add them",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import asyncpg
 from pydantic import ValidationError
+from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
 from scheduler import in_words
@@ -145,6 +146,10 @@ def _run(args, body) -> int:
             except RPCError as e:  # Temporal could not do it now (unavailable, timed out)
                 print(f"error: Temporal did not answer ({e.status.name if e.status else 'error'}: {e.message}); "
                       "is the stack up? `gpusched dev status` shows it", file=sys.stderr)
+                return EXIT_UNREACHABLE
+            except WorkflowUpdateRPCTimeoutOrCancelledError:  # no control worker took the change
+                print("error: no control worker answered in time; is one running? `gpusched dev status` "
+                      "shows it", file=sys.stderr)
                 return EXIT_UNREACHABLE
             except asyncpg.DataError as e:  # a value the database cannot store
                 print(f"error: the database cannot store a value of this request ({e}); give a smaller "

@@ -110,9 +110,12 @@ class GpuschedClient:
     # --- submit -----------------------------------------------------------------------------
 
     async def submit(self, request: JobRequest) -> Submitted:
-        verdict = await self._check(request)
-        if not verdict.accepted:
-            raise SubmitRefused(verdict.reason, verdict.field)
+        # A submit tried again (its first answer lost, or not admitted in time) is that job: asked
+        # before the quota check, which its own first submit's place in the queue could fail.
+        if not await self._same_submit(request):
+            verdict = await self._check(request)
+            if not verdict.accepted:
+                raise SubmitRefused(verdict.reason, verdict.field)
         try:
             # An id names one job for good: a second workflow under it, even once the first has
             # ended, would wait for a job the store already has (and has finished).
@@ -142,17 +145,36 @@ class GpuschedClient:
             except RPCError:
                 desc = None
             if desc is not None and desc.status != WorkflowExecutionStatus.RUNNING:
-                outcome = await self._handle(job_id).result()
-                return (f"job id '{job_id}' was used by a submit that was refused ({outcome.reason}); "
-                        "choose another id")
+                try:
+                    why = (await self._handle(job_id).result()).reason
+                except WorkflowFailureError as e:  # terminated or timed out before its admission
+                    why = f"its workflow ended {desc.status.name.lower()}: {e.cause}"
+                return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
         return f"a job with id '{job_id}' already exists; choose another id"
 
     async def _same_submit(self, request: JobRequest) -> bool:
-        """Whether the job already under this id was asked for with this very request."""
+        """Whether the job already under this id was asked for with this very request: the one
+        admitted, or else the one its workflow (still waiting for its admission) started with."""
         known = await self.store.request_of(request.job_id)
         if known is None:
-            return False  # not admitted (yet): nothing to compare with, so not taken for the same
+            known = await self._waiting_with(request.job_id)
+        if known is None:
+            return False
         return known.model_dump(exclude={"submit_time"}) == request.model_dump(exclude={"submit_time"})
+
+    async def _waiting_with(self, job_id: str) -> JobRequest | None:
+        """The request a job workflow that still runs was started with (from its first event)."""
+        handle = self._handle(job_id)
+        try:
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                return None
+            async for event in handle.fetch_history_events():
+                payloads = event.workflow_execution_started_event_attributes.input.payloads
+                [started] = await self.temporal.data_converter.decode(payloads, [JobRequest])
+                return started
+        except (RPCError, ValueError, TypeError):
+            return None
+        return None
 
     async def _check(self, request: JobRequest):
         quotas = await self.store.list_quotas()

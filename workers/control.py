@@ -48,10 +48,9 @@ async def ensure_search_attributes(client) -> None:
         missing = [k for k in SEARCH_ATTRIBUTES if k not in listed.custom_attributes]
         if not missing:
             return
-        commands = "; ".join(
-            f"`temporal operator search-attribute create --namespace {client.namespace} "
-            + " ".join(f"--name {k}" for k in missing if SEARCH_ATTRIBUTES[k] == kind) + f" --type {kind}`"
-            for kind in dict.fromkeys(SEARCH_ATTRIBUTES[k] for k in missing))
+        # The CLI pairs each --name with the --type at its position: one of each per attribute.
+        commands = (f"`temporal operator search-attribute create --namespace {client.namespace} "
+                    + " ".join(f"--name {k} --type {SEARCH_ATTRIBUTES[k]}" for k in missing) + "`")
         raise ServerError(f"namespace {client.namespace} lacks the search attributes {', '.join(missing)} and "
                           f"they could not be added from here ({e.message}); add them with {commands} "
                           "(or in your Temporal Cloud console) and start the worker again") from None

@@ -335,7 +335,7 @@ class NvmlDevices:
             if streak == self.throttle_after:
                 self.trips[key] = self.trips.get(key, 0) + 1
             if streak >= self.throttle_after:  # tripped: it counts until its cool-down after the last poll
-                hold = min(THROTTLE_FORGIVEN, self.throttle_cool_down * 2 ** (self.trips[key] - 1))
+                hold = min(THROTTLE_FORGIVEN, self.throttle_cool_down * 2 ** min(self.trips.get(key, 1) - 1, 20))
                 self.throttled_until[key] = until = max(until or now, now + hold)
             if until is not None and now < until:
                 faults.add(word)

@@ -352,7 +352,8 @@ def _stop_grace(cmd: list[str]) -> float:
     if "workers.agent" not in cmd:
         return 10.0
     grace = AGENT_GRACE
-    for flag, value in zip(cmd, cmd[1:]):
+    words = [w for arg in cmd for w in (arg.split("=", 1) if arg.startswith("--grace-period=") else [arg])]
+    for flag, value in zip(words, words[1:]):
         if flag == "--grace-period":
             try:
                 grace = float(value)
