@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import time
 from pathlib import Path
 
 RUN_TOKEN = "GPUSCHED_RUN_TOKEN"
@@ -52,8 +53,8 @@ class RunProcesses:
         LOOK_EVERY seconds unless ``fresh``."""
         if self.token is None:
             return []
-        now = asyncio.get_running_loop().time() if _in_loop() else None
-        if fresh or now is None or self._looked_at is None or now - self._looked_at >= LOOK_EVERY:
+        now = time.monotonic()
+        if fresh or self._looked_at is None or now - self._looked_at >= LOOK_EVERY:
             self._escaped = [pid for pid in marked(self.token) if _group_of(pid) != self.pgid]
             self._looked_at = now
         return self._escaped
@@ -149,11 +150,3 @@ def _stat_fields(stat: Path) -> list[str] | None:
         return stat.read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None  # it exited while we looked
-
-
-def _in_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

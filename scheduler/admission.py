@@ -217,10 +217,10 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
     waiting = {job.spec.job_id: job.spec for job in snapshot.queue}
     holders = waiting.keys() | {j.spec.job_id for j in snapshot.running if j.draining_until is not None}
+    healthy = cap.layout.healthy_mask
     for earmark in snapshot.earmarks:
         if earmark.expires <= snapshot.now or earmark.job_id not in holders:
             continue
-        healthy = cap.layout.healthy_mask
         usable = all(m in cap.index and healthy[cap.index[m]] >> g & 1 for m, g in earmark.gpus)
         if not usable:
             continue

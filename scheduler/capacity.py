@@ -83,6 +83,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         if last is machines or (len(last) == len(machines) and all(map(is_, last, machines))):
             return found[1]
     usable = [m for m in machines if m.reachable]
+    healthy = [_usable_gpus(m) for m in usable]
     pools: dict[PoolKey, list[int]] = {}
     pool_key = []
     for i, m in enumerate(usable):
@@ -93,8 +94,8 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         cluster=cluster,
         machines=usable,
         index={m.id: i for i, m in enumerate(usable)},
-        healthy=[_usable_gpus(m) for m in usable],
-        healthy_mask=[sum(1 << g for g in _usable_gpus(m)) for m in usable],
+        healthy=healthy,
+        healthy_mask=[sum(1 << g for g in gpus) for gpus in healthy],
         blocks=list(dict.fromkeys(m.block for m in usable)),
         pools=pools,
         pool_key=pool_key,

@@ -110,9 +110,9 @@ class GpuschedClient:
     # --- submit -----------------------------------------------------------------------------
 
     async def submit(self, request: JobRequest) -> Submitted:
-        # A submit tried again (its first answer lost, or not admitted in time) is that job: asked
-        # before the quota check, which its own first submit's place in the queue could fail.
-        if not await self._same_submit(request):
+        # A submit tried again after its job was admitted (its first answer lost) is that job:
+        # asked before the quota check, which its own first submit's place in the queue could fail.
+        if not await self._same_submit(request, waiting_too=False):
             verdict = await self._check(request)
             if not verdict.accepted:
                 raise SubmitRefused(verdict.reason, verdict.field)
@@ -152,11 +152,12 @@ class GpuschedClient:
                 return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
         return f"a job with id '{job_id}' already exists; choose another id"
 
-    async def _same_submit(self, request: JobRequest) -> bool:
+    async def _same_submit(self, request: JobRequest, waiting_too: bool = True) -> bool:
         """Whether the job already under this id was asked for with this very request: the one
-        admitted, or else the one its workflow (still waiting for its admission) started with."""
+        admitted, or else (``waiting_too``: a question to Temporal, asked only once the id is
+        known to be taken) the one its workflow, still waiting for its admission, started with."""
         known = await self.store.request_of(request.job_id)
-        if known is None:
+        if known is None and waiting_too:
             known = await self._waiting_with(request.job_id)
         if known is None:
             return False

@@ -15,6 +15,8 @@ import logging
 import signal
 from pathlib import Path
 
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.jobs import JobActivities, wake_scheduler
@@ -34,13 +36,12 @@ async def ensure_search_attributes(client) -> None:
     a job workflow that publishes one the namespace lacks fails every workflow task, so its job
     would stall. A server that lets us list but not add them (Temporal Cloud) stops the worker
     with the command to run; one that lets us do neither is warned about and trusted."""
-    from temporalio.service import RPCError
-
     try:
         added = await register_search_attributes(client)
     except RPCError as e:
         try:
-            listed = await client.operator_service.list_search_attributes(_list_request(client.namespace))
+            listed = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=client.namespace))
         except RPCError:
             log.warning("cannot list the search attributes of namespace %s (%s); make sure %s exist",
                         client.namespace, e.message, ", ".join(f"{k} ({v})" for k, v in SEARCH_ATTRIBUTES.items()))
@@ -56,12 +57,6 @@ async def ensure_search_attributes(client) -> None:
                           "(or in your Temporal Cloud console) and start the worker again") from None
     if added:
         log.info("registered the search attributes %s on namespace %s", ", ".join(added), client.namespace)
-
-
-def _list_request(namespace: str):
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
-    return ListSearchAttributesRequest(namespace=namespace)
 
 
 async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput, stop: asyncio.Event) -> None:

@@ -342,24 +342,15 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
     _wait_healthy(data_dir, state, ours + list(wanted), timeout, env)
 
 
-AGENT_GRACE = 120.0  # workers.agent's --grace-period unless the agent's arguments say otherwise
-
-
 def _stop_grace(cmd: list[str]) -> float:
     """How long `down` waits for a worker after SIGTERM before SIGKILL: an agent gives its jobs
-    their grace to checkpoint, and SIGKILLed before that it would leave them running (they run in
-    sessions of their own) with nobody to stop them."""
+    their grace (its own --grace-period) to checkpoint, and SIGKILLed before that it would leave
+    them running (they run in sessions of their own) with nobody to stop them."""
     if "workers.agent" not in cmd:
         return 10.0
-    grace = AGENT_GRACE
-    words = [w for arg in cmd for w in (arg.split("=", 1) if arg.startswith("--grace-period=") else [arg])]
-    for flag, value in zip(words, words[1:]):
-        if flag == "--grace-period":
-            try:
-                grace = float(value)
-            except ValueError:
-                pass
-    return grace + 15.0
+    from workers.agent import parse_args
+
+    return parse_args(cmd[cmd.index("workers.agent") + 1:]).grace_period + 15.0
 
 
 def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, str]) -> None:

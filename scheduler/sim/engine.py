@@ -248,7 +248,7 @@ class Simulation:
             life.state, life.reason = "rejected", refusal
             return set()
         held = sum(r.spec.num_gpus for r in cluster.running.values() if r.spec.team == spec.team)
-        quota = self.quotas.get(spec.team) or self.quotas.get("*")
+        quota = quota_rules.quota_of(self.quotas, spec.team)
         life.under_guarantee = quota is not None and held + spec.num_gpus <= quota.guaranteed
         # A reclaim: the team's guarantee covers this job beyond what the team holds and what it
         # already waits for ahead of it. A job behind its own team's backlog beyond the guarantee

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from scheduler import in_words
 from scheduler.models import Priority
+from scheduler.quotas import quota_of
 from scheduler.sim.records import AllocationRecord, JobRecord, SimResult
 
 CLASSES: tuple[str, ...] = tuple(p.value for p in Priority)  # critical, high, normal, low
@@ -334,7 +335,7 @@ def _team_share(result: SimResult) -> dict[str, Any]:
     teams = sorted((set(result.quotas) - {"*"}) | set(team_of.values()) | set(held))
     out: dict[str, Any] = {}
     for team in teams:
-        quota = result.quotas.get(team) or result.quotas.get("*")
+        quota = quota_of(result.quotas, team)
         guaranteed = quota.guaranteed if quota is not None else 0
         mean_gpus = held[team] / span if span > 0 else None
         out[team] = {
