@@ -105,7 +105,14 @@ INSERT INTO quotas (team, guaranteed, max_gpus, queue_cap) VALUES ($1, $2, $3, $
 ON CONFLICT (team) DO UPDATE SET guaranteed = EXCLUDED.guaranteed, max_gpus = EXCLUDED.max_gpus,
     queue_cap = EXCLUDED.queue_cap, updated_at = now()"""
 LIST_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas ORDER BY team"
-QUOTA_FOR_UPDATE = "SELECT guaranteed, max_gpus, queue_cap FROM quotas WHERE team = $1 FOR UPDATE"
+# The team's own quota, else the "*" default every team not named has (as the scheduler reads them).
+QUOTA = """
+SELECT guaranteed, max_gpus, queue_cap FROM quotas WHERE team = $1 OR team = '*'
+ORDER BY team = $1 DESC LIMIT 1"""
+# Serialises a team's admissions (a team of the default quota has no row of its own to lock),
+# and so two admissions of one job (an activity retried while its first try still runs). The
+# two-key form: its keys never meet the one-key migrations lock's.
+LOCK_TEAM_ADMISSIONS = "SELECT pg_advisory_xact_lock(7723002, hashtext($1))"
 TEAM_WAITING_JOBS = """
 SELECT count(*) FROM jobs WHERE team = $1 AND state IN ('queued', 'placed')"""
 

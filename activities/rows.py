@@ -263,8 +263,8 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
         return refuse(problem[0], problem[1])
     team = request.team
     if quota_row is None:
-        return refuse("team", f"team '{team}' has no quota; an operator sets one with "
-                              f"`gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
+        return refuse("team", f"team '{team}' has no quota (and there is no '*' default); an operator sets "
+                              f"one with `gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
     if quota_row["max_gpus"] is not None and request.num_gpus > quota_row["max_gpus"]:
         return refuse("num_gpus", f"the job asks for {request.num_gpus} GPUs but team '{team}' may hold "
                                   f"at most {quota_row['max_gpus']}; ask for fewer or raise the team's max")

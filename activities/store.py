@@ -178,6 +178,9 @@ class Store:
         """Accept a job into its cluster's queue, or refuse it with the reason and the field at
         fault. Idempotent: admitting a job id again answers as the first time did."""
         async with self.pool.acquire() as conn, conn.transaction():
+            # Before the job is looked for: a second admission of it waits for the first, and
+            # then finds it admitted instead of counting it against the queue cap.
+            await conn.execute(q.LOCK_TEAM_ADMISSIONS, request.team)
             existing = await conn.fetchrow(q.JOB, request.job_id)
             if existing is not None and JobState(existing["state"]).terminal:
                 # Not a retry of this admission (its workflow waits on it): a new job under the
@@ -188,7 +191,7 @@ class Store:
             if existing is not None:
                 return Admission(accepted=True, job_id=request.job_id, cluster=existing["cluster"],
                                  reason="already admitted")
-            quota_row = await conn.fetchrow(q.QUOTA_FOR_UPDATE, request.team)  # serialises a team's submits
+            quota_row = await conn.fetchrow(q.QUOTA, request.team)
             capacity = await conn.fetch(q.CLUSTER_CAPACITY)
             waiting = await conn.fetchval(q.TEAM_WAITING_JOBS, request.team)
             verdict = rows.admission_verdict(request, quota_row, capacity, waiting)
@@ -199,8 +202,14 @@ class Store:
             now = await conn.fetchval(q.NOW)
             # A submitter may say when it first asked (a pipeline resubmitting), never a future time.
             submit = now if request.submit_time is None else min(request.submit_time, now)
-            await conn.execute(q.INSERT_JOB, request.job_id, request.team, verdict.cluster,
-                               request.model_dump_json(), request.priority.value, request.num_gpus, submit)
+            inserted = await conn.execute(q.INSERT_JOB, request.job_id, request.team, verdict.cluster,
+                                          request.model_dump_json(), request.priority.value, request.num_gpus,
+                                          submit)
+            if inserted != "INSERT 0 1":
+                # Admitted meanwhile under another team's lock (the same id sent for two teams):
+                # the job that has the id is that one.
+                return Admission(accepted=False, job_id=request.job_id, field="job_id",
+                                 reason=f"a job with id '{request.job_id}' already exists; choose another id")
             await conn.execute(q.AUDIT, verdict.cluster, request.job_id, "submitted", "accepted",
                                request.model_dump_json(include={"team", "num_gpus", "priority", "command"}))
             return verdict

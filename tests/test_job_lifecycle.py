@@ -219,6 +219,47 @@ def test_the_same_submit_sent_again_under_its_id_is_that_job_not_a_refusal_nor_a
     assert s.wait("retried").state == "succeeded" and len(s.status("retried").attempts) == 1
 
 
+def test_the_same_submit_sent_again_after_a_priority_bump_is_still_that_job(stack):
+    s = stack(machines=1)
+    s.submit("hog", 4, sleeper(60))
+    s.until(lambda: s.status("hog").state == "running")
+    request = JobRequest(job_id="bumped", team="vision", num_gpus=4, command=sleeper(0), priority="low")
+    s.run(s.client.submit(request))
+    s.run(s.client.bump("bumped", Priority.normal))
+    again = s.run(s.client.submit(request))
+    assert again.job_id == "bumped" and s.status("bumped").priority == "normal"
+    s.run(s.client.cancel("hog"))
+    assert s.wait("bumped").state == "succeeded" and len(s.status("bumped").attempts) == 1
+
+
+def test_an_ended_jobs_id_is_refused_after_temporal_has_forgotten_its_workflow(stack):
+    """Past the namespace's retention Temporal no longer refuses the id: the store must, before
+    the submit answers, or a new job would be reported accepted and never run."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
+
+    s = stack(machines=1)
+    s.submit("reused", 1, sleeper(0))
+    assert s.wait("reused").state == "succeeded"
+    settings = s.up.settings
+    s.run(s.client.temporal.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+        namespace=settings.temporal_namespace,
+        workflow_execution=WorkflowExecution(workflow_id=settings.task_queue_prefix + job_workflow_id("reused")))))
+    s.until(lambda: _gone(s, "reused"), timeout=120)
+    with pytest.raises(SubmitRefused, match="already exists") as refused:
+        s.run(s.client.submit(JobRequest(job_id="reused", team="vision", num_gpus=2, command=["true"])))
+    assert refused.value.field == "job_id"
+    assert s.status("reused").state == "succeeded" and len(s.status("reused").attempts) == 1
+
+
+def _gone(s, job_id: str) -> bool:
+    try:
+        s.run(s.client._handle(job_id).describe())
+    except Exception:
+        return True
+    return False
+
+
 def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_reason(stack):
     s = stack(machines=1)
     prefix = s.up.settings.task_queue_prefix

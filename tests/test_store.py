@@ -110,6 +110,32 @@ def test_admitting_the_same_job_twice_keeps_one_job(store_env):
     assert len(run(store.list_jobs())) == 1
 
 
+def test_two_admissions_of_one_job_at_once_both_accept_it_even_at_the_last_queue_slot(store_env):
+    """An admission activity retried while its first try still runs (a database stall past its
+    timeout): the second must find the job admitted, not count it against the queue cap."""
+    run, store = store_env
+    for name in "ab":
+        assert run(store.admit(job(name))).accepted  # one slot of the cap of 3 left
+
+    async def twice():
+        return await asyncio.gather(*(store.admit(job("c")) for _ in range(6)))
+
+    verdicts = run(twice())
+    assert all(v.accepted for v in verdicts), [v.reason for v in verdicts]
+    assert [v.job_id for v in run(store.list_jobs(team="vision"))] == ["a", "b", "c"]
+
+
+def test_a_team_of_the_default_quota_cannot_pass_its_queue_cap_by_submitting_at_once(store_env):
+    run, store = store_env
+    run(store.set_quota("*", Quota(guaranteed=0, max=8, queue_cap=2)))
+
+    async def at_once():
+        return await asyncio.gather(*(store.admit(job(f"n{i}", team="newcomers")) for i in range(8)))
+
+    accepted = [v for v in run(at_once()) if v.accepted]
+    assert len(accepted) == 2 and len(run(store.list_jobs(team="newcomers"))) == 2
+
+
 def test_a_cycle_commits_placements_and_a_repeated_or_stale_cycle_changes_nothing(store_env):
     run, store = store_env
     run(store.admit(job("a")))

@@ -95,7 +95,7 @@ def add_job_commands(subparsers) -> None:
     quota = subparsers.add_parser("quota", help="team quotas")
     qcmd = quota.add_subparsers(dest="quota_command", required=True, metavar="{set,list}")
     qset = qcmd.add_parser("set", help="set a team's guaranteed and maximum GPUs and its queue cap")
-    qset.add_argument("team")
+    qset.add_argument("team", help="the team; '*' sets the default of every team without its own")
     qset.add_argument("--guaranteed", type=int, required=True)
     qset.add_argument("--max", type=int, default=None, help="default: no maximum")
     qset.add_argument("--queue-cap", type=int, default=None, help="default: no cap")

@@ -25,6 +25,7 @@ from activities.rows import admission_verdict, iso
 from activities.store import Store
 from scheduler.cycle import run_cycle
 from scheduler.models import Priority, Quota
+from scheduler.quotas import quota_of
 from workers.settings import Settings, connect_temporal, load_settings
 from workflows.types import (
     CONTROL_TASK_QUEUE,
@@ -63,6 +64,16 @@ class Submitted(BaseModel):
     cluster: str | None
     position: int | None  # 1-based place in the queue; 0 when already placed
     estimated_start: str | None  # ISO 8601, or None when it cannot start as the cluster is
+
+
+# What a submit sent again may differ in from the job's stored request: the time it was sent,
+# and the priority, which a bump rewrites there.
+CHANGES_AFTER_SUBMIT = {"submit_time", "priority"}
+
+
+def same_request(known: JobRequest, request: JobRequest) -> bool:
+    """Whether ``request`` asks for the job ``known`` already is (a submit sent again)."""
+    return known.model_dump(exclude=CHANGES_AFTER_SUBMIT) == request.model_dump(exclude=CHANGES_AFTER_SUBMIT)
 
 
 def new_job_id() -> str:
@@ -112,7 +123,13 @@ class GpuschedClient:
     async def submit(self, request: JobRequest) -> Submitted:
         # A submit tried again after its job was admitted (its first answer lost) is that job:
         # asked before the quota check, which its own first submit's place in the queue could fail.
-        if not await self._same_submit(request, waiting_too=False):
+        known = await self.store.request_of(request.job_id)
+        if known is not None and not same_request(known, request):
+            # Asked before Temporal: once an ended job's workflow is past the namespace's
+            # retention, nothing there refuses its id any more, and a new workflow would only be
+            # refused at admission after this submit had answered that it was accepted.
+            raise SubmitRefused(await self._taken_because(request.job_id), "job_id")
+        if known is None:
             verdict = await self._check(request)
             if not verdict.accepted:
                 raise SubmitRefused(verdict.reason, verdict.field)
@@ -132,7 +149,7 @@ class GpuschedClient:
                 raise SubmitRefused(await self._taken_because(request.job_id), "job_id") from None
             # The same request under the same id: a submit tried again (its first answer was
             # lost, or it was not admitted in time), which is that job, not a second one.
-        view = await self._admitted(request.job_id)
+        view = await self._admitted(request)
         position, eta = await self._estimate(view)
         return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta)
 
@@ -159,9 +176,7 @@ class GpuschedClient:
         known = await self.store.request_of(request.job_id)
         if known is None and waiting_too:
             known = await self._waiting_with(request.job_id)
-        if known is None:
-            return False
-        return known.model_dump(exclude={"submit_time"}) == request.model_dump(exclude={"submit_time"})
+        return known is not None and same_request(known, request)
 
     async def _waiting_with(self, job_id: str) -> JobRequest | None:
         """The request a job workflow that still runs was started with (from its first event)."""
@@ -179,7 +194,7 @@ class GpuschedClient:
 
     async def _check(self, request: JobRequest):
         quotas = await self.store.list_quotas()
-        quota = quotas.get(request.team)
+        quota = quota_of(quotas, request.team)
         quota_row = None if quota is None else {
             "guaranteed": quota.guaranteed, "max_gpus": quota.max, "queue_cap": quota.queue_cap}
         waiting = await self.store.team_waiting(request.team)
@@ -188,19 +203,27 @@ class GpuschedClient:
 
     ADMIT_WAIT = 30.0  # seconds a submit waits for its admission before saying it is not yet
 
-    async def _admitted(self, job_id: str, timeout: float | None = None) -> JobView:
+    async def _admitted(self, request: JobRequest, timeout: float | None = None) -> JobView:
         """Wait for the workflow's admission step: the job row appears, or the workflow ends
-        refused (a race with another submit for the team's last queue slot, say)."""
+        refused (a race with another submit for the team's last queue slot, say). A row of
+        another request under the id (a submit of it that raced this one) is not this one's
+        admission: this one's workflow is refused, and that is the answer."""
+        job_id = request.job_id
         handle = self._handle(job_id)
         timeout = self.ADMIT_WAIT if timeout is None else timeout
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             view = await self.store.job_view(job_id)
             if view is not None:
-                return view
+                known = await self.store.request_of(job_id)
+                if known is not None and same_request(known, request):
+                    return view
             desc = await handle.describe()
             if desc.status != WorkflowExecutionStatus.RUNNING:
-                outcome = await handle.result()
+                try:
+                    outcome = await handle.result()
+                except WorkflowFailureError as e:  # terminated or timed out before its admission
+                    raise SubmitRefused(f"its workflow ended {desc.status.name.lower()}: {e.cause}") from None
                 raise SubmitRefused(outcome.reason or "refused")
             if asyncio.get_running_loop().time() > deadline:
                 raise NotYetAdmitted(f"job {job_id} was submitted but not admitted within {timeout:.0f} s; "

@@ -123,6 +123,7 @@ class JobRequest(WithNewFields):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas.quota_of)
 LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
 
 
@@ -132,6 +133,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     in the model: requests accepted before a check was added must still decode on replay."""
     if not request.team.strip():
         return "team", "is blank; give the team's name"
+    if request.team == DEFAULT_QUOTA:
+        return "team", "'*' names the default quota of every team without its own, not a team; give the team's name"
     if request.gpu_type is not None and not request.gpu_type.strip():
         return "gpu_type", "is blank; name a GPU type (H100, A100, ...) or leave it out for any"
     if not request.command[0].strip():
