@@ -7,7 +7,10 @@ import asyncio
 import time
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import WorkflowExecutionStatus as Status
+from temporalio.api.workflowservice.v1 import DescribeWorkflowExecutionRequest
+from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
@@ -35,6 +38,14 @@ from workflows.types import (
 )
 
 
+# The statuses of a workflow that has ended, read from the server's raw answer: the SDK's enum
+# lacks the newer ones (PAUSED: alive, only held), and one it cannot decode must not stop a
+# cluster's loop nor count a living job as gone.
+ENDED = frozenset({Status.WORKFLOW_EXECUTION_STATUS_COMPLETED, Status.WORKFLOW_EXECUTION_STATUS_FAILED,
+                   Status.WORKFLOW_EXECUTION_STATUS_CANCELED, Status.WORKFLOW_EXECUTION_STATUS_TERMINATED,
+                   Status.WORKFLOW_EXECUTION_STATUS_TIMED_OUT})
+
+
 class JobActivities:
     def __init__(self, store: Store, client: Client, task_queue_prefix: str = "",
                  loop: SchedulerInput | None = None, bucket: str = "gpusched-checkpoints"):
@@ -46,6 +57,14 @@ class JobActivities:
 
     @activity.defn(name="admit_job")
     async def admit_job(self, request: JobRequest) -> Admission:
+        expected = self.prefix + job_workflow_id(request.job_id)
+        started_as = activity.info().workflow_id
+        if started_as != expected:
+            # Placements, preemptions and cancels go to the workflow of that id: one started
+            # under another would wait for ever while its job was placed to nobody.
+            return Admission(accepted=False, job_id=request.job_id, field="job_id", task_queue_prefix=self.prefix,
+                             reason=f"the job's workflow must have the id '{expected}', not '{started_as}'; "
+                                    "start it under that id (or submit with `gpusched submit`)")
         admission = await self.store.admit(request)
         return admission.model_copy(update={"task_queue_prefix": self.prefix})
 
@@ -123,15 +142,18 @@ class JobActivities:
         asking = asyncio.Semaphore(32)  # thousands of allocations: a few dozen questions at a time
 
         async def ended(prefix: str, job_id: str) -> bool:
-            handle = self.client.get_workflow_handle(prefix + job_workflow_id(job_id))
+            asked = DescribeWorkflowExecutionRequest(
+                namespace=self.client.namespace,
+                execution=WorkflowExecution(workflow_id=prefix + job_workflow_id(job_id)))
             async with asking:
                 try:
-                    return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+                    answer = await self.client.workflow_service.describe_workflow_execution(asked)
                 except RPCError as e:
                     if e.status == RPCStatusCode.NOT_FOUND:
                         return True
                     activity.logger.warning("cannot ask about %s's workflow: %s", job_id, e)
                     return False
+                return answer.workflow_execution_info.status in ENDED
 
         return list(await asyncio.gather(*(ended(prefix, job_id) for prefix, job_id in jobs)))
 

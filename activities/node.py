@@ -724,7 +724,8 @@ def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:
             end = f.seek(0, os.SEEK_END)
             start = max(offset, end - _TAIL_BYTES)
             f.seek(start)
-            text = f.read().decode(errors="replace")
+            # No NUL: the lines become the job's end reason, which Postgres text cannot hold.
+            text = f.read().decode(errors="replace").replace("\0", "\ufffd")
     except OSError:
         return []
     out = text.splitlines()

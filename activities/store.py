@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Callable
 
 import asyncpg
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from activities import queries as q
 from activities import rows
@@ -28,7 +28,18 @@ from workflows.types import (
     JobRequest,
     JobState,
     JobView,
+    request_problem,
 )
+
+
+def _migration_files() -> list:
+    return sorted((f for f in resources.files("activities.migrations").iterdir() if f.name.endswith(".sql")),
+                  key=lambda f: f.name)
+
+
+# What to do about a database without (all of) the schema, in words.
+UNMIGRATED_FIX = ("start a control worker (`python -m workers.control`, or `gpusched dev up`): it migrates the "
+                  "database before it serves")
 
 
 class StoreError(Exception):
@@ -41,7 +52,7 @@ class CycleConflict(StoreError):
 
 class GpuReport(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
-    index: int
+    index: int = Field(ge=0, le=1023)  # what CUDA_VISIBLE_DEVICES names: never negative
     gpu_type: str | None = None
     memory_gb: float | None = None
     healthy: bool = True
@@ -83,10 +94,7 @@ class Store:
     async def migrate(self) -> list[str]:
         """Apply the SQL files of ``activities/migrations`` not applied yet, in order, each in
         its own transaction; returns the names applied."""
-        files = sorted(
-            (f for f in resources.files("activities.migrations").iterdir() if f.name.endswith(".sql")),
-            key=lambda f: f.name,
-        )
+        files = _migration_files()
         applied_now = []
         async with self.pool.acquire() as conn:
             async with conn.transaction():
@@ -106,6 +114,15 @@ class Store:
                     applied_now.append(f.name)
         return applied_now
 
+    async def unmigrated(self) -> list[str]:
+        """The migrations this code needs that the database has not had (only the control
+        worker migrates: the API and the CLI work on the schema it made)."""
+        try:
+            done = {r["version"] for r in await self.pool.fetch(q.APPLIED_MIGRATIONS)}
+        except asyncpg.UndefinedTableError:
+            done = set()
+        return [f.name for f in _migration_files() if int(f.name.split("_", 1)[0]) not in done]
+
     # --- fleet ------------------------------------------------------------------------------
 
     async def register_fleet(self, cluster: str, machines: list[Machine]) -> None:
@@ -124,11 +141,18 @@ class Store:
         """Record that the machine's agent is alive and how its GPUs are; a machine not seen
         before joins the fleet (its topology is its id, ``cluster/block/rack/machine``). Returns
         the allocations live on the machine: the agent kills any process not among them."""
+        reported = [g.index for g in gpus]
+        twice = sorted({i for i in reported if reported.count(i) > 1})
+        if twice:
+            raise ValueError(f"the heartbeat reports GPU {', '.join(map(str, twice))} more than once; "
+                             "each GPU once, by its index")
         async with self.pool.acquire() as conn, conn.transaction():
             if not await conn.fetchval(q.MACHINE_EXISTS, machine_id):
+                if not gpus:
+                    raise ValueError(f"machine '{machine_id}' is not known yet and its heartbeat reports no "
+                                     "GPUs; a machine joins with a heartbeat that lists them")
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
-            elif gpus:  # a heartbeat without GPUs says nothing about them
-                reported = [g.index for g in gpus]
+            if gpus:  # a heartbeat without GPUs says nothing about them
                 await conn.execute(q.ADD_REPORTED_GPUS, machine_id, reported)
                 await conn.execute(q.MARK_UNREPORTED_GPUS, machine_id, reported)
             await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid)
@@ -177,6 +201,9 @@ class Store:
     async def admit(self, request: JobRequest) -> Admission:
         """Accept a job into its cluster's queue, or refuse it with the reason and the field at
         fault. Idempotent: admitting a job id again answers as the first time did."""
+        if (problem := request_problem(request)) is not None:
+            # Before any query: a NUL in the team would make the first one fail, on every retry.
+            return Admission(accepted=False, job_id=request.job_id, field=problem[0], reason=problem[1])
         async with self.pool.acquire() as conn, conn.transaction():
             # Before the job is looked for: a second admission of it waits for the first, and
             # then finds it admitted instead of counting it against the queue cap.
@@ -359,6 +386,9 @@ class Store:
                           exit_code: int | None, next_state: JobState, reason: str) -> None:
         """Give the attempt's GPUs back and move the job on: to the queue again (``queued``)
         or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds."""
+        # The reason carries the job's last log lines: a NUL there (an older agent's tail of a
+        # binary log) would make Postgres refuse this call on every retry, the GPUs held.
+        reason = reason.replace("\0", "\ufffd")
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             ids = [allocation_id] if allocation_id is not None else [

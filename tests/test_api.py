@@ -3,6 +3,8 @@ and clear status codes for what it refuses."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -26,7 +28,8 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert api.get("/jobs/seen").json()["state"] == "succeeded"
     assert [j["job_id"] for j in api.get("/jobs", params={"state": "succeeded"}).json()] == ["seen"]
     assert api.get("/jobs/nope").status_code == 404
-    for params, field in (({"state": "bogus"}, "state"), ({"limit": -1}, "limit")):  # not a 500, nor []
+    for params, field in (({"state": "bogus"}, "state"), ({"limit": -1}, "limit"),
+                          ({"limit": 10**6}, "limit")):  # not a 500, nor [], nor the whole table at once
         refused = api.get("/jobs", params=params)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field
 
@@ -35,6 +38,10 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert beat.status_code == 200 and beat.json() == {"live_allocations": []}
     assert api.post("/machines/not-a-path/heartbeat", json={"gpus": [{"index": 0}]}).status_code == 422
     assert api.post("/machines/c1/b0/r0/m0/heartbeat", json={"gpus": [{"index": "x"}]}).status_code == 422
+    assert api.post("/machines/c1/b0/r0/m0/heartbeat", json={"gpus": [{"index": -1}]}).status_code == 422
+    assert api.post("/machines/c1/b0/r0/m0/heartbeat",
+                    json={"gpus": [{"index": 0}, {"index": 0}]}).status_code == 422
+    assert api.post("/machines/c1/b9/r0/m0/heartbeat", json={"gpus": []}).status_code == 422
     report = {"seq": 1, "key": "checkpoints/nope/0000000001", "size": 1, "sha256": "0" * 64}
     assert api.post("/jobs/nope/checkpoints", json={"allocation_id": 1, "report": report}).status_code == 404
     refused = api.post("/jobs/seen/checkpoints",
@@ -117,12 +124,25 @@ def test_health_is_503_not_500_while_the_database_does_not_answer(live_servers, 
 
     settings = Settings(pg_dsn=live_servers.new_database("api_health"))
     with TestClient(create_app(settings)) as api:
+        # Only the control worker migrates: until one has, the API says so, not a 500.
+        answer = api.get("/healthz")
+        assert answer.status_code == 503 and "0001_" in answer.json()["detail"]
+        assert "control worker" in answer.json()["detail"]
+        listing = api.get("/jobs")
+        assert listing.status_code == 503 and "control worker" in listing.json()["detail"]
+
+        async def migrate():
+            store = await Store.connect(settings.pg_dsn)
+            await store.migrate()
+            await store.close()
+
+        asyncio.run(migrate())
         assert api.get("/healthz").status_code == 200
 
         async def down(self):
             raise ConnectionRefusedError(111, "Connection refused")
 
-        monkeypatch.setattr(Store, "now", down)
+        monkeypatch.setattr(Store, "unmigrated", down)
         answer = api.get("/healthz")
         assert answer.status_code == 503 and answer.json()["ok"] is False
         assert "does not answer" in answer.json()["detail"]

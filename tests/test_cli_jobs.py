@@ -183,6 +183,20 @@ def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, t
 
 
 @pytest.mark.live
+@pytest.mark.parametrize("argv", [["quota", "set", "vision", "--guaranteed", "8", "--data-dir", "D"],
+                                  ["list", "--data-dir", "D"],
+                                  ["submit", "--team", "vision", "--gpus", "1", "--data-dir", "D", "--", "true"]],
+                         ids=["setting a quota", "listing jobs", "submitting"])
+def test_a_database_no_control_worker_has_migrated_is_one_line_saying_to_start_one(
+        live_servers, capsys, monkeypatch, tmp_path, argv):
+    monkeypatch.setenv("GPUSCHED_PG_DSN", live_servers.new_database())
+    monkeypatch.setenv("GPUSCHED_TEMPORAL_ADDRESS", live_servers.temporal_address)
+    assert main([str(tmp_path) if word == "D" else word for word in argv]) == 1
+    err = capsys.readouterr().err
+    assert "control worker" in err and "Traceback" not in err
+
+
+@pytest.mark.live
 def test_the_commands_on_a_live_stack(stack, capsys):
     s = stack(machines=1, gpus=4)
     d = ["--data-dir", str(s.data_dir)]

@@ -309,6 +309,18 @@ def test_the_workflows_histories_replay_deterministically(stack):
         s.run(replayer.replay_workflow(history))
 
 
+def test_a_job_workflow_started_under_an_id_of_its_own_is_refused_naming_the_id_it_needs(stack):
+    s = stack(machines=1)
+    prefix = s.up.settings.task_queue_prefix
+    request = JobRequest(job_id="mine", team="vision", num_gpus=1, command=["true"])
+    handle = s.run(s.client.temporal.start_workflow(
+        "JobWorkflow", request, id=prefix + "pipeline-step-7", task_queue=prefix + "gpusched-control"))
+    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    assert outcome["state"] == "failed" and prefix + job_workflow_id("mine") in outcome["reason"]
+    s.submit("mine", 1, sleeper(0))  # the id was not taken: the refused start left no job
+    assert s.wait("mine").state == "succeeded"
+
+
 @pytest.mark.parametrize("raw, words", [
     ({"job_id": "zero", "team": "vision", "num_gpus": 0, "command": ["true"]}, "num_gpus"),
     ({"job_id": "nocmd", "team": "vision", "num_gpus": 1, "command": []}, "command"),

@@ -156,6 +156,8 @@ def test_a_resumed_jobs_restart_time_is_forwarded_once(tmp_path):
     ("a job that succeeds exits 0", "print('step 1'); print('done')", 0, "done"),
     ("a job that fails keeps its exit code and last words",
      "import sys\nfor i in range(30): print(f'line {i}')\nsys.exit(3)", 3, "line 29"),
+    ("a job that writes binary keeps its last words without NUL, which Postgres cannot store",
+     "import sys\nsys.stdout.buffer.write(b'bin\\0ary\\xff\\n'); sys.exit(1)", 1, "bin\ufffdary\ufffd"),
 ])
 def test_a_finished_job_reports_its_exit_and_last_lines(tmp_path, name, code, exit_code, last_line):
     result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, job(code)))

@@ -264,10 +264,16 @@ def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_
 @pytest.mark.parametrize("request_, field, words", [
     (job("a", env={"A": "x\0y"}), "env", "NUL"),
     (job("a", command=["echo", "a\0b"]), "command", "NUL"),
+    (job("a", team="vi\0sion"), "team", "NUL"),
+    (job("a", gpu_type="H1\0"), "gpu_type", "NUL"),
+    (job("a", cluster="c\0"), "cluster", "NUL"),
     (job("a", submit_time=1.7e12), "submit_time", "epoch seconds"),
     (job("a", deadline=-5), "deadline", "epoch seconds"),
-], ids=["an environment value with a NUL", "a command word with a NUL", "a submit time in milliseconds",
-        "a negative deadline"])
+    (job("a", command=["echo", "x" * 200_000]), "command", "bytes"),
+    (job("a", env={"BIG": "x" * 200_000}), "env", "bytes"),
+], ids=["an environment value with a NUL", "a command word with a NUL", "a team with a NUL",
+        "a GPU type with a NUL", "a cluster with a NUL", "a submit time in milliseconds",
+        "a negative deadline", "a command of 200 kB", "an environment of 200 kB"])
 def test_a_request_the_database_or_a_process_could_not_take_is_refused_at_admission(store_env, request_, field, words):
     run, store = store_env
     verdict = run(store.admit(request_))
@@ -342,6 +348,32 @@ def test_an_unknown_machine_joins_the_fleet_by_heartbeat(store_env):
     snap = run(store.snapshot("c1"))
     joined = next(m for m in snap.machines if m.id == "c1/b1/r0/m0")
     assert (joined.block, joined.gpus, joined.gpu_type) == ("b1", 8, "H200")
+
+
+def test_a_machine_that_joins_missing_a_gpu_has_that_gpu_out_of_use(store_env):
+    run, store = store_env
+    run(store.machine_heartbeat("c1/b1/r0/m0", 1, [GpuReport(index=i) for i in (0, 1, 2, 3, 5)]))
+    joined = next(m for m in run(store.snapshot("c1")).machines if m.id == "c1/b1/r0/m0")
+    assert joined.gpus == 6 and set(joined.unhealthy_gpus) == {4}
+
+
+@pytest.mark.parametrize("name, machine, gpus, words", [
+    ("an unknown machine that reports no GPUs does not join", "c1/b1/r0/m0", [], "reports no GPUs"),
+    ("a GPU reported twice", "c1/b0/r0/m0", [GpuReport(index=0), GpuReport(index=0)], "GPU 0 more than once"),
+])
+def test_a_heartbeat_that_cannot_be_so_is_refused_and_changes_nothing(store_env, name, machine, gpus, words):
+    run, store = store_env
+    before = run(store.snapshot("c1")).machines
+    with pytest.raises(ValueError, match=words):
+        run(store.machine_heartbeat(machine, 1, gpus))
+    assert run(store.snapshot("c1")).machines == before
+
+
+def test_a_negative_gpu_index_is_no_gpu():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        GpuReport(index=-1)
 
 
 def test_every_decision_and_state_change_is_audited(store_env):
@@ -442,6 +474,17 @@ def test_a_late_checkpointing_mark_does_not_hide_a_requeued_job_from_the_queue(s
     run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for x"))
     assert not run(store.mark_checkpointing("a"))  # the call that came late
     assert [j.spec.job_id for j in run(store.snapshot("c1")).queue] == ["a"]
+
+
+@pytest.mark.parametrize("next_state", [JobState.failed, JobState.queued])
+def test_an_attempt_whose_reason_holds_a_nul_still_ends_and_gives_its_gpus_back(store_env, next_state):
+    """The reason carries the job's last log lines, which a binary log fills with anything."""
+    run, store = store_env
+    alloc = started(run, store)
+    run(store.end_attempt("a", alloc, EndReason.failed, 1, next_state, "the command failed:\nbin\0ary"))
+    view = run(store.job_view("a"))
+    assert view.state == next_state.value and "bin\ufffdary" in view.reason
+    assert run(store.pool.fetchval("SELECT count(*) FROM gpu_holds WHERE upper_inf(held)")) == 0
 
 
 def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):

@@ -8,7 +8,7 @@
 | POST /machines/{machine_id}/heartbeat  | an agent reports; answers the allocations live on |
 |                                        | the machine (anything else it runs is an orphan)  |
 | GET  /machines                         | the fleet with last heartbeats and GPU health     |
-| GET  /jobs?team=&state=&limit=         | the newest `limit` jobs (JobView); 422 if bad     |
+| GET  /jobs?team=&state=&limit=         | the newest `limit` (≤ 10,000) jobs; 422 if bad    |
 | GET  /jobs/{job_id}                    | one job (JobView), 404 when unknown               |
 | GET  /quotas                           | team quotas                                       |
 | POST /jobs/{job_id}/checkpoints        | an agent forwards a job's checkpoint report with  |
@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
-from activities.store import LISTEN_EVERY, GpuReport, Store
+from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
@@ -139,12 +139,21 @@ def create_app(settings: Settings) -> FastAPI:
         # A value Postgres cannot take (a NUL character, a number out of range): the caller's.
         return JSONResponse(status_code=422, content={"detail": f"a value in the request cannot be stored: {error}"})
 
+    @app.exception_handler(asyncpg.UndefinedTableError)
+    @app.exception_handler(asyncpg.UndefinedColumnError)
+    async def unmigrated(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(status_code=503, content={
+            "detail": f"the database has no gpusched schema, or an older one ({error}); {UNMIGRATED_FIX}"})
+
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         try:
-            await ctx["store"].now()
+            missing = await ctx["store"].unmigrated()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:  # a probe's answer, not a 500
             return JSONResponse(status_code=503, content={"ok": False, "detail": f"the database does not answer: {e}"})
+        if missing:
+            return JSONResponse(status_code=503, content={
+                "ok": False, "detail": f"the database lacks migrations {', '.join(missing)}; {UNMIGRATED_FIX}"})
         return JSONResponse(content={"ok": True})
 
     @app.post("/machines/{machine_id:path}/heartbeat")
@@ -161,7 +170,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/jobs")
     async def jobs(team: str | None = None, state: JobState | None = None,
-                   limit: Annotated[int, Query(ge=1)] = 1000) -> list[JobView]:
+                   limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[JobView]:
         return await ctx["store"].list_jobs(team=team, state=state.value if state else None, limit=limit)
 
     @app.get("/jobs/{job_id}")

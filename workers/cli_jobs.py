@@ -21,11 +21,12 @@ from pydantic import ValidationError
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
+from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
 from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import finite, limit, positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, NotYetAdmitted, new_job_id
-from workers.settings import load_settings, missing_stack
+from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
 
 EXIT_REFUSED = 2
@@ -131,7 +132,12 @@ def _run(args, body) -> int:
 
     async def go() -> int:
         try:
-            client = await GpuschedClient.connect(load_settings(args.data_dir))
+            settings = load_settings(args.data_dir)
+        except SettingsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_REFUSED
+        try:
+            client = await GpuschedClient.connect(settings)
         except (OSError, ConnectionError, RuntimeError) as e:
             print(f"error: cannot reach the gpusched stack ({e}); start it with `gpusched dev up` "
                   "or set GPUSCHED_* (see README)", file=sys.stderr)
@@ -150,6 +156,10 @@ def _run(args, body) -> int:
             except WorkflowUpdateRPCTimeoutOrCancelledError:  # no control worker took the change
                 print("error: no control worker answered in time; is one running? `gpusched dev status` "
                       "shows it", file=sys.stderr)
+                return EXIT_UNREACHABLE
+            except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError) as e:
+                print(f"error: the database has no gpusched schema, or an older one ({e}); {UNMIGRATED_FIX}",
+                      file=sys.stderr)
                 return EXIT_UNREACHABLE
             except asyncpg.DataError as e:  # a value the database cannot store
                 print(f"error: the database cannot store a value of this request ({e}); give a smaller "

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field
 
@@ -269,8 +269,17 @@ def _prepare_database(settings: Settings, state: StackState) -> None:
     try:
         asyncio.run(prepare())
     except Exception as e:  # a boundary: the CLI prints one line, not a traceback
-        raise StackError(f"migrating and registering the fleet in {settings.pg_dsn} failed: "
+        raise StackError(f"migrating and registering the fleet in {without_password(settings.pg_dsn)} failed: "
                          f"{type(e).__name__}: {e}") from e
+
+
+def without_password(dsn: str) -> str:
+    """The DSN as it may be printed: its password, if any, starred out."""
+    url = urlsplit(dsn)
+    if url.password is None:
+        return dsn
+    host = url.netloc.rpartition("@")[2]
+    return urlunsplit(url._replace(netloc=f"{url.username or ''}:***@{host}"))
 
 
 def _worker_commands(data_dir: Path, state: StackState,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -102,8 +103,17 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
             values[field] = os.environ[var]
     values.update({k: v for k, v in explicit.items() if v is not None})
     if isinstance(values.get("api_token"), str):
-        values["api_token"] = values["api_token"].strip() or None  # read from a file, with its newline
+        values["api_token"] = values["api_token"].strip()  # read from a file, with its newline
+        if not values["api_token"]:
+            # A secret that failed to mount: taken as "no token", the API would answer anyone
+            # and nothing would visibly break.
+            raise SettingsError("the API token (GPUSCHED_API_TOKEN or --api-token) is set but blank; give the "
+                                "token, or unset it to run the API without one")
     return Settings(**values)
+
+
+class SettingsError(ValueError):
+    """A setting given in a way no process can run with; the message names it and the fix."""
 
 
 def missing_stack(data_dir: Path | None) -> Path | None:
@@ -189,5 +199,10 @@ def add_settings_flags(parser) -> None:
 
 
 def settings_from_args(args, data_dir: Path | None) -> Settings:
+    """A process's settings from its flags; a setting it cannot run with exits 2, in words."""
     explicit = {f: getattr(args, f"setting_{f}", None) for f in _ENV}
-    return load_settings(data_dir, **explicit)
+    try:
+        return load_settings(data_dir, **explicit)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

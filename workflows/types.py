@@ -123,6 +123,9 @@ class JobRequest(WithNewFields):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# A request travels in Temporal payloads (2 MB each: the workflow's input, its status, every
+# attempt's activity input) and is stored in Postgres: bounded well below that.
+MAX_COMMAND_BYTES = 128 * 1024
 DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas.quota_of)
 LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
 
@@ -131,6 +134,9 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
     in the model: requests accepted before a check was added must still decode on replay."""
+    for field in ("team", "gpu_type", "cluster"):
+        if "\0" in (getattr(request, field) or ""):
+            return field, "holds a NUL character, which no name can carry"
     if not request.team.strip():
         return "team", "is blank; give the team's name"
     if request.team == DEFAULT_QUOTA:
@@ -152,6 +158,14 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for field, when in (("deadline", request.deadline), ("submit_time", request.submit_time)):
         if when is not None and not 0 <= when <= LATEST_EPOCH:
             return field, f"is {when:g}; give epoch seconds (e.g. {1.8e9:.0f} for 2027)"
+    size = sum(len(word.encode()) for word in request.command)
+    if size > MAX_COMMAND_BYTES:
+        return "command", (f"is {size} bytes; at most {MAX_COMMAND_BYTES} go into a job's history: "
+                           "put long arguments in a file the command reads")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+    if size > MAX_COMMAND_BYTES:
+        return "env", (f"is {size} bytes; at most {MAX_COMMAND_BYTES} go into a job's history: "
+                       "put long values in a file the job reads")
     return None
 
 

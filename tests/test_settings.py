@@ -1,0 +1,54 @@
+"""Connection settings: flags over the environment over the embedded stack's stack.json, and a
+clear refusal of a setting no process can run with."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.settings import SettingsError, load_settings
+
+
+@pytest.mark.parametrize("name, env, token", [
+    ("a token read from a file keeps no newline", {"GPUSCHED_API_TOKEN": "s3cret\n"}, "s3cret"),
+    ("no token set means an API without one", {}, None),
+    ("an empty variable counts as not set", {"GPUSCHED_API_TOKEN": ""}, None),
+])
+def test_the_api_token_is_read_from_the_environment(monkeypatch, tmp_path, name, env, token):
+    monkeypatch.delenv("GPUSCHED_API_TOKEN", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert load_settings(tmp_path).api_token == token
+
+
+@pytest.mark.parametrize("name, env, flag", [
+    ("a token variable of only whitespace (a secret that failed to mount)", {"GPUSCHED_API_TOKEN": "\n"}, None),
+    ("a blank token flag", {}, "  "),
+])
+def test_a_token_given_blank_is_refused_not_taken_for_no_token(monkeypatch, tmp_path, name, env, flag):
+    monkeypatch.delenv("GPUSCHED_API_TOKEN", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError, match="set but blank"):
+        load_settings(tmp_path, api_token=flag)
+
+
+def test_a_process_given_a_blank_token_exits_2_in_one_line(monkeypatch, tmp_path, capsys):
+    from workers import api
+
+    monkeypatch.setenv("GPUSCHED_API_TOKEN", " \n")
+    with pytest.raises(SystemExit) as exited:
+        api.main(["--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "GPUSCHED_API_TOKEN" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("dsn, shown", [
+    ("postgresql://postgres@127.0.0.1:5432/gpusched", "postgresql://postgres@127.0.0.1:5432/gpusched"),
+    ("postgresql://app:p%40ss@db.internal:5432/gpusched?sslmode=require",
+     "postgresql://app:***@db.internal:5432/gpusched?sslmode=require"),
+    ("postgresql:///gpusched", "postgresql:///gpusched"),
+])
+def test_a_database_address_is_printed_without_its_password(dsn, shown):
+    from workers.devstack import without_password
+
+    assert without_password(dsn) == shown
