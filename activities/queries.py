@@ -226,7 +226,8 @@ UNPLACE_JOB = f"""
 UPDATE jobs SET state = 'queued', reason = $2, updated_at = {NOW_EPOCH} WHERE id = $1 AND state = 'placed'"""
 ORDER_PREEMPTION = """
 UPDATE allocations SET state = 'draining', draining_until = $2, preempt_ordered_at = $3,
-    preempt_reason = $4, preempted_for = $5, preempt_end = $6, version = version + 1
+    preempt_reason = $4, preempted_for = $5, preempt_end = $6, version = version + 1,
+    orders_sent = 0, order_sent_at = NULL
 WHERE id = $1 AND state IN ('placed', 'running')"""
 WRITE_PENDING = """
 UPDATE jobs SET position = p.position, estimated_start = p.estimated_start,
@@ -237,11 +238,14 @@ WHERE jobs.id = p.job_id AND jobs.state = 'queued'"""
 FINISH_CYCLE = "UPDATE clusters SET cycle_seq = $2, earmarks = $3, last_cycle_at = $4 WHERE name = $1"
 # Orders that a job has not acted on yet: sent again (jobs take duplicates idempotently).
 UNACKED_PLACEMENTS = """
-SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at
+SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at, a.orders_sent, a.order_sent_at
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'placed' AND a.placed_at <= $2"""
 UNACKED_PREEMPTIONS = """
-SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at, a.preempt_end
+SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at, a.preempt_end,
+       a.orders_sent, a.order_sent_at
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'draining' AND a.preempt_ordered_at <= $2"""
+RECORD_ORDERS_SENT = """
+UPDATE allocations SET orders_sent = orders_sent + 1, order_sent_at = $2 WHERE id = ANY($1::bigint[])"""
 
 # --- checkpoints --------------------------------------------------------------------------------
 

@@ -61,8 +61,11 @@ class GpuReport(BaseModel):
 
 log = logging.getLogger("gpusched.store")
 Planner = Callable[[Snapshot], CycleResult]
-# Placements not acknowledged this long after the cycle that made them are sent again.
+# Orders not acted on this long after the cycle that made them are sent again, and then at
+# twice the last wait each time, up to RESEND_AT_MOST apart: a placement is taken up within
+# seconds, but a stop only when its attempt ends, a grace period later or more.
 RESEND_AFTER = 3.0
+RESEND_AT_MOST = 60.0
 # Every API process says it hears heartbeats this often; nobody saying it for LISTEN_GAP seconds
 # means the control plane was deaf, and machines' silence over that time is no evidence.
 LISTEN_EVERY = 1.0
@@ -542,12 +545,19 @@ class Store:
                       seq: int | None = None) -> CycleOutcome:
         # This cycle's own orders (made at ``now``) and the older ones still not acted on; those
         # of the last few seconds are left alone, as their first signal may be on its way.
-        def due(at: float) -> bool:
-            return (committed and at == now) or at <= now - RESEND_AFTER
+        def due(at: float, row) -> bool:
+            if committed and at == now:
+                return True
+            if row["order_sent_at"] is None:
+                return at <= now - RESEND_AFTER
+            wait = min(RESEND_AT_MOST, RESEND_AFTER * 2 ** max(0, row["orders_sent"] - 1))
+            return row["order_sent_at"] <= now - wait
 
-        placed = [r for r in await conn.fetch(q.UNACKED_PLACEMENTS, cluster, now) if due(r["placed_at"])]
+        placed = [r for r in await conn.fetch(q.UNACKED_PLACEMENTS, cluster, now) if due(r["placed_at"], r)]
         draining = [r for r in await conn.fetch(q.UNACKED_PREEMPTIONS, cluster, now)
-                    if due(r["preempt_ordered_at"])]
+                    if due(r["preempt_ordered_at"], r)]
+        if placed or draining:
+            await conn.execute(q.RECORD_ORDERS_SENT, [r["id"] for r in placed + draining], now)
         grace = rows.policy(lock).grace_period
         return CycleOutcome(
             cycle_seq=seq if committed else lock["cycle_seq"],

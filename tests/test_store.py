@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from workflows.types import EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
 _names = itertools.count()
+SHIPPED_MIGRATIONS = len(list((Path(__file__).parents[1] / "activities" / "migrations").glob("*.sql")))
 
 
 def machines(n: int = 2, gpus: int = 4, cluster: str = "c1") -> list[Machine]:
@@ -59,7 +61,8 @@ def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []
     versions = run(store.pool.fetch("SELECT version FROM schema_migrations ORDER BY version"))
-    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6]
+    assert [r["version"] for r in versions] == list(range(1, SHIPPED_MIGRATIONS + 1))
+    assert run(store.unmigrated()) == []
 
 
 def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each_migration_once(live_servers):
@@ -77,7 +80,7 @@ def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each
 
     applied, versions = asyncio.run(scenario())
     assert sorted(name for names in applied for name in names) == sorted(set(n for names in applied for n in names))
-    assert len([n for names in applied for n in names]) == len(versions) == 6
+    assert len([n for names in applied for n in names]) == len(versions) == SHIPPED_MIGRATIONS
 
 
 @pytest.mark.parametrize("request_, field, words", [
@@ -228,9 +231,27 @@ def test_unacknowledged_placements_are_sent_again_in_later_cycles(store_env):
     run, store = store_env
     run(store.admit(job("a")))
     first = run(store.plan_cycle("c1", 1, run_cycle))
-    run(store.pool.execute("UPDATE allocations SET placed_at = placed_at - 10"))
+    run(store.pool.execute("UPDATE allocations SET placed_at = placed_at - 10, order_sent_at = order_sent_at - 10"))
     again = run(store.plan_cycle("c1", 2, run_cycle))
     assert [p.signal.allocation_id for p in again.placements] == [first.placements[0].signal.allocation_id]
+
+
+@pytest.mark.parametrize("sent, ago, again", [
+    (1, 2.0, False), (1, 4.0, True),  # after the first send: 3 s
+    (3, 11.0, False), (3, 13.0, True),  # then twice as long each time: 12 s after the third
+    (12, 55.0, False), (12, 65.0, True),  # and never more than a minute apart
+])
+def test_a_stop_not_acted_on_is_sent_again_less_and_less_often(store_env, sent, ago, again):
+    """A stop is acted on only when its attempt ends, a grace period or more later: sent every
+    cycle it would spend its job workflow's signal and history limits on copies."""
+    run, store = store_env
+    alloc = started(run, store)
+    run(store.plan_cycle("c1", 2, stop("a")))
+    run(store.pool.execute("UPDATE allocations SET orders_sent = $2, order_sent_at = "
+                           "extract(epoch from now()) - $3, preempt_ordered_at = preempt_ordered_at - 100 "
+                           "WHERE id = $1", alloc, sent, ago))
+    resent = run(store.plan_cycle("c1", 3, run_cycle)).preemptions
+    assert [p.signal.allocation_id for p in resent] == ([alloc] if again else [])
 
 
 def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store_env):
