@@ -123,22 +123,55 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement],
 
 def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gone: list[RunningJob],
           wanted: frozenset[str] | None) -> dict[str, float]:
-    """The estimate's walk from this cycle's decisions: estimated starts by job id."""
+    """The estimate's walk from this cycle's decisions: estimated starts by job id.
+
+    Earmarked GPUs are promised: a claimant starts on its own as its victims leave them (the
+    walk does not preempt, so it is answered here), and holds them for its expected run; a
+    mover holds its new GPUs for the rest of its run. Nobody else is given them back."""
     now, config, cap = snapshot.now, snapshot.config, state.cap
     walked = cap.clone()
     for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
         walked.give_held(cap.masks_of(job))
+    restart = config.expected_restart_s
+    promised = {slot: job_id for job_id, earmark in state.earmarks.items() for slot in earmark.gpus}
+    leave_at: dict[str, float] = {}  # per earmark holder: when the last of its GPUs is left
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
+        if promised and any(slot in promised for slot in job.gpus):
+            for slot in job.gpus:
+                holder = promised.get(slot)
+                if holder is not None:
+                    leave_at[holder] = max(leave_at.get(holder, now), at)
+            kept = [slot for slot in job.gpus if slot not in promised]
+            releases.append(eta.Release(at, kept, job.spec.team, job.spec.num_gpus))
+            continue
         releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines, cap.masks_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
-        at = now + eta.remaining_work(job, config.expected_restart_s)
+        at = now + eta.remaining_work(job, restart)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
-    return eta.estimate_starts(
+    claimants: dict[str, float] = {}
+    waiting = []
+    for job, _ in state.waiting:
+        earmark = state.earmarks.get(job.spec.job_id)
+        if earmark is None:
+            waiting.append(job)
+            continue
+        start = claimants[job.spec.job_id] = leave_at.get(job.spec.job_id, now)
+        releases.append(eta.Release(start + eta.remaining_work(job, restart), earmark.gpus, job.spec.team,
+                                    job.spec.num_gpus))
+    for job in state.running:
+        earmark = state.earmarks.get(job.spec.job_id)
+        if earmark is not None:
+            # A mover: it restarts on its new GPUs as it leaves its old ones (whose release gives
+            # its team's count back), then runs out its estimate.
+            leaves = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
+            rest = job.model_copy(update={"draining_until": None}).expected_end(now) - now
+            releases.append(eta.Release(leaves + max(rest, eta.MIN_RUN) + restart, earmark.gpus, job.spec.team, 0))
+    starts = eta.estimate_starts(
         walked,
         releases,
-        [job for job, _ in state.waiting],
+        waiting,
         state.usage,
         now,
         starvation_threshold=config.starvation_threshold,
@@ -147,8 +180,11 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
         keep_whole=state.keep_whole,
         wanted=wanted,
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
-        restart=config.expected_restart_s,
+        restart=restart,
     )
+    if claimants:
+        starts.update(claimants if wanted is None else {k: v for k, v in claimants.items() if k in wanted})
+    return starts
 
 
 def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:

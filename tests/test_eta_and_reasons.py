@@ -7,6 +7,7 @@ import itertools
 import pytest
 from builders import (
     NOW,
+    after_preemption,
     cycle,
     filler,
     fleet,
@@ -15,6 +16,7 @@ from builders import (
     pending,
     pending_order,
     placements,
+    preempted,
     running,
     snapshot,
 )
@@ -334,3 +336,44 @@ WORDS_IDS = [
 @pytest.mark.parametrize("said,expected", WORDS_CASES, ids=WORDS_IDS)
 def test_times_and_counts_in_reasons_read_as_words(said, expected):
     assert said == expected
+
+
+# --- earmarked GPUs: promised, so the walk gives them to nobody else ---------------------------
+
+
+def _claim(extra_queue=()):
+    """H (8 GPUs, high) preempts L off machine 0, whose other 4 GPUs are free; machine 1 is
+    held for 20,000 s. No reserved pool: on two machines it would keep one whole for H."""
+    low = running(job("L").gpus(4).priority("low").team("x").expected(90000)).on(M[0], range(4)).started(0)
+    snap = snapshot(fleet(machines=2), running=[low, filler("F", M[1], range(8), expected=NOW + 20000)],
+                    queue=[job("H").gpus(8).priority("high").expected(3600).submitted(NOW), *extra_queue],
+                    reserved_pool_fraction=0)
+    return snap, cycle(snap)
+
+
+def test_a_job_that_preempts_is_estimated_to_start_as_its_victims_grace_ends():
+    snap, result = _claim()
+    assert preempted(result) == ["L"]
+    assert pending(result)["H"].estimated_start == NOW + 120
+    draining = cycle(after_preemption(snap, result, now=NOW + 10, victims_gone=False))
+    assert pending(draining)["H"].estimated_start == NOW + 120
+
+
+def test_the_gpus_earmarked_for_a_claimant_are_not_estimated_to_go_to_the_next_job():
+    snap, result = _claim([job("J").gpus(4).priority("low").team("y").expected(600).submitted(NOW + 1)])
+    assert preempted(result) == ["L"]
+    # Not on L's GPUs as its grace ends (they are H's), but once H has run its hour.
+    assert pending(result)["J"].estimated_start == NOW + 120 + 3600
+
+
+def test_a_moved_jobs_new_gpus_are_estimated_back_when_it_has_run_out_its_estimate_there():
+    """G (6 GPUs) has waited long enough to have `a` moved off machine 0 onto machine 1's free
+    half; `a` has outrun its estimate, so it is expected to need a fifth of it again (1,000 s)."""
+    a = running(job("a").gpus(4).expected(5000)).on(M[0], range(4)).started(0)
+    b = running(job("b").gpus(4).expected(90000)).on(M[1], range(4)).started(0)
+    queue = [job("G").gpus(6).expected(3600).submitted(NOW - 100),
+             job("K").gpus(4).priority("low").expected(600).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=2), running=[a, b], queue=queue, now=NOW + 200, reserved_pool_fraction=0))
+    assert [(p.job_id, {m for m, _ in p.moved_to}) for p in result.preemptions] == [("a", {M[1]})]
+    assert pending(result)["G"].estimated_start == NOW + 200 + 120
+    assert pending(result)["K"].estimated_start == NOW + 200 + 120 + 1000
