@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from scheduler import consolidation, eta, in_words, placement, preemption, reservation
-from scheduler.capacity import Capacity
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
 from scheduler.models import (
     Earmark,
     GpuSlot,
@@ -60,7 +60,7 @@ class Admission:
     running: list[RunningJob]
     now: float
     config: PolicyConfig
-    keep_whole: float  # the reserved pool's share while a large job waits, else 0
+    keep_whole: KeepWhole  # the reserved pool: whole machines kept per pool for the large jobs waiting
     draining_for: dict[str, list[RunningJob]]  # claimant -> its victims still draining
     # decisions
     placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
@@ -70,6 +70,7 @@ class Admission:
     earmarks: dict[str, Earmark] = field(default_factory=dict)
     earmark_free: dict[str, list[GpuSlot]] = field(default_factory=dict)  # taken out of capacity
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)  # in queue order
+    wake_at: list[float] = field(default_factory=list)  # when decisions put off are to be taken again
     # remembered within the cycle
     no_fit: set[tuple] = field(default_factory=set)
     no_victims: set[tuple] = field(default_factory=set)
@@ -97,7 +98,7 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
     usage.preemptible = lambda job: preemption.protection(job, now, config) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
-        keep_whole=config.reserved_pool_fraction if _pool_would_serve(cap, queue, config) else 0.0,
+        keep_whole=_reserved_pool(cap, queue, config),
         draining_for=_draining_for(running), going=set(leaving),
     )
     _hold_earmarks(snapshot, state)
@@ -151,9 +152,13 @@ def admit(state: Admission, job: QueuedJob) -> None:
     avoid = _held_against(job, state.holds, state.now, state.config.expected_restart_s)
     # A job just like one that already came out at step h, with nothing decided since, fares the
     # same: it waits for the same reason. This keeps a long queue of blocked jobs cheap.
-    starving = state.now - job.queued_since >= state.config.starvation_threshold
-    like = (_shape(job), spec.team, spec.priority, avoid, starving, len(state.placed),
-            len(state.earmarks), len(state.holds), len(state.preemptions))
+    # (How long it has waited counts: past the consolidation wait a job may have others moved
+    # for it, past the starvation threshold hold a reservation; a job queued just now, sorted
+    # ahead, may do neither.)
+    waited = state.now - job.queued_since
+    like = (_shape(job), spec.team, spec.priority, avoid, waited >= state.config.starvation_threshold,
+            waited >= state.config.consolidation_wait, len(state.placed), len(state.earmarks), len(state.holds),
+            len(state.preemptions))
     if like in state.settled and spec.job_id not in state.draining_for:
         state.waiting.append((job, state.settled[like]))
         return
@@ -246,16 +251,36 @@ def _shape(job: QueuedJob) -> tuple:
     return (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind)
 
 
-def _pool_would_serve(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) -> bool:
-    """Whether a waiting job needs whole machines and the reserved pool alone could host it.
+def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) -> KeepWhole:
+    """Per pool, the whole machines small jobs must leave whole: the reserved pool's share of
+    the pool's machines, where some waiting job needs whole machines of it and those alone
+    could host it.
 
-    A job bigger than the pool waits for its reservation instead; keeping the pool idle for it
-    would only waste GPUs."""
-    size = cap.gpus_per_machine
-    if size == 0:
-        return False
-    pool_gpus = math.ceil(config.reserved_pool_fraction * len(cap.machines)) * size
-    return any(size <= j.spec.num_gpus <= pool_gpus for j in queue)
+    A job bigger than a pool's reserve waits for its reservation instead, and one that may not
+    run on the pool (another partition or GPU type) never uses it: keeping machines idle for
+    them would only waste GPUs."""
+    fraction = config.reserved_pool_fraction
+    if not fraction or cap.gpus_per_machine == 0:
+        return NO_RESERVE
+    reserves = {pool.key: math.ceil(fraction * len(pool.members)) for pool in cap.pools.values()}
+    smallest = min((key.gpus for key in reserves), default=0)
+    kept: dict = {}
+    asked: set[tuple] = set()
+    for job in queue:
+        spec = job.spec
+        if spec.num_gpus < smallest:
+            continue
+        shape = (spec.kind, spec.gpu_type, spec.gpu_memory_gb, spec.num_gpus)
+        if shape in asked:
+            continue
+        asked.add(shape)
+        for pool in cap.eligible_pools(spec):
+            reserve = reserves[pool.key]
+            if pool.key.gpus <= spec.num_gpus <= reserve * pool.key.gpus:
+                kept[pool.key] = reserve
+        if len(kept) == len(reserves):
+            break
+    return kept or NO_RESERVE
 
 
 def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
@@ -297,6 +322,8 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if _frees_up_soon(state, spec, avoid):
         state.waiting.append((job, "enough GPUs are expected to free up within half the grace period; "
                                    "waiting for them instead of preempting"))
+        # If they have not by then (estimates are wrong both ways), the claimant preempts.
+        state.wake_at.append(now + config.grace_period / 2 + 1.0)
         return True
     exposed = _exposed(state)
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
@@ -320,6 +347,12 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if choice is None:
         state.no_victims.add(key)
         return False
+    if not choice.victims:
+        # Room the reserved pool kept whole, all free: it starts there now, displacing nobody.
+        cap.take(choice.gpus)
+        usage.add(spec.team, spec.num_gpus)
+        state.placed.append((job, choice.gpus, False))
+        return True
     _promise_claimant(state, spec, choice.gpus)
     for victim in choice.victims:
         state.going.add(victim.spec.job_id)
@@ -332,12 +365,8 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
             )
         )
     names = ", ".join(v.spec.job_id for v in choice.victims)
-    if not names:
-        state.waiting.append((job, "GPUs the reserved pool kept whole are earmarked for it, as it may displace "
-                                   "work instead; starts in the next cycle"))
-    else:
-        state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
-                                   f"{config.grace_period:.0f} s)"))
+    state.waiting.append((job, f"preempting {names}; starts when they have checkpointed (grace "
+                               f"{config.grace_period:.0f} s)"))
     return True
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from bisect import insort
 from dataclasses import dataclass, field
 from operator import is_
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 from typing import Iterable, Sequence
 
 from scheduler.models import INFERENCE_PARTITION, GpuSlot, JobKind, JobSpec, Machine, RunningJob, Topology
@@ -24,6 +25,12 @@ class PoolKey(NamedTuple):
     gpu_type: str
     gpu_memory_gb: float
     gpus: int
+
+
+# The reserved pool: per pool, how many of its whole machines small jobs must leave whole (none
+# where no waiting job could use them).
+KeepWhole = Mapping[PoolKey, int]
+NO_RESERVE: KeepWhole = MappingProxyType({})
 
 
 @dataclass(eq=False)  # a pool is itself: compared by identity, fast in `in` tests
@@ -123,7 +130,9 @@ class Grouping(NamedTuple):
 
     job: RunningJob
     layout: Layout
-    counts: list[tuple[int, int]]  # (machine, how many of its GPUs)
+    # (machine, how many of its GPUs would come back when it ends: those the machine can give
+    # out again, so none on a sick GPU or on a machine that takes no work)
+    counts: list[tuple[int, int]]
     masks: list[tuple[int, int]]  # (machine, its GPUs held, as a bit mask)
     complete: bool  # every GPU is on a usable machine
 
@@ -147,12 +156,10 @@ def _grouped(layout: Layout, job: RunningJob) -> Grouping:
             grouped.setdefault(i, []).append(gpu)
     if len(_job_gpus) > 100_000:
         _job_gpus.clear()
-    entry = Grouping(
-        job, layout,
-        [(i, len(gpus)) for i, gpus in grouped.items()],
-        [(i, sum(1 << g for g in set(gpus))) for i, gpus in grouped.items()],
-        sum(map(len, grouped.values())) == len(job.gpus),
-    )
+    masks = [(i, sum(1 << g for g in set(gpus))) for i, gpus in grouped.items()]
+    healthy = layout.healthy_mask
+    counts = [(i, n) for i, mask in masks if (n := (mask & healthy[i]).bit_count())]
+    entry = Grouping(job, layout, counts, masks, sum(map(len, grouped.values())) == len(job.gpus))
     _job_gpus[id(job)] = entry
     return entry
 
@@ -362,7 +369,7 @@ class Capacity:
         return ("cluster",) * len(self.machines)
 
     def machines_of(self, job: RunningJob) -> list[tuple[int, int]]:
-        """(machine, GPU count) of a running job's usable GPUs."""
+        """(machine, GPU count) of the GPUs a running job gives back to use when it ends."""
         return _grouped(self.layout, job).counts
 
     def slots_on(self, i: int, count: int) -> list[GpuSlot]:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from scheduler import placement
 from scheduler.preemption import placement_without
-from scheduler.capacity import Capacity
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
 from scheduler.models import GpuSlot, JobSpec, RunningJob, Topology
 
 
@@ -85,7 +85,7 @@ def plan_move(
     now: float,
     avoid: frozenset[int],
     going: set[str],
-    keep_whole: float = 0.0,
+    keep_whole: KeepWhole = NO_RESERVE,
     max_tries: int = 8,
     reserved: frozenset[int] = frozenset(),
 ) -> Consolidation | None:
@@ -148,7 +148,7 @@ def plan_move(
 
 
 def _try(cap: Capacity, claimant: JobSpec, domain: frozenset[int], movers: list[RunningJob],
-         avoid: frozenset[int], landing_avoid: frozenset[int], keep_whole: float) -> Consolidation | None:
+         avoid: frozenset[int], landing_avoid: frozenset[int], keep_whole: KeepWhole) -> Consolidation | None:
     """Place the movers outside the domain, then the claimant in it; undo all if either fails."""
     moves: list[Move] = []
     elsewhere = landing_avoid | domain

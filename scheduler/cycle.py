@@ -188,23 +188,27 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
 
 
 def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
-    """Only what could change a decision: a large job reaching the starvation threshold, or a
-    protection ending on a job that some waiting job would be allowed to displace."""
+    """Only what could change a decision: a large job reaching the starvation threshold, a job
+    reaching the consolidation wait with room to be made for it, a protection ending on a job
+    that some waiting job would be allowed to displace, or a decision put off until a time."""
     if not state.waiting:
         return None
     now, config, cap, usage = snapshot.now, snapshot.config, state.cap, state.usage
     # One pass over the waiting jobs: large ones reaching the starvation threshold, the classes
     # waiting, and each team's smallest waiting job (a team reclaims if that one fits under its
     # guarantee: one question per team, not per job).
-    times = []
+    times = list(state.wake_at)
     classes = set()
     smallest: dict[str, int] = {}
     big, threshold = cap.gpus_per_machine, config.starvation_threshold
+    moves, wait = config.max_consolidations > 0, config.consolidation_wait
     for job, _ in state.waiting:
         spec = job.spec
         n = spec.num_gpus
         if n >= big:
             times.append(job.queued_since + threshold)
+        if moves and n > 1 and job.queued_since + wait > now and cap.total_free(cap.eligible_pools(spec)) >= n:
+            times.append(job.queued_since + wait)  # idle GPUs enough, but scattered: a move may help
         classes.add(spec.priority)
         if n < smallest.get(spec.team, n + 1):
             smallest[spec.team] = n

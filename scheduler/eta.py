@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
-from scheduler.capacity import Capacity
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import GpuSlot, QueuedJob, Topology
 from scheduler.placement import NO_AVOID, picks_for
@@ -98,7 +98,7 @@ def estimate_starts(
     starvation_threshold: float,
     max_holds: int,
     horizon: float,
-    keep_whole: float = 0.0,
+    keep_whole: KeepWhole = NO_RESERVE,
     wanted: Collection[str] | None = None,
     arrivals: ArrivalLoad | None = None,
     restart: float = 0.0,

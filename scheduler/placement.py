@@ -19,7 +19,7 @@ import math
 from typing import Iterable, Sequence
 
 from scheduler import in_words
-from scheduler.capacity import Capacity, Pool
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, Pool
 from scheduler.models import GpuSlot, JobSpec, Topology
 
 NO_AVOID: frozenset[int] = frozenset()
@@ -34,7 +34,7 @@ def find_gpus(
     spec: JobSpec,
     *,
     avoid: frozenset[int] = NO_AVOID,
-    keep_whole: float = 0.0,
+    keep_whole: KeepWhole = NO_RESERVE,
 ) -> tuple[GpuSlot, ...] | None:
     """The GPUs this job should get now, or None if it cannot start. Does not take them."""
     picks = find_picks(cap, spec, avoid=avoid, keep_whole=keep_whole)
@@ -48,7 +48,7 @@ def find_picks(
     spec: JobSpec,
     *,
     avoid: frozenset[int] = NO_AVOID,
-    keep_whole: float = 0.0,
+    keep_whole: KeepWhole = NO_RESERVE,
 ) -> list[tuple[int, int]] | None:
     """Where the job should go, as (machine, GPU count) picks, or None if it cannot start."""
     return picks_for(cap, cap.fit_terms(spec), spec.num_gpus, avoid, keep_whole)
@@ -59,7 +59,7 @@ def picks_for(
     terms: tuple[list[Pool], int, Topology],
     n: int,
     avoid: frozenset[int] = NO_AVOID,
-    keep_whole: float = 0.0,
+    keep_whole: KeepWhole = NO_RESERVE,
 ) -> list[tuple[int, int]] | None:
     """`find_picks` for a job of n GPUs whose fit terms (`Capacity.fit_terms`) are known: the
     estimate keeps them per shape of job and asks thousands of times a cycle."""
@@ -87,13 +87,13 @@ def picks_for(
 
 
 def best_machine(
-    cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int], keep_whole: float
+    cap: Capacity, pools: Sequence[Pool], n: int, avoid: frozenset[int], keep_whole: KeepWhole
 ) -> int | None:
-    """`keep_whole` is the fraction of each pool's machines that small jobs must leave whole."""
+    """`keep_whole`: how many whole machines of each pool small jobs must leave whole."""
     best: tuple[int, int] | None = None
     for pool in pools:
         size = pool.key.gpus
-        reserve = math.ceil(keep_whole * len(pool.members)) if keep_whole else 0
+        reserve = keep_whole.get(pool.key, 0) if keep_whole else 0
         for count in range(n, size + 1):
             bucket = pool.buckets[count]
             if not bucket:
@@ -109,11 +109,11 @@ def best_machine(
     return None if best is None else best[1]
 
 
-def _reserved_whole(pools: Sequence[Pool], n: int, keep_whole: float) -> frozenset[int]:
+def _reserved_whole(pools: Sequence[Pool], n: int, keep_whole: KeepWhole) -> frozenset[int]:
     """Whole machines a small job may not break into, pool by pool."""
     kept: set[int] = set()
     for pool in pools:
-        if n < pool.key.gpus and pool.whole_machines <= math.ceil(keep_whole * len(pool.members)):
+        if n < pool.key.gpus and pool.whole_machines <= keep_whole.get(pool.key, 0):
             kept |= pool.buckets[pool.key.gpus]
     return frozenset(kept)
 

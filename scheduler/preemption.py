@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
 from scheduler import in_words
-from scheduler.capacity import Capacity
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
 from scheduler.models import JobSpec, PolicyConfig, RunningJob, Topology
 from scheduler.placement import find_gpus, resolved_topology
 from scheduler.quotas import TeamUsage
@@ -175,9 +175,21 @@ def choose_victims(
     pools = cap.eligible_pools(claimant)
     if not pools or not ranked:
         return None
-    pool_of = cap.pool_of
     topology = resolved_topology(cap, claimant)
-    domain_of = cap.domains(_scope(topology, claimant.num_gpus, pools))
+    scope = _scope(topology, claimant.num_gpus, pools)
+    choice = _search(cap, claimant, ranked, avoid, leaving, pools, scope)
+    if choice is None and scope != topology:
+        # A job that may go anywhere is first given room on one machine; failing that, room
+        # made across machines still lets it start.
+        choice = _search(cap, claimant, ranked, avoid, leaving, pools, topology)
+    return choice
+
+
+def _search(cap: Capacity, claimant: JobSpec, ranked: Sequence[tuple[tuple, RunningJob]], avoid: frozenset[int],
+            leaving: Collection[str], pools, scope: Topology) -> VictimChoice | None:
+    """`choose_victims` within places of one kind: machines, blocks, or the whole cluster."""
+    pool_of = cap.pool_of
+    domain_of = cap.domains(scope)
 
     free_in: dict[object, int] = {}
     for pool in pools:
@@ -230,7 +242,8 @@ def choose_victims(
 
 
 def _scope(topology: Topology, n: int, pools) -> Topology:
-    """Where the job's GPUs must all be: one machine, one block, or anywhere."""
+    """Where room is looked for first: where the job's GPUs must all be (one machine, one
+    block), and for one that may go anywhere, one machine when it fits on one."""
     largest = max(p.key.gpus for p in pools)
     if topology == Topology.machine or (topology == Topology.any and n <= largest):
         return Topology.machine
@@ -238,7 +251,7 @@ def _scope(topology: Topology, n: int, pools) -> Topology:
 
 
 def placement_without(cap: Capacity, claimant: JobSpec, victims: Sequence[RunningJob], avoid: frozenset[int],
-                      keep_whole: float = 0.0):
+                      keep_whole: KeepWhole = NO_RESERVE):
     """Simulate the victims gone, try the real placement, and undo."""
     slots = [slot for v in victims for slot in v.gpus if slot[0] in cap.index]
     slots = [s for s in slots if s[1] not in cap.free[cap.index[s[0]]]]

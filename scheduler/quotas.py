@@ -95,9 +95,11 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
         over = held[team] - usage.quota(team).guaranteed
         if over <= 0:
             continue
-        # Preemptible jobs first, each group most recently started first. Whether a job is
+        # First the jobs that can be given back now and fit in what the team holds beyond its
+        # guarantee (reclaimed, they leave it at its guarantee, not below: it would reclaim in
+        # turn); then the rest. Each group most recently started first. Whether a job is
         # preemptible is asked only of the jobs looked at: most of a team's jobs never are.
-        protected = []
+        rest = []
         # Most recently started first, then by id: two sorts on plain keys (the second keeps
         # the first's order among equal starts), cheaper than one on a built key.
         jobs.sort(key=_JOB_ID)
@@ -105,12 +107,12 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
         for job in jobs:
             if over <= 0:
                 break
-            if usage.preemptible(job):
+            if job.spec.num_gpus <= over and usage.preemptible(job):
                 borrowed.add(job.spec.job_id)
                 over -= job.spec.num_gpus
             else:
-                protected.append(job)
-        for job in protected:
+                rest.append(job)
+        for job in rest:
             if over <= 0:
                 break
             borrowed.add(job.spec.job_id)

@@ -129,3 +129,21 @@ def test_no_mover_lands_on_machines_held_for_a_starving_job():
                                                           job("C").gpus(6).expected(300).submitted(NOW - 600)]))
     landed = {m for p in result.preemptions for m, _ in p.moved_to}
     assert not landed & {M0, M1}, landed
+
+
+def test_a_job_that_has_waited_long_enough_is_moved_for_though_a_like_job_just_requeued_went_first():
+    """R, requeued 10 s ago, sorts first (it was submitted earlier) and may not have jobs moved
+    for it yet; J, alike in all but how long it has waited, may, and is not given R's answer."""
+    requeued = job("R").gpus(6).priority("low").submitted(NOW - 1000).queued(
+        since=NOW - 10, progress=500, preemptions=[NOW - 10])
+    waited = _claimant(n=6).queued()
+    run = [filler("f0", M0, range(4)), _mover("m", M1, range(4))]
+    snap = snapshot(fleet(machines=2), running=run, queue=[requeued, waited])
+    assert preempted(cycle(snap)) == ["m"]
+
+
+def test_a_gang_job_with_scattered_room_is_looked_at_again_when_it_reaches_the_consolidation_wait():
+    early = cycle(_scattered(_mover(), _claimant(since=NOW - 100)))
+    assert not preempted(early) and early.next_wake == NOW + 200
+    assert preempted(cycle(_scattered(_mover(), _claimant(since=NOW - 100)).model_copy(
+        update={"now": NOW + 200}))) == ["m"]

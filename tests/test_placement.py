@@ -285,3 +285,32 @@ def test_partly_used_machines_still_take_small_jobs_while_the_pool_is_kept():
     run = [_busy(mid(0, 0, 1), 6), _busy(mid(0, 0, 2), 8)]
     result = cycle(snapshot(fleet(machines=3), running=run, queue=[BIG, job("small").gpus(2).submitted(NOW)]))
     assert machines_of(placements(result)["small"].gpus) == {mid(0, 0, 1)}
+
+
+def _two_pools(big):
+    """Machines 0-1 of block 0: training H100s (m0 busy, m1 whole); machine 0 of block 5: busy,
+    of another pool (inference, or A100s)."""
+    other = (fleet(first_block=5, machines=1, partition="inference") if big.spec().kind.value == "inference"
+             else fleet(first_block=5, machines=1, gpu_type="A100"))
+    run = [_busy(mid(0, 0, 0), 8), _busy(mid(5, 0, 0), 8)]
+    queue = [big, job("small").gpus(2).submitted(NOW + 1)]
+    return snapshot(fleet(machines=2) + other, running=run, queue=queue, reserved_pool_fraction=0.01)
+
+
+@pytest.mark.parametrize("big", [job("big").gpus(8).inference().submitted(NOW),
+                                 job("big").gpus(8).gpu_type("A100").submitted(NOW)],
+                         ids=["an inference job", "a job for another GPU type"])
+def test_a_big_job_that_cannot_run_on_a_pool_keeps_none_of_its_machines_whole(big):
+    assert "small" in placements(cycle(_two_pools(big)))
+
+
+def test_the_reserved_pool_is_sized_per_pool_not_by_the_whole_cluster():
+    """Two pools of 150 machines: each keeps ceil(1% of 150) = 2 whole, 16 GPUs; a 24-GPU job
+    fits neither pool's reserve, so it waits for a reservation and keeps nothing whole."""
+    h100 = fleet(racks=10, machines=15)
+    a100 = fleet(first_block=1, racks=10, machines=15, gpu_type="A100")
+    whole = {(0, 0, 0), (1, 0, 0), (1, 0, 1)}  # one H100 and two A100 machines are whole
+    run = [_busy(m.id, 8) for m in h100 + a100 if (int(m.block[1:]), int(m.rack[1:]), int(m.id.split("/m")[-1])) not in whole]
+    queue = [job("big").gpus(24).submitted(NOW), job("small").gpus(2).gpu_type("H100").submitted(NOW + 1)]
+    result = cycle(snapshot(h100 + a100, running=run, queue=queue, reserved_pool_fraction=0.01))
+    assert "small" in placements(result)

@@ -16,6 +16,7 @@ from builders import (
     placements,
     preempted,
     running,
+    silent,
     snapshot,
 )
 
@@ -127,6 +128,11 @@ WORKS_CASES = [
      job("claim").gpus(16).priority("critical").submitted(NOW), {"l0", "l1"}),
     (fleet(machines=2), [running(job("gang").gpus(16).priority("low")).on(M0, range(8)).on(M1, range(8))], CRIT, {"gang"}),
     (fleet(machines=2), [_run("l0", M0, range(6)), _guard(M0, range(6, 8)), _guard(M1)], CRIT, set()),
+    (fleet(machines=2), [_run("a", M0, [0]), _guard(M0, range(1, 8)), _guard(M1, range(5))],
+     job("claim").gpus(4).priority("critical").topology("any").submitted(NOW), {"a"}),
+    (fleet(machines=2), [_run("b", M0, [3], started=NOW - 5000), _guard(M0, range(4, 8)),
+                         _run("a", M1, [0], started=NOW - 1000), _guard(M1, range(1, 8))],
+     job("claim").gpus(4).priority("critical").topology("any").submitted(NOW), {"b"}),
 ]
 WORKS_IDS = [
     "two low jobs freeing 4 GPUs on each of two machines are not preempted for an 8-GPU machine job",
@@ -136,6 +142,8 @@ WORKS_IDS = [
     "two low jobs in one block are preempted for a 16-GPU block job, the third stays",
     "a gang spanning two machines is preempted whole, and one Preemption names it",
     "a low job whose GPUs cannot complete a machine for the claimant is left alone",
+    "a job that may go anywhere preempts one GPU that completes room across two machines",
+    "a job that may go anywhere is given room on one machine first, though another victim comes first",
 ]
 
 
@@ -313,15 +321,14 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
 
 def test_a_claimant_gets_the_reserved_pool_s_free_gpus_rather_than_displace_anyone():
     # The reserved pool keeps m0 whole while the 8-GPU job waits; the high 1-GPU job, entitled to
-    # displace r0, has a free GPU of m0 earmarked instead, nobody loses work, and it says so.
+    # displace r0, starts on a free GPU of m0 instead: at once, and nobody loses work.
     snap = snapshot(fleet(machines=2, gpus=8), reserved_pool_fraction=0.005,
                     running=[_run("r0", M1, started=0)],
                     queue=[job("small").gpus(1).priority("high").submitted(9000),
                            job("big").gpus(8).priority("low").submitted(9000)])
     result = cycle(snap)
-    assert not result.preemptions
-    assert [machines_of(e.gpus) for e in result.earmarks if e.job_id == "small"] == [{M0}]
-    assert "the reserved pool kept whole are earmarked for it" in pending(result)["small"].reason
+    assert not result.preemptions and not result.earmarks
+    assert machines_of(placements(result)["small"].gpus) == {M0}
 
 
 def test_a_team_s_maximum_counts_the_gpus_promised_to_its_waiting_jobs():
@@ -334,3 +341,29 @@ def test_a_team_s_maximum_counts_the_gpus_promised_to_its_waiting_jobs():
     result = cycle(snap)
     assert len(preempted(result)) == 1
     assert "at its maximum (0 of 8 GPUs held, 8 promised to its waiting jobs)" in pending(result)["q2"].reason
+
+
+# --- a machine that takes no work (its agent owes an answer) frees nothing for anyone -----------
+
+
+def test_a_job_on_a_machine_taking_no_work_is_not_preempted_for_room_it_cannot_give():
+    machines = silent(fleet(machines=3), mid(0, 0, 0))
+    run = [_run(f"l{i}", mid(0, 0, i), started=NOW - 1000 - 1000 * i) for i in range(3)]  # l0 the newest
+    result = cycle(snapshot(machines, running=run, queue=[job("claim").gpus(16).priority("critical").submitted(NOW)]))
+    assert set(preempted(result)) == {"l1", "l2"}
+
+
+def test_a_claimant_does_not_wait_for_a_job_ending_on_a_machine_taking_no_work():
+    machines = silent(fleet(machines=2), M0)
+    run = [filler("ending", M0, range(8), expected=NOW + 30), _run("low", M1)]
+    result = cycle(snapshot(machines, running=run, queue=[CRIT]))
+    assert preempted(result) == ["low"]
+
+
+def test_a_claimant_waiting_for_jobs_expected_to_end_is_looked_at_again_as_that_half_grace_ends():
+    """Estimates are wrong both ways: if the job that should have ended has not, the claimant
+    displaces it then, not whenever something else happens."""
+    result = cycle(snapshot(fleet(machines=2), running=[_ENDING, _guard(M1)], queue=[CRIT]))
+    assert not preempted(result) and result.next_wake == NOW + 60 + 1
+    later = cycle(snapshot(fleet(machines=2), running=[_ENDING, _guard(M1)], queue=[CRIT], now=NOW + 61))
+    assert preempted(later) == ["ending"]

@@ -133,12 +133,17 @@ def test_borrowed_jobs_are_the_newest_beyond_the_guarantee(guaranteed, jobs, bor
         (4, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], {"a", "c"}, {"b", "c"}),
         (8, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], {"a", "b", "c"}, {"c"}),
         (4, [("a", 4, 0), ("b", 4, 50), ("c", 4, 100)], set(), {"b", "c"}),
+        (8, [("old", 8, 0), ("new", 4, 100)], {"new"}, {"new"}),
+        (8, [("old", 4, 0), ("new", 8, 100)], set(), {"old"}),
     ],
     ids=[
         "a protected newest job is passed over for the preemptible one",
         "when the preemptible jobs do not cover the excess, the protected ones count too, newest first",
         "with every job protected, the newest are borrowed",
         "with none protected, the newest are borrowed",
+        "a preemptible job bigger than the excess is not borrowed: given back, it would leave the team below "
+        "its guarantee",
+        "the newest job, bigger than the excess, is passed over for an older one that fits it",
     ],
 )
 def test_borrowed_jobs_are_the_preemptible_ones_first(guaranteed, jobs, protected, borrowed):
