@@ -78,7 +78,7 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
 from jobkit import RESTORED_REPORT
-from workflows.types import RunJobInput, RunJobResult
+from workflows.types import AGENT_SHUTDOWN, RunJobInput, RunJobResult
 
 log = logging.getLogger("gpusched.node")
 
@@ -91,7 +91,7 @@ REPORT_EVERY = 0.2  # seconds between looks into a running job's report director
 TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
 _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
-AGENT_SHUTDOWN = "AgentShutdown"  # the ApplicationError type when the agent stops a job on exit
+
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
 LOG_CHECK_EVERY = 5.0  # seconds between looks at a running job's log size

@@ -55,14 +55,20 @@ def reachable_sql(timeout: str, gap: str) -> str:
 
 # A machine owes an answer from its agent while its latest heartbeat is older than the latest
 # attempt that ended there for want of it.
-TAKES_WORK = "(m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false))"
+TAKES_WORK = f"""(m.accepting_work AND coalesce(m.unpicked_until <= {NOW_EPOCH}, true)
+    AND (m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false)))"""
 MARK_SILENT = f"""
 UPDATE machines SET silent_since = {NOW_EPOCH}
 WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
   AND coalesce(last_heartbeat < {NOW_EPOCH} - $2, true)"""
 
+# The machine of the allocation whose agent did not pick its attempt up.
+MARK_UNPICKED = f"""
+UPDATE machines SET unpicked_until = {NOW_EPOCH} + $3
+WHERE id = $2 AND id IN (SELECT machine_id FROM gpu_holds WHERE allocation_id = $1)"""
+
 RECORD_HEARTBEAT = f"""
-UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2 WHERE id = $1"""
+UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2, accepting_work = $3 WHERE id = $1"""
 SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
 # A known machine may come back with more GPUs (a repaired one) or fewer (one its driver lost):
 # new ones join; ones it no longer reports stay (holds refer to them) but are unusable.

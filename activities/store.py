@@ -74,6 +74,10 @@ LISTEN_GAP = 3.0
 # has been quiet this long (over two of its 2 s heartbeat intervals): the gang's other machines,
 # or the machine of a job that died of its GPU, have heard from their agents just now.
 QUIET_S = 5.0
+# How long a machine takes no new work after an attempt placed there was not picked up though
+# its agent heartbeated (the agent's worker does not poll): long enough for the jobs to go
+# elsewhere, short enough that a passing hiccup costs little capacity.
+UNPICKED_COOL_DOWN = 300.0
 
 
 class Store:
@@ -140,7 +144,8 @@ class Store:
                            m.gpu_memory_gb, m.partition)
         await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
 
-    async def machine_heartbeat(self, machine_id: str, pid: int | None, gpus: list[GpuReport]) -> list[int]:
+    async def machine_heartbeat(self, machine_id: str, pid: int | None, gpus: list[GpuReport],
+                                accepting_work: bool = True) -> list[int]:
         """Record that the machine's agent is alive and how its GPUs are; a machine not seen
         before joins the fleet (its topology is its id, ``cluster/block/rack/machine``). Returns
         the allocations live on the machine: the agent kills any process not among them."""
@@ -158,7 +163,7 @@ class Store:
             if gpus:  # a heartbeat without GPUs says nothing about them
                 await conn.execute(q.ADD_REPORTED_GPUS, machine_id, reported)
                 await conn.execute(q.MARK_UNREPORTED_GPUS, machine_id, reported)
-            await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid)
+            await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid, accepting_work)
             await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])
             return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]
 
@@ -386,9 +391,11 @@ class Store:
         return [rows.checkpoint_view(r) for r in await self.pool.fetch(q.JOB_CHECKPOINTS, job_id)]
 
     async def end_attempt(self, job_id: str, allocation_id: int | None, end: EndReason,
-                          exit_code: int | None, next_state: JobState, reason: str) -> None:
+                          exit_code: int | None, next_state: JobState, reason: str,
+                          machine_id: str | None = None) -> None:
         """Give the attempt's GPUs back and move the job on: to the queue again (``queued``)
-        or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds."""
+        or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds.
+        ``machine_id``: the machine whose agent failed the attempt, when known."""
         # The reason carries the job's last log lines: a NUL there (an older agent's tail of a
         # binary log) would make Postgres refuse this call on every retry, the GPUs held.
         reason = reason.replace("\0", "\ufffd")
@@ -402,6 +409,10 @@ class Store:
                     ended = True
                     if end in (EndReason.machine_failure, EndReason.not_started):
                         await conn.execute(q.MARK_SILENT, alloc, QUIET_S)
+                    if end is EndReason.not_started and machine_id is not None:
+                        # Named by the workflow that saw its run not picked up (an allocation
+                        # given back for want of its workflow names none: no agent is at fault).
+                        await conn.execute(q.MARK_UNPICKED, alloc, machine_id, UNPICKED_COOL_DOWN)
                     await conn.execute(q.RELEASE_HOLDS, alloc)
                     await conn.execute(q.AUDIT, None, job_id, "released", end.value,
                                        json.dumps({"allocation_id": alloc, "exit_code": exit_code}))

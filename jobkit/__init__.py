@@ -108,8 +108,11 @@ after it started or after an unscheduled save. ``next_due()`` gives that time.
 A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1) shares one checkpoint prefix: let one
 process (node rank 0) save, or each save would take its own sequence number and be reported.
 
-Exit codes: this module calls no ``sys.exit``. The convention for gpusched jobs is ``EXIT_STOPPED``
-(0) after saving on SIGTERM; the agent treats any exit after SIGTERM as "stopped".
+Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
+``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
+"stopped"); ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL) when what the job needs is not
+there now, ``CheckpointStoreUnreachable`` at ``restore()`` say: the job is queued again as an
+infrastructure failure (five in a row fail it), not failed as its own.
 """
 
 from __future__ import annotations
@@ -131,12 +134,15 @@ from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import unquote, urlparse
 
 __all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointStoreUnreachable", "EXIT_STOPPED",
-           "seq_key"]
+           "EXIT_RETRY_LATER", "seq_key"]
 
 log = logging.getLogger("jobkit")
 
 EXIT_STOPPED = 0
 """Exit code of a job that saved its checkpoint after SIGTERM and stopped."""
+EXIT_RETRY_LATER = 75
+"""Exit code of a job that cannot run for now for want of the infrastructure (its checkpoint
+store unreachable): gpusched queues it again (workflows.types.EXIT_RETRY_LATER)."""
 
 MAX_WRITE_TRIES = 20
 CHUNK = 8 * 1024 * 1024

@@ -397,7 +397,7 @@ def test_the_heartbeat_reports_each_gpu_and_the_running_allocations(tmp_path):
 
     devices = FakeDevices(2, gpu_type="H200", memory_gb=141, fault_file=tmp_path / "f.json")
     inject_fault(tmp_path / "f.json", 1, "ecc_uncorrectable")
-    assert heartbeat_payload(123, devices.inventory(), devices.health(), [9, 4]) == {
+    assert heartbeat_payload(123, devices.inventory(), devices.health(), [9, 4], accepting_work=False) == {
         "pid": 123,
         "gpus": [
             {"index": 0, "gpu_type": "H200", "memory_gb": 141.0, "healthy": True, "faults": []},
@@ -405,6 +405,7 @@ def test_the_heartbeat_reports_each_gpu_and_the_running_allocations(tmp_path):
              "faults": ["ecc_uncorrectable"]},
         ],
         "running_allocations": [4, 9],
+        "accepting_work": False,
     }
 
 

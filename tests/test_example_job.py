@@ -143,6 +143,16 @@ def test_a_corrupted_resume_checkpoint_is_refused(tmp_path):
     assert rc == 1 and "corrupted" in out[-1], out
 
 
+def test_a_resume_from_a_checkpoint_store_that_does_not_answer_exits_75_to_be_queued_again():
+    """Nothing is wrong with the job nor its checkpoint: it asks to run again later
+    (jobkit.EXIT_RETRY_LATER), instead of failing as if its command had."""
+    rc, out = run_to_end(["--steps", "10", "--step-seconds", "0"], job_env(
+        GPUSCHED_RESUME_FROM="s3://bucket/checkpoints/j/0000000001", GPUSCHED_RESUME_SEQ="1",
+        GPUSCHED_S3_ENDPOINT="http://127.0.0.1:9", GPUSCHED_S3_ACCESS_KEY="k", GPUSCHED_S3_SECRET_KEY="s",
+        GPUSCHED_S3_RETRY_S="1"), timeout=60)
+    assert rc == 75 and "cannot resume" in out[-1], out
+
+
 def test_fail_at_step_exits_3():
     rc, out = run_to_end(["--steps", "10", "--step-seconds", "0", "--fail-at-step", "4"], job_env())
     assert rc == 3, out

@@ -137,3 +137,30 @@ def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_de
     view = s.wait("long", timeout=60)
     assert view.state == "succeeded" and len(view.attempts) == 1, [a.end_reason for a in view.attempts]
     assert all(m.reachable for m in s.run(s.client.store.snapshot("c1")).machines)
+
+
+IGNORES_SIGTERM = [sys.executable, "-c",
+                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+
+
+def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_counted_a_failure(stack):
+    """The agent heartbeats on through its jobs' grace as it shuts down, but its worker no longer
+    polls: a job placed there meanwhile would not be picked up, and go back, until it failed."""
+    import threading
+
+    s = stack(machines=1, gpus=2, policy={"min_runtime": 0, "grace_period": 10})
+    s.submit("stubborn", 1, IGNORES_SIGTERM)
+    s.submit("quick", 1, sleeper(8))
+    s.until(lambda: {s.status("stubborn").state, s.status("quick").state} == {"running"}, timeout=30)
+    agent = machine_component("c1/b0/r0/m0")
+    stopping = threading.Thread(target=devstack.stop_component, args=(s.data_dir, agent))
+    stopping.start()
+    s.until(lambda: s.status("quick").state == "queued", timeout=20)
+    stopping.join(timeout=60)  # "stubborn" kept the agent up for its grace
+    assert [a.end_reason for a in s.status("quick").attempts] == ["machine_failure"]
+    assert s.status("quick").state == "queued"
+    devstack.start_component(s.data_dir, agent)
+    view = s.wait("quick", timeout=60)
+    assert view.state == "succeeded", view.reason
+    assert [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
+    s.run(s.client.cancel("stubborn"))

@@ -57,6 +57,18 @@ def test_a_job_with_retries_runs_its_failed_command_again_until_its_retries_are_
     assert len(requeued) == 1 and "exit code 3 (retry 1 of 1)" in requeued[0]["reason"]
 
 
+def test_a_job_that_exits_75_is_queued_again_without_retries_and_five_in_a_row_fail_it(stack):
+    """Exit 75 (jobkit.EXIT_RETRY_LATER): what the job needs is not there now, its checkpoint
+    store say. Not the command's own failure, so no retries are needed; but it is no loop either."""
+    s = stack(machines=1)
+    later = "import os, sys; print('store unreachable'); sys.exit(75 if os.environ['GPUSCHED_ATTEMPT'] == '1' else 0)"
+    s.submit("later", 1, [sys.executable, "-c", later])
+    s.submit("never", 1, [sys.executable, "-c", "import sys; sys.exit(75)"])
+    view, never = s.wait("later"), s.wait("never", timeout=90)
+    assert view.state == "succeeded" and [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
+    assert never.state == "failed" and len(never.attempts) == 5 and "5 infrastructure failures" in never.reason
+
+
 def test_a_queued_job_is_cancelled_without_ever_running(stack):
     s = stack(machines=1)
     s.submit("blocker", 4, sleeper(30))

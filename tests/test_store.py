@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.store import GpuReport, Store
+from activities.store import UNPICKED_COOL_DOWN, GpuReport, Store
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
@@ -341,7 +341,40 @@ def test_a_machine_whose_agent_owes_an_answer_takes_no_work_until_it_heartbeats(
     if not takes_work:
         assert [h.machine_id for h in again.signal.hosts] != [machine], "placed back where nobody answers"
     run(store.machine_heartbeat(machine, 1, [GpuReport(index=i) for i in range(4)]))
+    run(store.pool.execute("UPDATE machines SET unpicked_until = NULL"))  # not_started's cool-down: below
     assert all(m.takes_work for m in run(store.snapshot("c1")).machines)
+
+
+def _takes_work(run, store) -> dict[str, bool]:
+    return {m.id: m.takes_work for m in run(store.snapshot("c1")).machines}
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["the machine the workflow names is held out",
+                                                      "no machine when none is named (a placement nobody took up)"])
+def test_a_machine_whose_agent_heartbeats_but_picked_an_attempt_up_not_takes_no_work_for_a_while(store_env, named):
+    """Its worker does not poll (another task queue, no way to Temporal): its heartbeats say
+    nothing of that, so they do not end the cool-down."""
+    run, store = store_env
+    alloc = started(run, store, gpus=4)
+    [machine] = {g.rsplit("/", 1)[0] for g in run(store.job_view("a")).attempts[0].gpus}
+    run(store.end_attempt("a", alloc, EndReason.not_started, None, JobState.queued, "requeued: not picked up",
+                          machine if named else None))
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i) for i in range(4)]))
+    assert _takes_work(run, store) == {m.id: m.id != machine or not named for m in machines()}
+    run(store.pool.execute("UPDATE machines SET unpicked_until = unpicked_until - $1", UNPICKED_COOL_DOWN))
+    assert all(_takes_work(run, store).values())
+
+
+def test_a_machine_whose_agent_says_it_takes_no_work_is_given_none(store_env):
+    run, store = store_env
+    m0, m1 = (m.id for m in machines())
+    run(store.machine_heartbeat(m0, 1, [GpuReport(index=i) for i in range(4)], accepting_work=False))
+    assert _takes_work(run, store) == {m0: False, m1: True}
+    run(store.admit(job("a", gpus=4)))
+    [placed] = run(store.plan_cycle("c1", 1, run_cycle)).placements
+    assert [h.machine_id for h in placed.signal.hosts] == [m1]
+    run(store.machine_heartbeat(m0, 1, [GpuReport(index=i) for i in range(4)]))  # an agent from before: it does
+    assert _takes_work(run, store) == {m0: True, m1: True}
 
 
 def test_a_gpu_reported_unhealthy_is_marked_alone(store_env):

@@ -18,10 +18,14 @@ What it does, in order:
 5. Heartbeats every interval: ``POST {api}/machines/{machine_id}/heartbeat`` with the body of
    ``heartbeat_payload``. The answer's ``live_allocations``, when present, lists the
    allocations the scheduler holds here; a local process of any other is an orphan and is
-   stopped (it is confirmed over two heartbeats first, so one odd answer kills nothing).
-6. On SIGTERM/SIGINT: shuts the worker down, which stops each job with its grace (capped by
-   ``--grace-period``) and fails its attempt with ``AgentShutdown``; heartbeats continue until
-   the jobs are gone. A second signal kills the jobs at once.
+   stopped (it is confirmed over two heartbeats first, so one odd answer kills nothing). Each
+   says whether the machine takes work (``accepting_work``): not before the worker polls, not
+   while Temporal does not answer its health check (every ``TEMPORAL_CHECK_EVERY`` s), and not
+   from a shutdown on; the scheduler places nothing on it meanwhile.
+6. On SIGTERM/SIGINT: says at once that it takes no more work, then shuts the worker down, which
+   stops each job with its grace (capped by ``--grace-period``) and fails its attempt with
+   ``AgentShutdown``; heartbeats continue until the jobs are gone. A second signal kills the
+   jobs at once.
 """
 
 from __future__ import annotations
@@ -57,19 +61,22 @@ REGISTER_WITHIN = 30.0  # seconds to wait for the API before serving anyway
 HEARTBEAT_THROTTLE = 2.0  # seconds between activity heartbeats sent to Temporal, at most: a stop
 # (preemption, cancel) reaches the job with the next one, so this bounds how late it learns of it
 CONNECT_WITHIN = 60.0  # seconds to wait for Temporal before giving up (the supervisor restarts us)
+TEMPORAL_CHECK_EVERY = 15.0  # seconds between health checks of Temporal (one RPC; cheap fleet-wide)
+TEMPORAL_CHECK_TIMEOUT = 5.0
 
 
 def heartbeat_payload(pid: int, inventory: list[GpuInfo], health: list[GpuHealth],
-                      running_allocations: list[int]) -> dict:
-    """The body of a machine heartbeat: each GPU as it is and how it is, and the allocations
-    with a live process here."""
+                      running_allocations: list[int], accepting_work: bool = True) -> dict:
+    """The body of a machine heartbeat: each GPU as it is and how it is, the allocations with a
+    live process here, and whether the agent takes new work."""
     by_index = {h.index: h for h in health}
     gpus = []
     for info in inventory:
         h = by_index.get(info.index, GpuHealth(index=info.index, healthy=True, faults=[]))
         gpus.append({"index": info.index, "gpu_type": info.gpu_type, "memory_gb": info.memory_gb,
                      "healthy": h.healthy, "faults": list(h.faults)})
-    return {"pid": pid, "gpus": gpus, "running_allocations": sorted(running_allocations)}
+    return {"pid": pid, "gpus": gpus, "running_allocations": sorted(running_allocations),
+            "accepting_work": accepting_work}
 
 
 def checkpoint_env(settings: Settings) -> dict[str, str]:
@@ -191,8 +198,14 @@ class Agent:
         self.url = heartbeat_url(settings.api_url, machine_id)
         self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2), headers=api_headers(settings))
         self._api_ok: bool | None = None
-        self._kills: set[asyncio.Task] = set()  # references, so the tasks are not collected
+        self._tasks: set[asyncio.Task] = set()  # references, so the tasks are not collected
         self._killing: set[int] = set()
+        self.serving = False  # the worker polls, and no shutdown has begun
+        self.temporal_ok = True  # Temporal answered the last health check
+
+    @property
+    def accepting_work(self) -> bool:
+        return self.serving and self.temporal_ok
 
     # -- heartbeats -------------------------------------------------------------------------
 
@@ -217,7 +230,7 @@ class Agent:
         """One heartbeat; the response, or None when the API could not be reached. ``reap``:
         count the allocations the answer does not hold toward stopping them as orphans."""
         running = self.node.live_allocations()
-        payload = heartbeat_payload(os.getpid(), self.inventory, await self.health(), running)
+        payload = heartbeat_payload(os.getpid(), self.inventory, await self.health(), running, self.accepting_work)
         try:
             response = await self.http.post(self.url, json=payload)
         except httpx.HTTPError as err:
@@ -248,8 +261,8 @@ class Agent:
             if alloc in self.node.processes and alloc not in self._killing:
                 self._killing.add(alloc)
                 task = asyncio.create_task(self._kill_orphan(alloc))
-                self._kills.add(task)
-                task.add_done_callback(self._kills.discard)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _kill_orphan(self, alloc: int) -> None:
         log.warning("allocation %d is no longer held by the scheduler: stopping its process "
@@ -285,6 +298,35 @@ class Agent:
             except Exception:
                 log.exception("heartbeat failed")
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
+
+    def stop_taking_work(self) -> None:
+        """From now on every heartbeat says the machine takes no work, the first at once."""
+        self.serving = False
+        self._beat_now()
+
+    def _beat_now(self) -> None:
+        task = asyncio.create_task(self.heartbeat(reap=False))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def watch_temporal(self, client, stop: asyncio.Event) -> None:
+        """Ask Temporal's health every TEMPORAL_CHECK_EVERY s: an agent that reaches the API but
+        not Temporal must not take work its worker cannot pick up."""
+        while not stop.is_set():
+            try:
+                ok = await asyncio.wait_for(client.service_client.check_health(), TEMPORAL_CHECK_TIMEOUT)
+            except Exception as err:  # unreachable, timed out, refused: all the same here
+                ok, why = False, repr(err)
+            else:
+                why = "it answered not serving"
+            if ok != self.temporal_ok:
+                if ok:
+                    log.info("Temporal answers again: taking work")
+                else:
+                    log.warning("Temporal does not answer its health check (%s): taking no work", why)
+                self.temporal_ok = ok
+                self._beat_now()
+            await _sleep_or_stop(stop, TEMPORAL_CHECK_EVERY)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -371,6 +413,7 @@ async def serve(args: argparse.Namespace) -> int:
             node.kill_all_now()
             os._exit(1)
         log.info("%s: shutting down (jobs get their grace)", signal.Signals(signum).name)
+        agent.stop_taking_work()
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -378,6 +421,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     beats: asyncio.Task | None = None
     pruning: asyncio.Task | None = None
+    watching: asyncio.Task | None = None
     worker_task: asyncio.Task | None = None
     code = 0
     try:
@@ -408,7 +452,10 @@ async def serve(args: argparse.Namespace) -> int:
         worker_task = asyncio.create_task(worker.run())
         while not worker.is_running and not worker_task.done():
             await asyncio.sleep(0.05)
-        if worker.is_running:
+        if worker.is_running and not stop.is_set():
+            agent.serving = True
+            agent._beat_now()
+            watching = asyncio.create_task(agent.watch_temporal(client, stop))
             mark_ready(data_dir, component)
             log.info("serving %s", settings.agent_task_queue(args.machine_id))
         stop_wait = asyncio.create_task(stop.wait())
@@ -429,6 +476,8 @@ async def serve(args: argparse.Namespace) -> int:
             beats.cancel()
         if pruning is not None:
             pruning.cancel()
+        if watching is not None:
+            watching.cancel()
         ready_path(data_dir, component).unlink(missing_ok=True)
         await agent.close()
         log.info("agent of %s stopped", args.machine_id)

@@ -60,6 +60,9 @@ class Heartbeat(BaseModel):
     pid: int | None = None
     gpus: list[GpuReport] = Field(default_factory=list)
     running_allocations: list[AllocationId] = Field(default_factory=list)
+    # False while the agent cannot take attempts up: starting, shutting down, or cut off from
+    # Temporal. Agents from before it send nothing: they take work.
+    accepting_work: bool = True
 
 
 class HeartbeatReply(BaseModel):
@@ -159,7 +162,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/machines/{machine_id:path}/heartbeat")
     async def heartbeat(machine_id: str, beat: Heartbeat) -> HeartbeatReply:
         try:
-            live = await ctx["store"].machine_heartbeat(machine_id, beat.pid, beat.gpus)
+            live = await ctx["store"].machine_heartbeat(machine_id, beat.pid, beat.gpus, beat.accepting_work)
         except ValueError as e:
             raise HTTPException(status_code=422, detail=str(e)) from None
         return HeartbeatReply(live_allocations=live)

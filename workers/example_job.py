@@ -26,7 +26,8 @@ Output (stdout, one line each, flushed)::
 
 Exit codes: 0 done, or stopped on SIGTERM after its checkpoint (jobkit.EXIT_STOPPED); 3
 ``--fail-at-step`` was reached (step K is not completed); 1 the checkpoint on SIGTERM failed, or
-the resume checkpoint is unusable; 2 bad arguments.
+the resume checkpoint is unusable; 75 the checkpoint store is unreachable at resume
+(jobkit.EXIT_RETRY_LATER: gpusched queues the job again); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from jobkit import EXIT_STOPPED, CheckpointError, Checkpointer
+from jobkit import EXIT_RETRY_LATER, EXIT_STOPPED, CheckpointError, Checkpointer, CheckpointStoreUnreachable
 
 FORMAT = "gpusched-example-job/1"
 INITIAL_STATE = hashlib.sha256(b"gpusched example-job").digest()
@@ -168,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
             step, state = decode(raw)
     except CheckpointError as e:
         print(f"example-job: cannot resume from {ck.resume_from}: {e}", file=sys.stderr, flush=True)
-        return EXIT_CHECKPOINT_FAILED
+        # An unreachable store is no fault of the job's: queued again, it resumes once the store is back.
+        return EXIT_RETRY_LATER if isinstance(e, CheckpointStoreUnreachable) else EXIT_CHECKPOINT_FAILED
     if raw is None:
         say(f"example-job: starting at step {step} (fresh)")
     else:

@@ -27,7 +27,9 @@ from temporalio.common import RetryPolicy
 with workflow.unsafe.imports_passed_through():
     from workflows.types import Abandoned, CycleInput, CycleOutcome, Reconcile, SchedulerInput, job_workflow_id
 
-CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=60),
+# A cycle takes well under a second; a control worker killed in the middle of one is noticed
+# only at this timeout, and until then the cluster gets no decisions.
+CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=20),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
                                            maximum_interval=timedelta(seconds=5)))
 

@@ -25,13 +25,15 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair
-from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from scheduler.models import Priority
     from workflows.types import (
+        AGENT_SHUTDOWN,
+        EXIT_RETRY_LATER,
         Admission,
         AttemptGrant,
         EndAttempt,
@@ -58,7 +60,8 @@ PRIORITY_CLASS = SearchAttributeKey.for_keyword("PriorityClass")
 CLUSTER = SearchAttributeKey.for_keyword("Cluster")
 GPU_COUNT = SearchAttributeKey.for_int("GpuCount")
 
-STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=30),
+# One store call each (milliseconds): a control worker that dies during one is noticed at this timeout.
+STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=15),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200),
                                            maximum_interval=timedelta(seconds=5)))
 # How long a placed attempt may wait for its agent to pick it up, and how long an agent may be
@@ -66,8 +69,11 @@ STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=30),
 AGENT_PICKUP = timedelta(seconds=30)
 AGENT_HEARTBEAT = timedelta(seconds=10)
 RUN_LIMIT = timedelta(days=14)
-# Infrastructure failures (not the job's own exit code) an attempt may meet before the job fails.
+# Infrastructure failures (not the job's own exit code) in a row before the job fails: an
+# attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a
+# long job meets a machine's death now and then without anything being wrong with it.
 MAX_INFRA_FAILURES = 5
+INFRA_STREAK_RESET = timedelta(minutes=30)
 LOG_LINES_IN_REASON = 10
 
 
@@ -88,6 +94,8 @@ class JobWorkflow:
         self.cancel_reason: str | None = None
         self.infra_failures = 0
         self.failures = 0  # attempts the command itself failed (its own non-zero exit)
+        self.attempt_began = None  # when this attempt's processes were asked to start
+        self.failed_host: str | None = None  # the machine whose agent failed this attempt
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -204,6 +212,7 @@ class JobWorkflow:
                            grant: AttemptGrant) -> tuple[EndReason, int | None, JobState, str]:
         alloc = placement.allocation_id
         hosts = placement.hosts
+        self.attempt_began, self.failed_host = workflow.now(), None
         runs = [
             workflow.start_activity(
                 "run_job",
@@ -243,7 +252,7 @@ class JobWorkflow:
 
         await workflow.wait_condition(lambda: stop_asked() or failed_run() or all(r.done() for r in runs))
         if failed_run() or all(r.done() for r in runs):
-            return await self._ended(runs)
+            return await self._ended(runs, [h.machine_id for h in hosts])
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
         preempt = self.preempts.get(alloc)
         if preempt is not None and preempt.end_reason is EndReason.preempted and self.cancel_reason is None:
@@ -264,13 +273,14 @@ class JobWorkflow:
         self._publish()
         return EndReason.preempted, None, JobState.queued, f"preempted: {preempt.reason}"
 
-    async def _ended(self, runs) -> tuple[EndReason, int | None, JobState, str]:
+    async def _ended(self, runs, machines: list[str]) -> tuple[EndReason, int | None, JobState, str]:
         """How an attempt ended on its own: all processes done, or one failed (then the rest of
         the gang is stopped, as a gang runs whole or not at all)."""
-        for r in runs:
+        for r, machine in zip(runs, machines):
             if not r.done() or r.exception() is None:
                 continue
             await self._stop(runs)
+            self.failed_host = machine
             return self._infra_failure(r.exception())
         failed = [r.result() for r in runs if r.done() and r.result().exit_code != 0]
         if failed:
@@ -283,6 +293,11 @@ class JobWorkflow:
                 return self._count_infra_failure(
                     EndReason.machine_failure, f"it died ({how}) on a failing GPU ({', '.join(sick)})")
             lines = "\n".join(result.last_log_lines[-LOG_LINES_IN_REASON:])
+            if result.exit_code == EXIT_RETRY_LATER and workflow.patched("exit-75-requeues"):
+                # The job's way of saying that what it needs is not there now (its checkpoint
+                # store unreachable): queued again, not the job's own failure.
+                return self._count_infra_failure(
+                    EndReason.machine_failure, f"the command could not run for now (exit code 75):\n{lines}")
             self.failures += 1
             if self.failures <= self.request.max_retries:
                 # The user asked for retries (a crash in the job's own code or libraries, NCCL
@@ -295,6 +310,12 @@ class JobWorkflow:
 
     def _infra_failure(self, error: BaseException) -> tuple[EndReason, int | None, JobState, str]:
         cause = error.cause if isinstance(error, ActivityError) else error
+        if (isinstance(cause, ApplicationError) and cause.type == AGENT_SHUTDOWN
+                and workflow.patched("agent-shutdown-not-counted")):
+            # A restart or drain of the agent (stopped with the grace to checkpoint): planned,
+            # and no fault of the job's; counting it would fail long jobs over routine upgrades.
+            return (EndReason.machine_failure, None, JobState.queued,
+                    "requeued: its machine's agent shut down (a restart or drain)")
         if isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
             end, why = EndReason.not_started, "its machine's agent did not pick the attempt up"
         elif isinstance(cause, TimeoutError):
@@ -304,6 +325,9 @@ class JobWorkflow:
         return self._count_infra_failure(end, why)
 
     def _count_infra_failure(self, end: EndReason, why: str) -> tuple[EndReason, int | None, JobState, str]:
+        if (self.attempt_began is not None and workflow.now() - self.attempt_began >= INFRA_STREAK_RESET
+                and workflow.patched("infra-failures-in-a-row")):
+            self.infra_failures = 0
         self.infra_failures += 1
         if self.infra_failures >= MAX_INFRA_FAILURES:
             return end, None, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures)"
@@ -321,7 +345,7 @@ class JobWorkflow:
         await workflow.execute_activity(
             "end_attempt",
             EndAttempt(job_id=self.job_id, allocation_id=allocation_id, end_reason=end, exit_code=exit_code,
-                       next_state=next_state, reason=reason),
+                       next_state=next_state, reason=reason, machine_id=self.failed_host),
             **STORE_CALL,
         )
         self.state = next_state

@@ -126,6 +126,11 @@ class JobRequest(WithNewFields):
 # A request travels in Temporal payloads (2 MB each: the workflow's input, its status, every
 # attempt's activity input) and is stored in Postgres: bounded well below that.
 MAX_COMMAND_BYTES = 128 * 1024
+# The agent's error type when it stops a job because it shuts down (activities/node.py).
+AGENT_SHUTDOWN = "AgentShutdown"
+# A job's exit code for "what I need is not there now" (sysexits' EX_TEMPFAIL; jobkit's
+# EXIT_RETRY_LATER): queued again as an infrastructure failure, not counted as the job's own.
+EXIT_RETRY_LATER = 75
 DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas.quota_of)
 LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
 
@@ -381,6 +386,7 @@ class EndAttempt(Model):
     exit_code: int | None = None
     next_state: JobState  # queued (to run again) or a terminal state
     reason: str
+    machine_id: str | None = None  # the machine whose agent failed the attempt, when one did
 
 
 class JobStateChange(Model):
