@@ -74,6 +74,14 @@ RUN_LIMIT = timedelta(days=14)
 # long job meets a machine's death now and then without anything being wrong with it.
 MAX_INFRA_FAILURES = 5
 INFRA_STREAK_RESET = timedelta(minutes=30)
+
+
+def infra_failures_with(before: int, ran_for: timedelta | None) -> int:
+    """The job's infrastructure failures in a row once its attempt, which ran ``ran_for``
+    (None: it never started), has failed for want of its machine or agent."""
+    if ran_for is not None and ran_for >= INFRA_STREAK_RESET:
+        return 1
+    return before + 1
 LOG_LINES_IN_REASON = 10
 
 
@@ -325,10 +333,11 @@ class JobWorkflow:
         return self._count_infra_failure(end, why)
 
     def _count_infra_failure(self, end: EndReason, why: str) -> tuple[EndReason, int | None, JobState, str]:
-        if (self.attempt_began is not None and workflow.now() - self.attempt_began >= INFRA_STREAK_RESET
-                and workflow.patched("infra-failures-in-a-row")):
-            self.infra_failures = 0
-        self.infra_failures += 1
+        if workflow.patched("infra-failures-in-a-row"):
+            ran = None if self.attempt_began is None else workflow.now() - self.attempt_began
+            self.infra_failures = infra_failures_with(self.infra_failures, ran)
+        else:
+            self.infra_failures += 1
         if self.infra_failures >= MAX_INFRA_FAILURES:
             return end, None, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures)"
         return end, None, JobState.queued, f"requeued: {why}"
