@@ -193,6 +193,10 @@ class NodeActivities:
         # Results of recently ended allocations: a retry of an activity whose first attempt the
         # server gave up on (agent partitioned) gets the real result instead of a second run.
         self.finished: OrderedDict[int, RunJobResult] = OrderedDict()
+        # Ended runs whose processes outlived SIGKILL and its wait (stuck in the kernel: a hung
+        # file system, the driver): (their processes, their GPU indices). Their GPUs are
+        # reported sick until they are gone, so no job is placed beside them.
+        self.lingering: dict[int, tuple[RunProcesses, list[int]]] = {}
         self._unforwarded: set[Path] = set()  # reports already said to be unforwardable
         self.remember_finished = remember_finished
         # One directory per machine: the dev stack runs many agents over one log directory,
@@ -295,6 +299,22 @@ class NodeActivities:
 
     def live_allocations(self) -> list[int]:
         return sorted(self.processes)
+
+    def lingering_gpus(self) -> set[int]:
+        """The GPUs of ended runs whose processes are still alive; forgets those now gone."""
+        gpus: set[int] = set()
+        for alloc, (members, indices) in list(self.lingering.items()):
+            if members.alive():
+                gpus.update(indices)
+                continue
+            del self.lingering[alloc]
+            log.info("allocation %d: the processes that outlived SIGKILL are gone; GPUs %s are free again",
+                     alloc, ",".join(map(str, indices)))
+            try:
+                (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
+        return gpus
 
     async def kill_allocation(self, allocation_id: int, grace: float) -> RunJobResult | None:
         """Stop an allocation's process (SIGTERM, ``grace``, SIGKILL); None if it has none."""
@@ -551,10 +571,17 @@ class NodeActivities:
             if result is None and run.members is not None:
                 run.members.signal(signal.SIGKILL)  # the watcher itself was cancelled
             self.processes.pop(alloc, None)
-            try:
-                (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
-            except OSError as err:
-                log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
+            if run.members is not None and run.members.alive():
+                # Its pid file stays too: an agent started after this one reaps them.
+                gpus = [g.index for g in run.req.gpus]
+                self.lingering[alloc] = (run.members, gpus)
+                log.error("allocation %d: processes outlived SIGKILL; GPUs %s are reported sick until "
+                          "they are gone", alloc, ",".join(map(str, gpus)))
+            else:
+                try:
+                    (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+                except OSError as err:
+                    log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
             if result is not None:
                 self.finished[alloc] = result
                 while len(self.finished) > self.remember_finished:

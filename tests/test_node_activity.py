@@ -830,3 +830,34 @@ def test_a_checkpoint_report_is_sent_again_unless_the_control_plane_judged_it(na
         assert result["committed"] is False and "HTTP 404" in result["reason"], name
     else:
         assert run(scenario()) == answer, name
+
+
+# -- processes that outlive SIGKILL ---------------------------------------------------------------
+
+
+def test_a_run_whose_processes_outlive_sigkill_keeps_its_gpus_reported_sick_until_they_are_gone(tmp_path, monkeypatch):
+    """A process stuck in the kernel (a hung file system, the driver) survives SIGKILL for a
+    while: the run ends, but its GPUs must not look free to the next job."""
+    import activities.run_processes as rp
+
+    stuck = {"alive": True}
+    real_alive = rp.RunProcesses.alive
+    monkeypatch.setattr(rp, "KILL_WAIT", 0.1)
+    monkeypatch.setattr(rp.RunProcesses, "alive", lambda self: stuck["alive"] or real_alive(self))
+    node = node_in(tmp_path)
+    result = run(ActivityEnvironment().run(node.run_job, job("print('done')", gpus=[GpuGrant(index=1, path="c1/b0/r0/m0/1")])))
+    assert result.exit_code == 0
+    assert node.lingering_gpus() == {1}
+    assert list(node.pid_dir.glob("1.json")), "kept for an agent started after this one to reap"
+    stuck["alive"] = False
+    assert node.lingering_gpus() == set() and not list(node.pid_dir.glob("1.json"))
+
+
+def test_a_gpu_that_an_ended_jobs_processes_still_hold_is_reported_sick():
+    from workers.agent import LINGERING, with_lingering
+    from workers.devices import GpuHealth
+
+    health = [GpuHealth(index=0, healthy=True), GpuHealth(index=1, healthy=False, faults=["xid:79"])]
+    assert with_lingering(health, set()) == health
+    assert with_lingering(health, {0, 1}) == [GpuHealth(index=0, healthy=False, faults=[LINGERING]),
+                                              GpuHealth(index=1, healthy=False, faults=["xid:79", LINGERING])]

@@ -79,6 +79,23 @@ def heartbeat_payload(pid: int, inventory: list[GpuInfo], health: list[GpuHealth
             "accepting_work": accepting_work}
 
 
+LINGERING = "lingering"  # the fault of a GPU that an ended job's unkillable processes still hold
+
+
+def with_lingering(health: list[GpuHealth], lingering: set[int]) -> list[GpuHealth]:
+    """The GPUs' health with those that ended jobs' surviving processes hold reported sick."""
+    if not lingering:
+        return health
+    out = []
+    for h in health:
+        if h.index in lingering:
+            h = GpuHealth(index=h.index, healthy=False, faults=[*h.faults, LINGERING])
+        out.append(h)
+    seen = {h.index for h in health}
+    out += [GpuHealth(index=i, healthy=False, faults=[LINGERING]) for i in sorted(lingering - seen)]
+    return out
+
+
 def checkpoint_env(settings: Settings) -> dict[str, str]:
     """What a job needs to write its checkpoints: the store's endpoint and credentials (and
     nothing else of the agent's settings)."""
@@ -230,7 +247,8 @@ class Agent:
         """One heartbeat; the response, or None when the API could not be reached. ``reap``:
         count the allocations the answer does not hold toward stopping them as orphans."""
         running = self.node.live_allocations()
-        payload = heartbeat_payload(os.getpid(), self.inventory, await self.health(), running, self.accepting_work)
+        health = with_lingering(await self.health(), self.node.lingering_gpus())
+        payload = heartbeat_payload(os.getpid(), self.inventory, health, running, self.accepting_work)
         try:
             response = await self.http.post(self.url, json=payload)
         except httpx.HTTPError as err:
