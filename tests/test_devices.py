@@ -246,6 +246,29 @@ def test_nvml_health(name, gpu, xids, polls, faults):
     assert health[0] == GpuHealth(index=0, healthy=not faults, faults=faults)
 
 
+@pytest.mark.parametrize("name, boot_then, boot_now, sticks", [
+    ("an agent restarted in the same boot still reports the GPU's XID", "boot-1", "boot-1", True),
+    ("after a reboot (which resets the GPUs) the XID is forgotten", "boot-1", "boot-2", False),
+    ("where the boot cannot be known nothing is carried over", None, None, False),
+])
+def test_a_critical_xid_outlives_an_agent_restart_until_the_machine_reboots(tmp_path, name, boot_then, boot_now,
+                                                                          sticks):
+    record = tmp_path / "faults" / "agent-m0-xids.json"
+    nvml = FakeNvml([Gpu(), Gpu()])
+    first = NvmlDevices(nvml, xid_file=record, boot_id=lambda: boot_then)
+    nvml.pending.append((1, 79))
+    assert first.health()[1].faults == ["xid:79"]
+    again = NvmlDevices(FakeNvml([Gpu(), Gpu()]), xid_file=record, boot_id=lambda: boot_now)
+    assert again.health()[1] == GpuHealth(index=1, healthy=not sticks, faults=["xid:79"] if sticks else [])
+    assert again.health()[0].healthy
+
+
+def test_an_unreadable_xid_record_is_ignored(tmp_path):
+    record = tmp_path / "xids.json"
+    record.write_text("{not json")
+    assert NvmlDevices(FakeNvml([Gpu()]), xid_file=record, boot_id=lambda: "b").health()[0].healthy
+
+
 def test_a_throttle_that_never_tripped_stops_counting_when_it_stops():
     nvml = FakeNvml([Gpu(reasons=HW_THERMAL)])
     devices = NvmlDevices(nvml, throttle_after=3)

@@ -400,7 +400,8 @@ async def serve(args: argparse.Namespace) -> int:
     fake = True if args.fake_devices else (False if args.nvml else None)
     try:
         devices = detect_devices(fake, args.gpus, args.gpu_type,
-                                 fault_file=data_dir / "faults" / f"{component}.json")
+                                 fault_file=data_dir / "faults" / f"{component}.json",
+                                 xid_file=data_dir / "faults" / f"{component}-xids.json")
     except Exception as err:  # NVML missing or failing where it is required or GPUs are present
         log.error("no GPUs: %s", err)
         return 2

@@ -235,7 +235,8 @@ class NvmlDevices:
 
     def __init__(self, nvml: ModuleType | None = None, gpu_type: str | None = None,
                  throttle_after: int = 3, max_events_per_poll: int = 256,
-                 throttle_cool_down: float = THROTTLE_COOL_DOWN, clock: Callable[[], float] = time.monotonic):
+                 throttle_cool_down: float = THROTTLE_COOL_DOWN, clock: Callable[[], float] = time.monotonic,
+                 xid_file: Path | None = None, boot_id: Callable[[], str | None] | None = None):
         if nvml is None:
             import pynvml as nvml
         self.nvml = nvml
@@ -250,6 +251,12 @@ class NvmlDevices:
         nvml.nvmlInit()
         self.count = nvml.nvmlDeviceGetCount()
         self.sticky: dict[int, set[str]] = {i: set() for i in range(self.count)}
+        # Critical XIDs seen since the machine booted, kept in ``xid_file``: a GPU that needs a
+        # reset must not look healthy again because its agent restarted (a reboot resets it).
+        self.xid_file, self.boot = xid_file, (boot_id or _boot_id)()
+        for i, codes in _load_xids(xid_file, self.boot).items():
+            if i in self.sticky:
+                self.sticky[i] |= codes
         self.throttle_streak: dict[tuple[int, str], int] = {}
         self.handles: dict[int, object] = {}
         self._warned: set[tuple[int, str]] = set()
@@ -390,8 +397,9 @@ class NvmlDevices:
             index = self._index_of(data.device)
             log.warning("GPU %s: XID %d%s", index, code,
                         " (critical)" if code in CRITICAL_XIDS else " (ignored)")
-            if code in CRITICAL_XIDS and index is not None:
+            if code in CRITICAL_XIDS and index is not None and xid_fault(code) not in self.sticky[index]:
                 self.sticky[index].add(xid_fault(code))
+                _save_xids(self.xid_file, self.boot, self.sticky)
 
     def _index_of(self, handle: object) -> int | None:
         try:
@@ -434,6 +442,44 @@ class NvmlDevices:
             pass
 
 
+def _boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str | None:
+    """This boot's id (Linux), or None where there is none to read."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _load_xids(path: Path | None, boot: str | None) -> dict[int, set[str]]:
+    """The critical XIDs recorded in ``path`` during this boot; none from an earlier boot (the
+    reboot reset the GPUs), nor where the boot is unknown."""
+    if path is None or boot is None:
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("boot_id") != boot:
+            return {}
+        return {int(i): {str(f) for f in faults} for i, faults in saved.get("gpus", {}).items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        log.warning("ignoring unreadable XID record %s: %s", path, err)
+        return {}
+
+
+def _save_xids(path: Path | None, boot: str | None, sticky: dict[int, set[str]]) -> None:
+    if path is None or boot is None:
+        return
+    xids = {str(i): sorted(f for f in faults if f.startswith("xid:")) for i, faults in sticky.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"boot_id": boot, "gpus": {i: f for i, f in xids.items() if f}}))
+        tmp.replace(path)
+    except OSError as err:  # a full disk: the fault still holds for this agent's life
+        log.warning("cannot record the XIDs in %s: %s", path, err)
+
+
 def _bit(nvml: ModuleType, reason: str) -> int:
     return getattr(nvml, f"nvmlClocksEventReason{reason}", None) or \
         getattr(nvml, f"nvmlClocksThrottleReason{reason}", 0)
@@ -462,7 +508,8 @@ def nvidia_gpus_present(dev: Path = Path("/dev"), proc: Path = Path("/proc/drive
 
 
 def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
-                   fault_file: Path | None = None, memory_gb: float | None = None) -> DeviceBackend:
+                   fault_file: Path | None = None, memory_gb: float | None = None,
+                   xid_file: Path | None = None) -> DeviceBackend:
     """The machine's devices. ``fake=True``: ``count`` fake GPUs. ``fake=False``: NVML or an
     error. ``fake=None``: NVML when it initialises and finds GPUs; the fake (logged) only on a
     machine without NVIDIA GPUs. Where the kernel shows NVIDIA GPUs, an NVML that fails (a driver
@@ -473,7 +520,7 @@ def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
     overrides the type NVML reports (to match a fleet that names its SKUs differently)."""
     if fake is not True:
         try:
-            devices = NvmlDevices(gpu_type=gpu_type)
+            devices = NvmlDevices(gpu_type=gpu_type, xid_file=xid_file)
         except Exception as err:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
             if fake is False:
                 raise
