@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError, create_model
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from workflows.types import JobRequest, Model, RunJobResult
+from workflows.types import EndAttempt, EndReason, JobRequest, JobState, Model, RunJobResult
 
 
 def older(model: type[Model]) -> type[Model]:
@@ -28,6 +28,9 @@ def sent(value: Model) -> bytes:
 @pytest.mark.parametrize("name, value", [
     ("a run that ended without GPU faults", RunJobResult(exit_code=1, log_path="a.log")),
     ("a job that asks for no retries", JobRequest(job_id="a", team="t", num_gpus=1, command=["x"])),
+    ("an attempt that ended with no machine at fault",
+     EndAttempt(job_id="a", allocation_id=1, end_reason=EndReason.completed, next_state=JobState.succeeded,
+                reason="completed")),
 ])
 def test_a_new_field_at_its_default_is_taken_by_a_worker_that_does_not_know_it(name, value):
     older(type(value)).model_validate_json(sent(value))

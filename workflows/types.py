@@ -379,7 +379,7 @@ class StartAttempt(Model):
     allocation_id: int
 
 
-class EndAttempt(Model):
+class EndAttempt(WithNewFields):
     job_id: str
     allocation_id: int | None  # None: whatever the job holds
     end_reason: EndReason
@@ -387,6 +387,8 @@ class EndAttempt(Model):
     next_state: JobState  # queued (to run again) or a terminal state
     reason: str
     machine_id: str | None = None  # the machine whose agent failed the attempt, when one did
+
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id",)  # since 2026-12-02
 
 
 class JobStateChange(Model):
