@@ -149,6 +149,21 @@ def estimate_starts(
             shape.lanes.append(lane)
         lane.jobs.append((s.priority.rank, order, job, remaining_work(job, restart)))
 
+    # The reserved pool, as the cycles to come will keep it: a pool's whole machines are kept
+    # only while a waiting job it serves has not started (admission._reserved_pool).
+    keep = dict(keep_whole) if keep_whole else {}
+    served_by: dict[tuple, list] = {}  # shape -> the pool keys it keeps whole machines in
+    waiting_in: dict = {}  # pool key -> jobs of the walk it keeps whole machines for
+    for shape_key, shape in shapes.items() if keep else ():
+        keys = [p.key for p in shape.pools if p.key in keep and p.key.gpus <= shape.n <= keep[p.key] * p.key.gpus]
+        if keys:
+            served_by[shape_key] = keys
+            count = sum(len(lane.jobs) for lane in shape.lanes)
+            for key in keys:
+                waiting_in[key] = waiting_in.get(key, 0) + count
+    for key in [k for k in keep if not waiting_in.get(k)]:
+        del keep[key]
+
     held_of = held.get
     guaranteed = {team: usage.quota(team).guaranteed for team in {job.spec.team for job in pending}}
     share: dict[str, float] = {}
@@ -250,7 +265,7 @@ def estimate_starts(
             # Cheap test first: most blocked shapes are blocked because too little is free at all.
             picks = None
             if room and (shape_key, avoid) not in no_room:
-                picks = picks_for(cap, shape.terms, n, avoid, keep_whole)
+                picks = picks_for(cap, shape.terms, n, avoid, keep)
             if picks is None:
                 blocked.append(shape_key)
                 planning = may_plan(n)
@@ -294,6 +309,19 @@ def estimate_starts(
                 holds = [(o, h) for o, h in holds if o != order]
                 avoid_cache.clear()
             lane.jobs.popleft()
+            released_pool = False
+            for key in served_by.get(shape_key, ()):
+                waiting_in[key] -= 1
+                if waiting_in[key] == 0 and key in keep:
+                    del keep[key]  # the last job it was kept for has started: small jobs may use it
+                    released_pool = True
+            if released_pool:
+                no_room.clear()
+                for key in dict.fromkeys(blocked):
+                    for other in shapes[key].lanes:
+                        other.aside = False
+                    offer(key)
+                blocked = []
             # The same lane usually goes on: the others' turns have not come any sooner.
             if lane.jobs and (rank := turn(lane)) <= shape.second:
                 heapq.heappush(ready, (rank, seq, shape_key))

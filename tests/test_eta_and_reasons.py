@@ -377,3 +377,14 @@ def test_a_moved_jobs_new_gpus_are_estimated_back_when_it_has_run_out_its_estima
     assert [(p.job_id, {m for m, _ in p.moved_to}) for p in result.preemptions] == [("a", {M[1]})]
     assert pending(result)["G"].estimated_start == NOW + 200 + 120
     assert pending(result)["K"].estimated_start == NOW + 200 + 120 + 1000
+
+
+def test_the_walk_keeps_the_reserved_pool_only_while_a_job_it_is_kept_for_still_waits():
+    """With the reserved pool on (two machines keep one whole for 8-GPU H), H starts on its
+    earmark as L leaves; J then fits once H's machine is free, where no later cycle keeps a
+    machine whole any more (nobody it would be kept for waits)."""
+    snap, result = _claim([job("J").gpus(4).priority("low").team("y").expected(600).submitted(NOW + 1)])
+    snap = snap.model_copy(update={"config": snap.config.model_copy(update={"reserved_pool_fraction": 0.5})})
+    result = cycle(snap)
+    assert preempted(result) == ["L"]
+    assert pending(result)["J"].estimated_start == NOW + 120 + 3600
