@@ -5,8 +5,9 @@ starts the job's command in its own process group, heartbeats while it runs, and
 ended. The instance holds the machine's live processes, so the agent can also list them and kill
 the ones whose allocation the scheduler no longer holds (orphans).
 
-The job's environment: the agent's own, less its ``GPUSCHED_*`` settings (database DSN, S3
-keys: a job has no business with them), plus ``RunJobInput.env``, plus these (which win):
+The job's environment: the agent's own, less its ``GPUSCHED_*`` settings (database DSN, API
+token: a job has no business with them; the checkpoint store's endpoint and credentials are
+passed back when the job has a checkpoint URI), plus ``RunJobInput.env``, plus these (which win):
 
 | variable                  | value                                                          |
 |---------------------------|----------------------------------------------------------------|

@@ -435,7 +435,7 @@ class Store:
         """One cycle in one transaction: lock the cluster's cycle counter, read a consistent
         snapshot, run ``planner`` (the pure core) on it, commit its decisions, and advance the
         counter. A cycle whose number is not the next one (stale, or repeated after its commit)
-        changes nothing and only returns the orders still waiting for acknowledgement.
+        changes nothing and only returns the orders not yet acted on whose re-send is due.
         Raises ``CycleConflict`` when a concurrent change invalidates what it read."""
         try:
             async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):

@@ -4,7 +4,7 @@
 
 | method and path                        | what                                              |
 |----------------------------------------|---------------------------------------------------|
-| GET  /healthz                          | 200 when the API can reach Postgres               |
+| GET  /healthz                          | 200 when Postgres answers with every migration    |
 | POST /machines/{machine_id}/heartbeat  | an agent reports; answers the allocations live on |
 |                                        | the machine (anything else it runs is an orphan)  |
 | GET  /machines                         | the fleet with last heartbeats and GPU health     |

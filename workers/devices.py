@@ -13,7 +13,7 @@ A GPU is healthy exactly when its list of faults is empty. The fault words:
 | ecc_uncorrectable | uncorrectable (double-bit) ECC errors, volatile counter | to driver reload  |
 | thermal_throttle  | HW or SW thermal slowdown, sustained over several polls | a cool-down after |
 | power_throttle    | HW power brake (the power supply asked), sustained      | a cool-down after |
-| xid:<code>        | a critical XID event (see ``CRITICAL_XIDS``)            | to agent restart  |
+| xid:<code>        | a critical XID event (see ``CRITICAL_XIDS``)            | to machine reboot |
 | lost              | the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST)       | to agent restart  |
 | nvml_error        | NVML will not hand out the GPU, or its checks crashed   | while it lasts    |
 
@@ -26,8 +26,9 @@ Choices worth knowing:
   (one poll per agent heartbeat) so that a brief spike does not make the scheduler move a job,
   and once it has counted it keeps counting for a cool-down after it stops (``THROTTLE_COOL_DOWN``,
   doubled at each trip), so that a GPU that overheats under load is not given job after job.
-- XID and lost faults stick until the agent restarts, which on real hardware follows the GPU
-  reset they need anyway.
+- XID faults stick until the machine reboots (recorded with the boot id in ``xid_file``, so an
+  agent restart does not clear them: the GPU still needs its reset); lost faults stick until the
+  agent restarts.
 """
 
 from __future__ import annotations

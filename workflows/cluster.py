@@ -6,8 +6,9 @@ worker picking up the next workflow task. Heavy state lives in Postgres, never i
 Algorithm overview
   1. Run one cycle as one activity: lock the cluster's cycle counter, read a consistent snapshot,
      run the pure core, commit the decisions with the counter's check (a stale or repeated cycle
-     commits nothing), and return the orders to send: this cycle's, and older ones not yet
-     acknowledged.
+     commits nothing), and return the orders to send: this cycle's, and older ones not yet acted
+     on whose re-send is due (3 s after the first send, then twice as long each time, a minute
+     apart at most).
   2. Signal each order to its job workflow (placements, preemptions). Jobs take duplicates
      idempotently, so a re-sent order is harmless.
   3. Sleep until a job event wakes it (wakes arriving meanwhile are coalesced into one), the

@@ -113,7 +113,7 @@ class JobRequest(WithNewFields):
     env: dict[str, str] = Field(default_factory=dict)  # extra environment for the command
     # Times an attempt whose command fails (exits non-zero by itself) is run again, resuming from
     # the newest complete checkpoint, before the job fails. Failures of machines, GPUs and agents
-    # are not counted here: those always requeue (at most 5 times).
+    # are not counted here: those requeue (five in a row fail the job; workflows.job).
     max_retries: int = Field(default=0, ge=0, le=100)
 
     NEW_FIELDS: ClassVar[tuple[str, ...]] = ("max_retries",)  # since 2026-12-01
