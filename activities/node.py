@@ -363,8 +363,10 @@ class NodeActivities:
                 reaped.append(alloc)
             if info.get("report_dir") and info.get("job_id"):
                 # What the orphan reported while nobody listened: the control plane decides (a
-                # revoked allocation's checkpoints are refused: a zombie writer).
-                await self.forward_reports(info["job_id"], alloc, Path(info["report_dir"]))
+                # revoked allocation's checkpoints are refused: a zombie writer). Tried again
+                # while the control plane is unreachable (the agents of a restarted stack come
+                # up first): nothing forwards them later.
+                await self._forward_last(info["job_id"], alloc, Path(info["report_dir"]))
             pid_file.unlink(missing_ok=True)
         return reaped
 

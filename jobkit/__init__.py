@@ -111,12 +111,14 @@ process (node rank 0) save, or each save would take its own sequence number and 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
 ``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
 "stopped"); ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL) when what the job needs is not
-there now, ``CheckpointStoreUnreachable`` at ``restore()`` say: the job is queued again as an
+there now (``CheckpointRetryLater`` at ``restore()``, say): the job is queued again as an
 infrastructure failure (five in a row fail it), not failed as its own.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import logging
@@ -133,8 +135,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import unquote, urlparse
 
-__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointStoreUnreachable", "EXIT_STOPPED",
-           "EXIT_RETRY_LATER", "seq_key"]
+__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreUnreachable",
+           "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
 
 log = logging.getLogger("jobkit")
 
@@ -161,7 +163,27 @@ class CheckpointError(Exception):
     """A checkpoint could not be written, reported or restored; the message says why."""
 
 
-class CheckpointStoreUnreachable(CheckpointError):
+class CheckpointRetryLater(CheckpointError):
+    """Nothing is known to be wrong with the job or its checkpoint, only with where it runs now
+    (a store that does not answer, a full local disk): a job may exit ``EXIT_RETRY_LATER``."""
+
+
+def _local_io(method):
+    """A local file system's errors (a full disk, a read-only mount) as checkpoint errors, so a
+    job written to catch ``CheckpointError`` does not die of them with a traceback."""
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            kind = CheckpointRetryLater if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else CheckpointError
+            raise kind(f"{method.__name__}: local I/O failed: {e}") from e
+    return wrapped
+
+
+class CheckpointStoreUnreachable(CheckpointRetryLater):
     """The checkpoint store gave no answer (no connection, a timeout) or a server-side error
     (5xx, SlowDown): nothing is known to be wrong with the checkpoint, and asking again later may
     work. ``restore``, and ``save`` once a stop was asked, keep asking for ``GPUSCHED_S3_RETRY_S``
@@ -770,6 +792,7 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
 
+    @_local_io
     def save(self, data: Source, progress: Optional[float] = None) -> Optional[SaveResult]:
         """Write ``data`` (bytes, or the path of a file to upload) as the next checkpoint, report
         it and wait for the ack. Returns None when checkpointing is off (no checkpoint URI).
@@ -777,6 +800,9 @@ class Checkpointer:
         if self._location is None:
             log.info("jobkit: checkpointing is off (GPUSCHED_CHECKPOINT_URI unset); nothing saved")
             return None
+        if progress is not None and not math.isfinite(float(progress)):
+            # JSON and the control plane take no NaN or infinity: the report could never be sent.
+            raise CheckpointError(f"progress must be a finite number of seconds of work, not {progress!r}")
         data = _by_byte(data)
         with self._lock:
             self._reference = self._clock()
@@ -900,6 +926,7 @@ class Checkpointer:
 
     # -- restoring -----------------------------------------------------------------------------
 
+    @_local_io
     def restore(self) -> Optional[bytes]:
         """The bytes of ``GPUSCHED_RESUME_FROM``, verified against its sha256 metadata; None on a
         fresh start. Raises :class:`CheckpointError` on a missing, corrupted or unverifiable object."""
@@ -912,6 +939,7 @@ class Checkpointer:
         self._restored(buf.tell())
         return buf.getvalue()
 
+    @_local_io
     def restore_to(self, path: Union[str, "os.PathLike[str]"]) -> Optional[Path]:
         """Like :meth:`restore`, but streams the checkpoint into the file ``path`` (for big ones);
         returns the path, or None on a fresh start (then nothing is written)."""

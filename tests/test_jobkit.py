@@ -177,6 +177,28 @@ def test_a_file_can_be_saved_and_restored_as_a_file(tmp_path):
     assert not (tmp_path / "nothing.bin").exists()
 
 
+@pytest.mark.parametrize("progress", [math.nan, math.inf, -math.inf])
+def test_a_progress_that_is_no_finite_number_is_refused_before_anything_is_written(tmp_path, progress):
+    """JSON and the control plane take no NaN: such a report could never be sent."""
+    ck = local(tmp_path)
+    with pytest.raises(CheckpointError, match="finite"):
+        ck.save(b"data", progress=progress)
+    assert not list((tmp_path / "ck").glob("0*"))
+
+
+def test_a_full_local_disk_is_a_checkpoint_error_to_retry_later_not_a_raw_os_error(tmp_path, monkeypatch):
+    import errno as errnos
+
+    saved = local(tmp_path).save(b"weights")
+
+    def full(*args, **kwargs):
+        raise OSError(errnos.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jobkit.tempfile, "mkstemp", full)
+    with pytest.raises(jobkit.CheckpointRetryLater, match="No space left"):
+        local(tmp_path, resume_from=saved.uri).restore_to(tmp_path / "restored.bin")
+
+
 def test_ranks_restoring_to_one_path_at_once_each_leave_whole_verified_bytes(tmp_path):
     """Local ranks of one job (torchrun's) restore to the same file together: each writes its own
     copy under a name of its own and renames it whole; no rank's bytes land in another's."""

@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from jobkit import EXIT_RETRY_LATER, EXIT_STOPPED, CheckpointError, Checkpointer, CheckpointStoreUnreachable
+from jobkit import EXIT_RETRY_LATER, EXIT_STOPPED, CheckpointError, Checkpointer, CheckpointRetryLater
 
 FORMAT = "gpusched-example-job/1"
 INITIAL_STATE = hashlib.sha256(b"gpusched example-job").digest()
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"example-job: cannot resume from {ck.resume_from}: {e}", file=sys.stderr, flush=True)
         # An unreachable store is no fault of the job's: queued again, it resumes once the store is back.
-        return EXIT_RETRY_LATER if isinstance(e, CheckpointStoreUnreachable) else EXIT_CHECKPOINT_FAILED
+        return EXIT_RETRY_LATER if isinstance(e, CheckpointRetryLater) else EXIT_CHECKPOINT_FAILED
     if raw is None:
         say(f"example-job: starting at step {step} (fresh)")
     else:
