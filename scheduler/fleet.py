@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.errors import InputError
-from scheduler.models import Machine, Quota
+from scheduler.models import QUOTA_LARGEST, Machine, Quota
 
 DEFAULT_QUOTA_KEY = "*"
 """A quotas entry with this name applies to every team without an entry of its own."""
@@ -196,6 +196,11 @@ class _FleetReader:
     def quotas(self, node: yaml.Node) -> tuple[dict[str, Quota], Quota | None]:
         if self.is_null(node):
             return {}, None
+        if isinstance(node, yaml.MappingNode):
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or self.is_null(key_node) or not str(key_node.value).strip():
+                    raise self.error(key_node, "quotas",
+                                     f"a team's name must be plain text, got {self.shown(key_node)}")
         entries = self.mapping(node, "quotas", allowed=None, required=(), what="quotas")
         quotas: dict[str, Quota] = {}
         for team, value in entries.items():
@@ -324,6 +329,8 @@ class _FleetReader:
 
     def count(self, node: yaml.Node, field: str, unit: str) -> int:
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > QUOTA_LARGEST:
+            raise self.error(node, field, f"must be at most {QUOTA_LARGEST} {unit}, got {self.shown(node)}")
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         raise self.error(

@@ -138,6 +138,7 @@ def _team_without_quota(d):
         (lambda d: None, ["--restart-s", "-30"], ["--restart-s", "greater than or equal to 0"]),
         (lambda d: None, ["--expected-restart-s", "-1"], ["--expected-restart-s", "greater than or equal to 0"]),
         (lambda d: None, ["--until", "-5"], ["--until", "greater than or equal to 0"]),
+        (lambda d: None, ["--gpu-failures-per-day", "1e300"], ["--gpu-failures-per-day", "less than or equal to 100"]),
     ],
     ids=[
         "a malformed trace names its line and field",
@@ -151,6 +152,7 @@ def _team_without_quota(d):
         "a negative restart time",
         "a negative expected restart time",
         "a stop time before the trace begins",
+        "a failure rate that would never let the simulation end",
     ],
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):

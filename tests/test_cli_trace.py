@@ -78,12 +78,32 @@ def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
             "no jobs in the 7.0-day window",
         ),
         (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be between 1 and 10,000,000"),
+        (lambda d: None, ["generate", "--gpus", "1" + "0" * 400], "field 'gpus': must be between 1 and 10,000,000"),
+        (
+            lambda d: (d / "p.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0," + "x" * 200_000 + "\n"),
+            ["from-philly", "--input", "{d}/p.csv"],
+            "is not valid CSV",
+        ),
+        (
+            lambda d: (d / "p.csv").write_text(PHILLY_HEADER + '2017-10-16 00:00:00,60.0,1,60.0,"a\nb"\n'),
+            ["from-philly", "--input", "{d}/p.csv"],
+            "p.csv:2: a quoted value runs on to line 3",
+        ),
+        (
+            lambda d: (d / "p.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\n"),
+            ["from-philly", "--input", "{d}/p.csv", "--fleet-out", "{d}/f.yaml", "--load", "1e-300"],
+            "--load: must be between 0.01 and 100",
+        ),
     ],
     ids=[
         "a malformed Philly row names its line",
         "a missing input file",
         "a window without jobs",
         "an impossible generator argument",
+        "a generator fleet of more GPUs than any",
+        "a Philly cell longer than any CSV reader takes",
+        "a Philly value that runs on to the next line",
+        "a load no fleet can be sized for",
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, capsys, make_input, argv, expected):

@@ -208,6 +208,10 @@ BAD_FLEETS = [
     (one_block(block(gpus_per_machine=10**20)), 4, "clusters[0].blocks[0].gpus_per_machine", "at most 1024 GPUs"),
     (one_block(block(racks=10**8, machines_per_rack=10**8)), 4, "clusters[0].blocks[0].racks",
      "split it into several blocks"),
+    (one_block(block(), "quotas:\n  vision:\n    guaranteed: 8\n    max: 3000000000\n"), 8, "quotas.vision.max",
+     "at most 2147483647 GPUs"),
+    (one_block(block(), "quotas:\n  ~: {guaranteed: 8}\n"), 6, "quotas", "a team's name must be plain text"),
+    (one_block(block(), "quotas:\n  [a, b]: {guaranteed: 8}\n"), 6, "quotas", "a team's name must be plain text"),
 ]
 
 
@@ -244,6 +248,9 @@ BAD_FLEETS = [
         "an unknown tag",
         "a machine of more GPUs than any",
         "a block of more machines than any",
+        "a quota beyond what the store holds",
+        "a null team name",
+        "a list as a team name",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):

@@ -159,6 +159,16 @@ BAD_TRACES = [
     (trace(row(), "j2,0,60"), 3, None, "one value per column"),
     (trace(row(team='"vision'), row(job_id="b"), row(job_id="c")), 2, "team", "a quoted value runs on to line 4"),
     (trace(row(checkpoint_interval="1e-300")), 2, "checkpoint_interval", "0 (never) or at least 1 second"),
+    (trace(row(duration="1e308")), 2, "duration", "at most 320000000"),
+    (trace(row(submit_time="1e17")), 2, "submit_time", "at most 320000000"),
+    (trace(row(duration="1e8", checkpoint_interval="1")), 2, "checkpoint_interval", "give at least 100 s"),
+    (trace(row(num_gpus="1_0")), 2, "num_gpus", "1 or more, got '1_0'"),
+    (trace(row(num_gpus="\u0663")), 2, "num_gpus", "1 or more"),
+    (trace(row(submit_time="1_0")), 2, "submit_time", "must be a number"),
+    (trace(row(job_id="j\x003")), 2, "job_id", "control character"),
+    ("job_id,submit_time,duration,num_gpus,team\rj1,0,60,1,vision\rj2\r3,0,60,1,vision\n", 3, None,
+     "one value per column"),
+    (trace(row(team="x" * 200_000)), 2, None, "not valid CSV"),
 ]
 
 
@@ -188,6 +198,15 @@ BAD_TRACES = [
         "a short row",
         "an unclosed quote that would swallow the rows after it",
         "a checkpoint interval too short to mean anything",
+        "a duration of ages",
+        "a submit time ages away",
+        "a checkpoint interval that would make a million writes",
+        "a GPU count with an underscore",
+        "a GPU count in another script's digits",
+        "a submit time with an underscore",
+        "a job id with a control character",
+        "old Mac line endings are line ends, and one inside a value splits its row",
+        "a value longer than any CSV reader takes",
     ],
 )
 def test_a_bad_trace_names_line_column_and_fix(text, line, field, fix):

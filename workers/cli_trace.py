@@ -21,6 +21,8 @@ from scheduler.sim.trace import TraceJob, format_trace
 from scheduler.sim.workloads import (
     DAY,
     PHILLY_BUSIEST_WEEK,
+    MAX_LOAD,
+    MIN_LOAD,
     fleet_for,
     from_philly,
     generate_trace,
@@ -120,6 +122,10 @@ def run_from_philly(args: argparse.Namespace) -> int:
 
 def _write(args: argparse.Namespace, make, command: str) -> int:
     """Build the trace, write it (and the fleet), print the summary; bad input exits 2."""
+    if args.fleet_out is not None and not MIN_LOAD <= args.load <= MAX_LOAD:
+        print(f"error: --load: must be between {MIN_LOAD:g} and {MAX_LOAD:g} to size a fleet, got {args.load:g}",
+              file=sys.stderr)
+        return 2
     span = args.days * DAY
     try:
         jobs, gpus = make()

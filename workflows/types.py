@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from scheduler.models import MIN_CHECKPOINT_INTERVAL, JobKind, Priority, Topology
+from scheduler.models import MIN_CHECKPOINT_INTERVAL, QUOTA_LARGEST, JobKind, Priority, Topology
 
 CONTROL_TASK_QUEUE = "gpusched-control"
 JOB_WORKFLOW = "JobWorkflow"
@@ -148,6 +148,10 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
         return "team", "'*' names the default quota of every team without its own, not a team; give the team's name"
     if request.gpu_type is not None and not request.gpu_type.strip():
         return "gpu_type", "is blank; name a GPU type (H100, A100, ...) or leave it out for any"
+    if request.cluster is not None and not request.cluster.strip():
+        return "cluster", "is blank; name a cluster or leave it out for any"
+    if request.num_gpus > QUOTA_LARGEST:
+        return "num_gpus", f"is {request.num_gpus}; no fleet has more than {QUOTA_LARGEST} GPUs"
     if not request.command[0].strip():
         return "command", "starts with an empty word; give the program to run first"
     if any("\0" in word for word in request.command):

@@ -66,8 +66,10 @@ class SimSettings(BaseModel):
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
     restart_s: float = Field(default=0.0, ge=0)  # an attempt after the first starts again before it progresses
     learn_restart: bool = False  # policy.expected_restart_s becomes restart_s once a restart has been seen
-    machine_failures_per_day: float = Field(default=0.0, ge=0)  # per machine
-    gpu_failures_per_day: float = Field(default=0.0, ge=0)  # per GPU
+    # Per machine, per GPU. At most 100 a day: with the 30-minute repair even 48 leave a machine
+    # always down, and rates far beyond had the simulation run for ever.
+    machine_failures_per_day: float = Field(default=0.0, ge=0, le=100)
+    gpu_failures_per_day: float = Field(default=0.0, ge=0, le=100)
     repair_s: float = Field(default=1800.0, gt=0)
     seed: int = 0
     until: float | None = Field(default=None, ge=0)  # stop here even if jobs remain

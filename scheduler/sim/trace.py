@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +43,13 @@ COLUMNS = (
 """The contract's columns, in the contract's order."""
 
 REQUIRED_COLUMNS = ("job_id", "submit_time", "duration", "num_gpus", "team")
+# What a trace's numbers may be: plain decimals (no `1_0`, no digits of other scripts), and no
+# time beyond about ten years (a trace spans days; 1e308 s overflowed the report).
+DECIMAL = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)", re.IGNORECASE | re.ASCII)
+WHOLE = re.compile(r"\d+", re.ASCII)
+LONGEST_S = 3.2e8
+MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 OPTIONAL_EXTRA_COLUMNS = ("cluster", "gpu_memory_gb")
 
 
@@ -71,7 +79,16 @@ def parse_trace(text: str, source: str, check: TraceCheck | None = None) -> list
     job against what the trace alone cannot know (the fleet's clusters and teams): it returns the
     field and the problem, and the error names the row's line.
     """
-    reader = csv.reader(io.StringIO(text.lstrip("\ufeff")))
+    reader = csv.reader(io.StringIO(text.lstrip("\ufeff"), newline=""))
+    try:
+        jobs = _read_rows(reader, source, check)
+    except csv.Error as e:  # a lone carriage return in a cell, a cell over the csv module's limit
+        raise InputError(source, max(1, reader.line_num), None, f"is not valid CSV ({e}); save it as plain CSV") from None
+    jobs.sort(key=lambda j: (j.submit_time, j.spec.job_id))
+    return jobs
+
+
+def _read_rows(reader, source: str, check: TraceCheck | None) -> list[TraceJob]:
     header = _header(next(reader, None), source)
     jobs: list[TraceJob] = []
     first_line_of: dict[str, int] = {}
@@ -114,7 +131,6 @@ def parse_trace(text: str, source: str, check: TraceCheck | None = None) -> list
         jobs.append(job)
     if not jobs:
         raise InputError(source, None, None, "the trace has a header but no jobs; add at least one row")
-    jobs.sort(key=lambda j: (j.submit_time, j.spec.job_id))
     return jobs
 
 
@@ -210,6 +226,10 @@ class _RowReader:
         if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
             raise self.error("checkpoint_interval", f"must be 0 (never) or at least {MIN_CHECKPOINT_INTERVAL:g} "
                                                     f"second, got {self.cells['checkpoint_interval']!r}")
+        if interval and duration / interval > MOST_CHECKPOINTS:
+            raise self.error("checkpoint_interval", f"would have the job write {duration / interval:.3g} checkpoints "
+                                                    f"over its {duration:g} s; give at least "
+                                                    f"{duration / MOST_CHECKPOINTS:g} s")
         deadline = self.optional_number(
             "deadline", minimum=0.0, hint="seconds from the trace start, 0 or more"
         )
@@ -236,27 +256,27 @@ class _RowReader:
         value = self.cells[column]
         if not value:
             raise self.error(column, f"is empty; every job needs a {column}")
+        if CONTROL_CHARACTER.search(value):
+            raise self.error(column, f"holds a control character ({value!r}); give plain text")
         return value
 
     def gpu_count(self) -> int:
         value = self.cells["num_gpus"]
-        try:
-            count = int(value)
-        except ValueError:
-            count = 0
+        count = int(value) if WHOLE.fullmatch(value) and len(value) < 10 else 0
         if count < 1:
             raise self.error("num_gpus", f"must be a whole number of GPUs, 1 or more, got {value!r}")
         return count
 
     def number(self, column: str, *, minimum: float, strict: bool = False, hint: str) -> float:
         value = self.cells[column]
-        try:
-            number = float(value)
-        except ValueError:
-            raise self.error(column, f"must be a number ({hint}), got {value!r}") from None
+        if not DECIMAL.fullmatch(value):
+            raise self.error(column, f"must be a number ({hint}), got {value!r}")
+        number = float(value)
         too_small = number <= minimum if strict else number < minimum
         if not math.isfinite(number) or too_small:
             raise self.error(column, f"must be {hint}, got {value!r}")
+        if number > LONGEST_S:
+            raise self.error(column, f"must be at most {LONGEST_S:.0f} (about ten years of seconds), got {value!r}")
         return number
 
     def optional_number(

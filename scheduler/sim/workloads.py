@@ -132,6 +132,9 @@ def generate_trace(
 
 MAX_GENERATED_JOBS = 10_000_000
 MAX_GENERATED_DAYS = 3660  # ten years
+MAX_GENERATED_GPUS = 10_000_000
+# Offered load: a sized fleet (from-philly) or a generated trace beyond these is no workload to study.
+MIN_LOAD, MAX_LOAD = 0.01, 100.0
 
 
 def _check_generator_arguments(jobs, days, gpus, load, teams, inference_fraction) -> None:
@@ -142,10 +145,10 @@ def _check_generator_arguments(jobs, days, gpus, load, teams, inference_fraction
         raise bad("jobs", f"must be between 1 and {MAX_GENERATED_JOBS:,}, got {jobs}")
     if not 0 < days <= MAX_GENERATED_DAYS:
         raise bad("days", f"must be above 0 and at most {MAX_GENERATED_DAYS}, got {days}")
-    if gpus < 1:
-        raise bad("gpus", f"must be at least 1, got {gpus}")
-    if not load > 0:
-        raise bad("load", f"must be above 0, got {load}")
+    if not 1 <= gpus <= MAX_GENERATED_GPUS:
+        raise bad("gpus", f"must be between 1 and {MAX_GENERATED_GPUS:,}, got {gpus}")
+    if not 0 < load <= MAX_LOAD:
+        raise bad("load", f"must be above 0 and at most {MAX_LOAD:g}, got {load}")
     if not 0 <= inference_fraction <= 1:
         raise bad("inference_fraction", f"must be between 0 and 1, got {inference_fraction}")
     if not teams or any(not w > 0 for w in teams.values()):
@@ -317,7 +320,14 @@ def from_philly(
     if not days > 0:
         raise InputError(source, None, "days", f"must be above 0, got {days}")
     window = days * DAY
-    reader = csv.reader(io.StringIO(text.lstrip("\ufeff")))
+    reader = csv.reader(io.StringIO(text.lstrip("\ufeff"), newline=""))
+    try:
+        return _read_philly(reader, source, window_start, window, seed, max_duration)
+    except csv.Error as e:  # a lone carriage return in a cell, a cell over the csv module's limit
+        raise InputError(source, max(1, reader.line_num), None, f"is not valid CSV ({e})") from None
+
+
+def _read_philly(reader, source: str, window_start, window: float, seed: int, max_duration) -> list[TraceJob]:
     header = [cell.strip().lower() for cell in next(reader, [])]
     missing = [c for c in ("timestamp", "duration", "num_gpus", "cluster") if c not in header]
     if missing:
@@ -330,10 +340,14 @@ def from_philly(
     column = {name: header.index(name) for name in ("timestamp", "duration", "num_gpus", "cluster")}
 
     jobs = []
+    ended = reader.line_num
     for row in reader:
+        began, ended = ended + 1, reader.line_num
         if not row or all(not cell.strip() for cell in row):
             continue
         line = reader.line_num
+        if began != ended or any("\n" in cell or "\r" in cell for cell in row):
+            raise InputError(source, began, None, f"a quoted value runs on to line {ended}; a Philly row is one line")
         if len(row) < len(header):
             raise InputError(
                 source, line, None, f"has {len(row)} fields but the header has {len(header)}"
@@ -469,8 +483,8 @@ def fleet_for(
     """
     if not jobs:
         raise ValueError("fleet_for needs at least one job")
-    if not load > 0:
-        raise ValueError(f"load must be above 0, got {load}")
+    if not MIN_LOAD <= load <= MAX_LOAD:
+        raise ValueError(f"load must be between {MIN_LOAD:g} and {MAX_LOAD:g}, got {load}")
     span = span or trace_span(jobs)
     rack_gpus = machines_per_rack * gpus_per_machine
 
