@@ -39,7 +39,9 @@ class WritePlan:
 
     def choose(self, interval: float, weight: float) -> float:
         """The least loaded phase for a new job, lowest on ties; recorded in the plan."""
-        candidates = max(1, int(interval // self.slot))
+        # Phases a period apart write in the same bins: a job that saves less often than once a
+        # period has only the period's phases to choose from.
+        candidates = max(1, int(min(interval, self.period) // self.slot))
         best_phase, best_cost = 0.0, math.inf
         for c in range(candidates):
             phase = c * self.slot
@@ -50,9 +52,12 @@ class WritePlan:
         return best_phase
 
 
+LONGEST_PERIOD = 86400.0  # a day of slots: a job saving once a month must not make a cycle plan a month
+
+
 def plan_period(intervals: Iterable[float]) -> float:
-    """One common period: the longest interval, at least an hour."""
-    return max([3600.0, *intervals])
+    """One common period: the longest interval, at least an hour and at most a day."""
+    return min(LONGEST_PERIOD, max([3600.0, *intervals]))
 
 
 def _writes(job: RunningJob) -> tuple[float, float, int] | None:

@@ -136,3 +136,14 @@ def test_the_carried_running_load_equals_one_made_from_nothing(steps, others):
         fresh = _fresh_plan(jobs, placing)
         assert (plan.period, plan.load) == (fresh.period, fresh.load)
         plan.choose(placing[0], 8)  # what a cycle does with it: must not reach the next cycle's
+
+
+def test_a_job_that_saves_once_in_ages_keeps_the_plan_a_day_long():
+    """A trace may give one job a checkpoint interval of years: the plan stays a day of slots."""
+    from scheduler.staggering import LONGEST_PERIOD, WritePlan, plan_period
+
+    period = plan_period([1800.0, 3.0e8])
+    assert period == LONGEST_PERIOD
+    plan = WritePlan(60.0, period)
+    assert len(plan.load) == LONGEST_PERIOD / 60.0
+    assert 0 <= plan.choose(3.0e8, 8) < LONGEST_PERIOD
