@@ -133,7 +133,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 __all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreUnreachable",
            "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
@@ -304,8 +304,9 @@ class _Location:
 
     def __init__(self, uri: str):
         self.uri = uri
-        if uri.startswith("/"):
-            uri = "file://" + uri
+        if uri.startswith("/"):  # a plain path is a path: '#', '?' and '%' are its own characters
+            self.scheme, self.bucket, self.key = "file", "", uri.lstrip("/")
+            return
         parsed = urlparse(uri)
         self.scheme = parsed.scheme
         if self.scheme == "s3":
@@ -316,6 +317,10 @@ class _Location:
         elif self.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
                 raise CheckpointError(f"checkpoint URI {self.uri!r}: file URIs are local (file:///abs/dir/)")
+            if parsed.query or parsed.fragment or uri.endswith(("?", "#")):
+                # Read as a URL, they would end the path there, and two jobs would share a folder.
+                raise CheckpointError(f"checkpoint URI {self.uri!r} holds '?' or '#'; percent-encode them "
+                                      "(%3F, %23) or give the folder as a plain path")
             self.bucket = ""
             self.key = unquote(parsed.path).lstrip("/")
         else:
@@ -324,7 +329,7 @@ class _Location:
     def child(self, key: str) -> str:
         if self.scheme == "s3":
             return f"s3://{self.bucket}/{key}"
-        return "file:///" + key
+        return "file:///" + quote(key)  # read back with unquote: a '%' or '#' in a name survives
 
 
 class _FileStore:

@@ -726,3 +726,19 @@ def test_bytes_in_memory_are_hashed_and_cut_in_parts_without_a_copy_of_the_whole
     data = bytearray(os.urandom(3 * MIB + 5))
     digest = jobkit._digest_of(data, MIB)
     assert (digest.size, digest.sha256) == (len(data), sha(bytes(data)))
+
+
+@pytest.mark.parametrize("folder", ["run#1", "a?b", "x%2Fy", "plain"])
+def test_a_plain_path_is_a_path_and_the_uri_a_save_reports_leads_back_to_it(tmp_path, folder):
+    """Two jobs in run#1/ and run#2/ once both wrote into run/: the path was parsed as a URL."""
+    where = tmp_path / folder / "ck"
+    saved = Checkpointer(f"{where}/", allocation_id="a", attempt="1", job_id="j").save(b"weights")
+    assert sorted(p.name for p in where.iterdir() if not p.name.startswith(".")) == ["0000000001", "0000000001.meta.json"]
+    again = Checkpointer(f"{where}/", allocation_id="a", attempt="2", job_id="j", resume_from=saved.uri)
+    assert again.restore() == b"weights"
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/run#1/ck/", "file:///tmp/a?b/ck/"])
+def test_a_file_uri_with_a_query_or_fragment_is_refused(uri):
+    with pytest.raises(CheckpointError, match="percent-encode"):
+        Checkpointer(uri, allocation_id="a", attempt="1", job_id="j")
