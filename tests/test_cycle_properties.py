@@ -239,8 +239,8 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     def guaranteed(team):
         return snap.quotas[team].guaranteed if team in snap.quotas else 0
 
-    # A team's borrowed jobs: those it is cheapest to give back — preemptible by a reclaim before
-    # protected ones, then the most recently started — until its overage is covered.
+    # A team's borrowed jobs (policy.md, Quotas): the most recently started first, those that can
+    # be given back now and fit in what is left of its overage before the rest, until it is covered.
     def protected_from_reclaim(r):
         recent = [t for t in r.preemptions if now - t <= config.thrash_window]
         unsaved = not r.spec.checkpoints and now - r.started_at > config.max_unsaved_run
@@ -249,8 +249,15 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     borrowed = set()
     for team, held in team_held.items():
         over = held - guaranteed(team)
-        for r in sorted((r for r in staying if r.spec.team == team),
-                        key=lambda r: (protected_from_reclaim(r), -r.started_at, r.spec.job_id)):
+        newest_first = sorted((r for r in staying if r.spec.team == team), key=lambda r: (-r.started_at, r.spec.job_id))
+        rest = []
+        for r in newest_first:
+            if over > 0 and r.spec.num_gpus <= over and not protected_from_reclaim(r):
+                borrowed.add(r.spec.job_id)
+                over -= r.spec.num_gpus
+            else:
+                rest.append(r)
+        for r in rest:
             if over <= 0:
                 break
             borrowed.add(r.spec.job_id)
