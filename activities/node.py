@@ -311,11 +311,14 @@ class NodeActivities:
             del self.lingering[alloc]
             log.info("allocation %d: the processes that outlived SIGKILL are gone; GPUs %s are free again",
                      alloc, ",".join(map(str, indices)))
-            try:
-                (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
-            except OSError as err:
-                log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
+            self._forget_pid_file(alloc)
         return gpus
+
+    def _forget_pid_file(self, alloc: int) -> None:
+        try:
+            (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
 
     async def kill_allocation(self, allocation_id: int, grace: float) -> RunJobResult | None:
         """Stop an allocation's process (SIGTERM, ``grace``, SIGKILL); None if it has none."""
@@ -581,10 +584,7 @@ class NodeActivities:
                 log.error("allocation %d: processes outlived SIGKILL; GPUs %s are reported sick until "
                           "they are gone", alloc, ",".join(map(str, gpus)))
             else:
-                try:
-                    (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
-                except OSError as err:
-                    log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
+                self._forget_pid_file(alloc)
             if result is not None:
                 self.finished[alloc] = result
                 while len(self.finished) > self.remember_finished:

@@ -6,6 +6,7 @@ SQL lives in ``queries.py``; the row ↔ model conversions of a scheduling snaps
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from importlib import resources
@@ -32,9 +33,11 @@ from workflows.types import (
 )
 
 
-def _migration_files() -> list:
-    return sorted((f for f in resources.files("activities.migrations").iterdir() if f.name.endswith(".sql")),
-                  key=lambda f: f.name)
+@functools.cache
+def _migration_files() -> tuple:
+    """The shipped migrations, in order: read once (every /healthz asks which are applied)."""
+    return tuple(sorted((f for f in resources.files("activities.migrations").iterdir() if f.name.endswith(".sql")),
+                        key=lambda f: f.name))
 
 
 # What to do about a database without (all of) the schema, in words.

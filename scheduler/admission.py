@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from scheduler import consolidation, eta, in_words, placement, preemption, reservation
-from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.models import (
     Earmark,
     GpuSlot,
@@ -276,7 +276,7 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) 
         asked.add(shape)
         for pool in cap.eligible_pools(spec):
             reserve = reserves[pool.key]
-            if pool.key.gpus <= spec.num_gpus <= reserve * pool.key.gpus:
+            if reserve_serves(pool.key, reserve, spec.num_gpus):
                 kept[pool.key] = reserve
         if len(kept) == len(reserves):
             break

@@ -33,6 +33,12 @@ KeepWhole = Mapping[PoolKey, int]
 NO_RESERVE: KeepWhole = MappingProxyType({})
 
 
+def reserve_serves(key: PoolKey, reserve: int, num_gpus: int) -> bool:
+    """Whether a pool's reserve of ``reserve`` whole machines is kept for a job of ``num_gpus``:
+    one that needs whole machines and that the reserve alone could host."""
+    return key.gpus <= num_gpus <= reserve * key.gpus
+
+
 @dataclass(eq=False)  # a pool is itself: compared by identity, fast in `in` tests
 class Pool:
     key: PoolKey

@@ -160,7 +160,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
         start = claimants[job.spec.job_id] = leave_at.get(job.spec.job_id, now)
         releases.append(eta.Release(start + eta.remaining_work(job, restart), earmark.gpus, job.spec.team,
                                     job.spec.num_gpus))
-    for job in state.running:
+    for job in state.running if len(claimants) < len(state.earmarks) else ():
         earmark = state.earmarks.get(job.spec.job_id)
         if earmark is not None:
             # A mover: it restarts on its new GPUs as it leaves its old ones (whose release gives

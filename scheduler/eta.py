@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
-from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import GpuSlot, QueuedJob, Topology
 from scheduler.placement import NO_AVOID, picks_for
@@ -155,7 +155,7 @@ def estimate_starts(
     served_by: dict[tuple, list] = {}  # shape -> the pool keys it keeps whole machines in
     waiting_in: dict = {}  # pool key -> jobs of the walk it keeps whole machines for
     for shape_key, shape in shapes.items() if keep else ():
-        keys = [p.key for p in shape.pools if p.key in keep and p.key.gpus <= shape.n <= keep[p.key] * p.key.gpus]
+        keys = [p.key for p in shape.pools if p.key in keep and reserve_serves(p.key, keep[p.key], shape.n)]
         if keys:
             served_by[shape_key] = keys
             count = sum(len(lane.jobs) for lane in shape.lanes)

@@ -86,14 +86,8 @@ def with_lingering(health: list[GpuHealth], lingering: set[int]) -> list[GpuHeal
     """The GPUs' health with those that ended jobs' surviving processes hold reported sick."""
     if not lingering:
         return health
-    out = []
-    for h in health:
-        if h.index in lingering:
-            h = GpuHealth(index=h.index, healthy=False, faults=[*h.faults, LINGERING])
-        out.append(h)
-    seen = {h.index for h in health}
-    out += [GpuHealth(index=i, healthy=False, faults=[LINGERING]) for i in sorted(lingering - seen)]
-    return out
+    return [GpuHealth(index=h.index, healthy=False, faults=[*h.faults, LINGERING]) if h.index in lingering else h
+            for h in health]
 
 
 def checkpoint_env(settings: Settings) -> dict[str, str]:
@@ -278,9 +272,7 @@ class Agent:
         for alloc in self.orphans.update(sent, live if isinstance(live, list) else None):
             if alloc in self.node.processes and alloc not in self._killing:
                 self._killing.add(alloc)
-                task = asyncio.create_task(self._kill_orphan(alloc))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._in_background(self._kill_orphan(alloc))
 
     async def _kill_orphan(self, alloc: int) -> None:
         log.warning("allocation %d is no longer held by the scheduler: stopping its process "
@@ -320,10 +312,14 @@ class Agent:
     def stop_taking_work(self) -> None:
         """From now on every heartbeat says the machine takes no work, the first at once."""
         self.serving = False
-        self._beat_now()
+        self.beat_now()
 
-    def _beat_now(self) -> None:
-        task = asyncio.create_task(self.heartbeat(reap=False))
+    def beat_now(self) -> None:
+        """A heartbeat now, beside the regular ones: a change of whether it takes work."""
+        self._in_background(self.heartbeat(reap=False))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -343,7 +339,7 @@ class Agent:
                 else:
                     log.warning("Temporal does not answer its health check (%s): taking no work", why)
                 self.temporal_ok = ok
-                self._beat_now()
+                self.beat_now()
             await _sleep_or_stop(stop, TEMPORAL_CHECK_EVERY)
 
     async def close(self) -> None:
@@ -473,7 +469,7 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.05)
         if worker.is_running and not stop.is_set():
             agent.serving = True
-            agent._beat_now()
+            agent.beat_now()
             watching = asyncio.create_task(agent.watch_temporal(client, stop))
             mark_ready(data_dir, component)
             log.info("serving %s", settings.agent_task_queue(args.machine_id))

@@ -169,12 +169,12 @@ class GpuschedClient:
                 return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
         return f"a job with id '{job_id}' already exists; choose another id"
 
-    async def _same_submit(self, request: JobRequest, waiting_too: bool = True) -> bool:
+    async def _same_submit(self, request: JobRequest) -> bool:
         """Whether the job already under this id was asked for with this very request: the one
-        admitted, or else (``waiting_too``: a question to Temporal, asked only once the id is
-        known to be taken) the one its workflow, still waiting for its admission, started with."""
+        admitted, or else (a question to Temporal, asked only once the id is known to be taken)
+        the one its workflow, still waiting for its admission, started with."""
         known = await self.store.request_of(request.job_id)
-        if known is None and waiting_too:
+        if known is None:
             known = await self._waiting_with(request.job_id)
         return known is not None and same_request(known, request)
 
