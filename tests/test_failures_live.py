@@ -155,7 +155,7 @@ def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_co
     agent = machine_component("c1/b0/r0/m0")
     stopping = threading.Thread(target=devstack.stop_component, args=(s.data_dir, agent))
     stopping.start()
-    s.until(lambda: s.status("quick").state == "queued", timeout=20)
+    s.until(lambda: s.status("quick").state == "queued", timeout=45)  # the grace, and a loaded machine
     stopping.join(timeout=60)  # "stubborn" kept the agent up for its grace
     assert [a.end_reason for a in s.status("quick").attempts] == ["machine_failure"]
     assert s.status("quick").state == "queued"
