@@ -62,10 +62,13 @@ UPDATE machines SET silent_since = {NOW_EPOCH}
 WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
   AND coalesce(last_heartbeat < {NOW_EPOCH} - $2, true)"""
 
-# The machine of the allocation whose agent did not pick its attempt up.
+# The machine of the allocation whose agent did not pick its attempt up. One whose agent said
+# it takes no work (shutting down, Temporal unreachable) is not suspected of a worker that polls
+# in vain: that explains it, it is given no work until it says otherwise, and a 5-minute
+# cool-down would keep a job off its machine long after a routine agent restart.
 MARK_UNPICKED = f"""
 UPDATE machines SET unpicked_until = {NOW_EPOCH} + $3
-WHERE id = $2 AND id IN (SELECT machine_id FROM gpu_holds WHERE allocation_id = $1)"""
+WHERE id = $2 AND accepting_work AND id IN (SELECT machine_id FROM gpu_holds WHERE allocation_id = $1)"""
 
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2, accepting_work = $3 WHERE id = $1"""

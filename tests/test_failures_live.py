@@ -140,7 +140,8 @@ def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_de
 
 
 IGNORES_SIGTERM = [sys.executable, "-c",
-                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('RAN', flush=True); "
+                   "time.sleep(600)"]
 
 
 def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_counted_a_failure(stack):
@@ -151,7 +152,9 @@ def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_co
     s = stack(machines=1, gpus=2, policy={"min_runtime": 0, "grace_period": 10})
     s.submit("stubborn", 1, IGNORES_SIGTERM)
     s.submit("quick", 1, sleeper(8))
-    s.until(lambda: {s.status("stubborn").state, s.status("quick").state} == {"running"}, timeout=30)
+    # Both processes started: "running" is shown once the attempt is sent to its agent, and one
+    # the agent had not picked up when it stopped polling would end not_started instead.
+    s.until(lambda: all("RAN" in s.log(job) for job in ("stubborn", "quick")), timeout=30)
     agent = machine_component("c1/b0/r0/m0")
     stopping = threading.Thread(target=devstack.stop_component, args=(s.data_dir, agent))
     stopping.start()

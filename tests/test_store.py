@@ -365,6 +365,20 @@ def test_a_machine_whose_agent_heartbeats_but_picked_an_attempt_up_not_takes_no_
     assert all(_takes_work(run, store).values())
 
 
+def test_an_attempt_not_picked_up_by_an_agent_that_said_it_takes_no_work_leaves_no_cool_down(store_env):
+    """Placed just before its agent began shutting down: once the agent is back and says it
+    takes work, the job may go there again at once."""
+    run, store = store_env
+    alloc = started(run, store, gpus=4)
+    [machine] = {g.rsplit("/", 1)[0] for g in run(store.job_view("a")).attempts[0].gpus}
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i) for i in range(4)], accepting_work=False))
+    run(store.end_attempt("a", alloc, EndReason.not_started, None, JobState.queued, "requeued: not picked up",
+                          machine))
+    assert _takes_work(run, store)[machine] is False
+    run(store.machine_heartbeat(machine, 2, [GpuReport(index=i) for i in range(4)]))
+    assert all(_takes_work(run, store).values())
+
+
 def test_a_machine_whose_agent_says_it_takes_no_work_is_given_none(store_env):
     run, store = store_env
     m0, m1 = (m.id for m in machines())
