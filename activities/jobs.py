@@ -89,7 +89,7 @@ class JobActivities:
     @activity.defn(name="end_attempt")
     async def end_attempt(self, inp: EndAttempt) -> None:
         await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
-                                     inp.next_state, inp.reason, inp.machine_id)
+                                     inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint)
 
     @activity.defn(name="set_job_state")
     async def set_job_state(self, inp: JobStateChange) -> None:

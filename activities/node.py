@@ -39,6 +39,8 @@ exits, before the activity returns (for up to a minute while the control plane c
 reached), so a checkpoint taken in the grace period is committed before the allocation ends. A
 resumed job's ``restored.json`` (how long it took from its launch to its state restored) is
 forwarded once, with the same allocation id: the control plane learns restart times from it.
+A job that found its resume checkpoint unusable (``unusable.json``: gone, corrupted) has the
+reason in its result (``resume_unusable``), which the attempt's end takes to the control plane.
 
 A job that dies on a failing GPU: when a run exits non-zero (not stopped by us), the agent reads
 its GPUs' health at once (``gpu_faults``). A GPU of the run with a fault that can kill a process
@@ -78,7 +80,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
-from jobkit import RESTORED_REPORT
+from jobkit import RESTORED_REPORT, UNUSABLE_REPORT
 from workflows.types import AGENT_SHUTDOWN, RunJobInput, RunJobResult
 
 log = logging.getLogger("gpusched.node")
@@ -97,6 +99,7 @@ AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not th
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
 LOG_CHECK_EVERY = 5.0  # seconds between looks at a running job's log size
 LOG_KEEP = 16 * 1024 * 1024  # what a log cut back keeps of its end, at most
+MAX_UNUSABLE_REASON = 1000  # characters of a job's word on why its resume checkpoint is unusable
 
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
@@ -566,6 +569,7 @@ class NodeActivities:
                 log_path=str(run.log_path),
                 last_log_lines=_tail(run.log_path, run.body_offset),
                 gpu_faults=gpu_faults,
+                resume_unusable=_unusable_resume(self._report_dir(run.req), run.req.resume_seq),
             )
             _append(run.log_path, f"# gpusched {_now()} ended: exit_code={result.exit_code} "
                                   f"signal={result.signal} stopped={result.stopped}"
@@ -706,6 +710,23 @@ class _CannotExec(Exception):
     def __init__(self, error: OSError):
         super().__init__(str(error))
         self.error = error
+
+
+def _unusable_resume(report_dir: Path, resume_seq: int | None) -> str | None:
+    """Why the job found its resume checkpoint unusable (jobkit's ``unusable.json``), or None.
+    Only the checkpoint it was given counts: a report of another is no word on this one."""
+    if resume_seq is None:
+        return None
+    try:
+        report = json.loads((report_dir / UNUSABLE_REPORT).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        log.warning("unreadable report %s: %s", report_dir / UNUSABLE_REPORT, err)
+        return None
+    if not isinstance(report, dict) or report.get("seq") != resume_seq:
+        return None
+    return str(report.get("reason") or "unusable")[:MAX_UNUSABLE_REASON]
 
 
 def _write_ack(ack_file: Path, answer: dict) -> None:

@@ -265,7 +265,12 @@ INSERT_CHECKPOINT = f"""
 INSERT INTO checkpoints (job_id, seq, allocation_id, key, size, sha256, progress, work_seconds,
                          complete, reason, written_at, created_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {NOW_EPOCH})
-ON CONFLICT (job_id, seq) DO NOTHING"""
+ON CONFLICT (job_id, seq) DO UPDATE SET
+    allocation_id = EXCLUDED.allocation_id, key = EXCLUDED.key, size = EXCLUDED.size,
+    sha256 = EXCLUDED.sha256, progress = EXCLUDED.progress, work_seconds = EXCLUDED.work_seconds,
+    complete = EXCLUDED.complete, reason = EXCLUDED.reason, written_at = EXCLUDED.written_at,
+    created_at = EXCLUDED.created_at, deleted_at = NULL, unusable_at = NULL
+  WHERE checkpoints.unusable_at IS NOT NULL"""
 CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""
@@ -290,6 +295,17 @@ LATEST_COMPLETE_CHECKPOINT = """
 SELECT seq, key, sha256, work_seconds FROM checkpoints
 WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq DESC LIMIT 1"""
 JOB_CHECKPOINTS = "SELECT * FROM checkpoints WHERE job_id = $1 ORDER BY seq"
+# Only the checkpoint the ending allocation resumed from: the job's word is on that one alone.
+MARK_CHECKPOINT_UNUSABLE = f"""
+UPDATE checkpoints SET complete = false, unusable_at = {NOW_EPOCH}, reason = $4
+WHERE job_id = $1 AND seq = $3 AND complete
+  AND seq = (SELECT resumed_from FROM allocations WHERE id = $2 AND job_id = $1)"""
+# The work the job holds is what its newest complete checkpoint holds (none: nothing).
+PROGRESS_FROM_CHECKPOINTS = f"""
+UPDATE jobs SET updated_at = {NOW_EPOCH}, progress = coalesce(
+    (SELECT work_seconds FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
+     ORDER BY seq DESC LIMIT 1), 0)
+WHERE id = $1"""
 SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"
 # Only an attempt that resumed from a checkpoint restarts; the first report counts.
 RECORD_RESTART = """

@@ -395,10 +395,13 @@ class Store:
 
     async def end_attempt(self, job_id: str, allocation_id: int | None, end: EndReason,
                           exit_code: int | None, next_state: JobState, reason: str,
-                          machine_id: str | None = None) -> None:
+                          machine_id: str | None = None, unusable_checkpoint: int | None = None) -> None:
         """Give the attempt's GPUs back and move the job on: to the queue again (``queued``)
         or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds.
-        ``machine_id``: the machine whose agent failed the attempt, when known."""
+        ``machine_id``: the machine whose agent failed the attempt, when known.
+        ``unusable_checkpoint``: the checkpoint the attempt resumed from, which its job found
+        unusable (gone, corrupted): no longer complete, so the next attempt resumes from the one
+        before."""
         # The reason carries the job's last log lines: a NUL there (an older agent's tail of a
         # binary log) would make Postgres refuse this call on every retry, the GPUs held.
         reason = reason.replace("\0", "\ufffd")
@@ -419,6 +422,8 @@ class Store:
                     await conn.execute(q.RELEASE_HOLDS, alloc)
                     await conn.execute(q.AUDIT, None, job_id, "released", end.value,
                                        json.dumps({"allocation_id": alloc, "exit_code": exit_code}))
+                    if unusable_checkpoint is not None:
+                        await self._mark_unusable(conn, job_id, alloc, unusable_checkpoint, reason)
             if allocation_id is not None and not ended:
                 # Ended before: this is a repeat (a retry, or a call that committed late), and the
                 # job has moved on since, perhaps to a new attempt that a requeue would orphan.
@@ -431,6 +436,15 @@ class Store:
                 if await conn.execute(q.FINISH_JOB, job_id, next_state.value, reason, exit_code) == "UPDATE 1":
                     await conn.execute(q.AUDIT, None, job_id, next_state.value, reason,
                                        json.dumps({"exit_code": exit_code}))
+
+    @staticmethod
+    async def _mark_unusable(conn, job_id: str, alloc: int, seq: int, reason: str) -> None:
+        why = f"unusable when allocation {alloc} resumed from it: {reason}"
+        if await conn.execute(q.MARK_CHECKPOINT_UNUSABLE, job_id, alloc, seq, why) != "UPDATE 1":
+            return  # not the checkpoint it resumed from, or marked before
+        await conn.execute(q.PROGRESS_FROM_CHECKPOINTS, job_id)
+        await conn.execute(q.AUDIT, None, job_id, "checkpoint_unusable", why,
+                           json.dumps({"seq": seq, "allocation_id": alloc}))
 
     # --- the scheduling cycle ---------------------------------------------------------------
 

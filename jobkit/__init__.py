@@ -93,7 +93,11 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
    ``committed=None``. No report dir: ``save()`` returns at once with ``committed=None``.
 4. Only committed checkpoints are resumed from: the control plane picks ``GPUSCHED_RESUME_FROM``.
    ``restore()`` downloads that object and checks its bytes against its ``sha256`` metadata (and
-   its size), raising :class:`CheckpointError` when they differ or the metadata is missing.
+   its size), raising :class:`CheckpointUnusable` (a :class:`CheckpointError`) when they differ,
+   the metadata is missing or the object is gone. It first writes
+   ``$GPUSCHED_REPORT_DIR/unusable.json`` = ``{"seq": 3, "reason": "..."}``: the agent hands it to
+   gpusched with the attempt's end, which takes checkpoint 3 for incomplete and queues the job
+   again, to resume from the newest complete checkpoint before it (or from the start).
 5. Once restored, with ``GPUSCHED_LAUNCHED_AT`` set, it writes ``$GPUSCHED_REPORT_DIR/restored.json``
    = ``{"seq": 3, "seconds": 41.2, "size": 1234}``: how long the restart took, from the agent
    launching the process to the state being back (``restart_seconds``). The agent forwards it;
@@ -136,7 +140,7 @@ from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import quote, unquote, urlparse
 
 __all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreUnreachable",
-           "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
+           "CheckpointUnusable", "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
 
 log = logging.getLogger("jobkit")
 
@@ -155,6 +159,7 @@ MAX_PARTS = 10_000  # S3's most parts in one upload
 UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
 S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable store (GPUSCHED_S3_RETRY_S)
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
+UNUSABLE_REPORT = "unusable.json"  # in the report directory: the resume checkpoint cannot be used
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 
@@ -181,6 +186,13 @@ def _local_io(method):
             kind = CheckpointRetryLater if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else CheckpointError
             raise kind(f"{method.__name__}: local I/O failed: {e}") from e
     return wrapped
+
+
+class CheckpointUnusable(CheckpointError):
+    """The checkpoint to resume from cannot be used: its object is gone, its bytes do not match
+    its SHA-256, it has none, or it is not the object committed. ``restore`` reports it
+    (``unusable.json``) before raising; gpusched then takes it for no complete checkpoint, and
+    the job's next attempt resumes from the newest complete one before it (or from the start)."""
 
 
 class CheckpointStoreUnreachable(CheckpointRetryLater):
@@ -383,7 +395,7 @@ class _FileStore:
                     d.update(chunk)
                     out.write(chunk)
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} does not exist") from None
+            raise CheckpointUnusable(f"checkpoint {path} does not exist") from None
         return d, self.head(bucket, key)
 
 
@@ -556,7 +568,11 @@ class _S3Store:
             for chunk in iter(lambda: body.read(CHUNK), b""):
                 d.update(chunk)
                 out.write(chunk)
-        except (ClientError, BotoCoreError) as e:
+        except ClientError as e:
+            if self._code(e)[0] == "NoSuchKey":  # the bucket is there, and answers: the object is not
+                raise CheckpointUnusable(f"checkpoint s3://{bucket}/{key} does not exist") from e
+            raise self._failure(f"reading s3://{bucket}/{key}", e) from e
+        except BotoCoreError as e:
             raise self._failure(f"reading s3://{bucket}/{key}", e) from e
         length = response.get("ContentLength")
         if length is not None and int(length) != d.size:
@@ -986,6 +1002,18 @@ class Checkpointer:
         except OSError as e:
             log.warning("cannot report the restore to the agent: %s", e)
 
+    def _unusable(self, reason: str) -> CheckpointUnusable:
+        """Report that the resume checkpoint cannot be used (``unusable.json``), so the next
+        attempt is not sent back to it; the error to raise. Best effort: unreported, the next
+        attempt tries it again and fails the same way."""
+        if self.report_dir is not None:
+            try:
+                self.report_dir.mkdir(parents=True, exist_ok=True)
+                _write_json_atomic(self.report_dir / UNUSABLE_REPORT, {"seq": self.resume_seq, "reason": reason})
+            except OSError as e:
+                log.warning("cannot report the unusable checkpoint to the agent: %s", e)
+        return CheckpointUnusable(reason)
+
     def _download(self, out: IO[bytes]) -> None:
         assert self.resume_from is not None
         location = _Location(self.resume_from)
@@ -998,17 +1026,20 @@ class Checkpointer:
 
         give_up = self._monotonic() + self.s3_retry_for
         # A stop during the restore leaves the job its grace to exit, not the whole retry time.
-        digest, metadata = self._patiently(lambda: self._within_grace(give_up))(
-            f"restoring {self.resume_from}", get)
+        try:
+            digest, metadata = self._patiently(lambda: self._within_grace(give_up))(
+                f"restoring {self.resume_from}", get)
+        except CheckpointUnusable as e:
+            raise self._unusable(str(e)) from e
         expected = (metadata or {}).get("sha256")
         if not expected:
-            raise CheckpointError(f"checkpoint {self.resume_from} has no sha256 metadata; "
-                                  "it cannot be verified, so it is not used")
+            raise self._unusable(f"checkpoint {self.resume_from} has no sha256 metadata; "
+                                 "it cannot be verified, so it is not used")
         if expected.lower() != digest.sha256:
-            raise CheckpointError(f"checkpoint {self.resume_from} is corrupted: its bytes hash to "
-                                  f"sha256 {digest.sha256}, its metadata says {expected}")
+            raise self._unusable(f"checkpoint {self.resume_from} is corrupted: its bytes hash to "
+                                 f"sha256 {digest.sha256}, its metadata says {expected}")
         if self.resume_sha256 is not None and self.resume_sha256.lower() != digest.sha256:
             # Bytes and metadata agree with each other but not with the commit: the object was
             # replaced after it was committed (a store that ignores If-None-Match, a stray writer).
-            raise CheckpointError(f"checkpoint {self.resume_from} is not the one committed: its bytes hash "
-                                  f"to sha256 {digest.sha256}, the commit says {self.resume_sha256}")
+            raise self._unusable(f"checkpoint {self.resume_from} is not the one committed: its bytes hash "
+                                 f"to sha256 {digest.sha256}, the commit says {self.resume_sha256}")

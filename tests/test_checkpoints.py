@@ -267,3 +267,57 @@ def test_a_checkpoint_written_in_parts_commits_and_the_uploads_abandoned_below_i
     env.requeue()
     env.allocation = env.start()
     assert env.resumed["seq"] == 2
+
+
+# --- a resume checkpoint its job found unusable ------------------------------------------------
+
+
+def _end_unusable(env, seq: int) -> None:
+    env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
+                                  "requeued: it could not resume", unusable_checkpoint=seq))
+
+
+def _resumed_twice(env, *seqs: int) -> None:
+    """Checkpoints ``seqs`` committed; then an attempt that resumes from the newest."""
+    for seq in seqs:
+        assert env.commit(env.write(seq, f"step={seq}".encode())).committed
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == seqs[-1]
+
+
+def test_a_checkpoint_its_attempt_could_not_resume_from_is_incomplete_and_the_next_resumes_from_the_one_before(env):
+    _resumed_twice(env, 1, 2)
+    _end_unusable(env, 2)
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 1
+    views = {c.seq: c for c in env.run(env.store.checkpoints(env.job))}
+    assert not views[2].complete and "unusable when allocation" in views[2].reason
+    work = env.run(env.store.pool.fetchval("SELECT work_seconds FROM checkpoints WHERE job_id = $1 AND seq = 1",
+                                           env.job))
+    assert env.run(env.store.pool.fetchval("SELECT progress FROM jobs WHERE id = $1", env.job)) == work
+    assert "checkpoint_unusable" in [e["event"] for e in env.run(env.store.audit_trail(env.job))]
+
+
+def test_with_no_complete_checkpoint_left_the_next_attempt_starts_from_the_beginning(env):
+    _resumed_twice(env, 1)
+    _end_unusable(env, 1)
+    env.allocation = env.start()
+    assert env.resumed is None
+    assert env.run(env.store.pool.fetchval("SELECT progress FROM jobs WHERE id = $1", env.job)) == 0
+
+
+def test_only_the_checkpoint_the_attempt_resumed_from_can_be_called_unusable(env):
+    _resumed_twice(env, 1, 2)
+    _end_unusable(env, 1)  # the attempt resumed from 2: its job has no word on 1
+    assert all(c.complete for c in env.run(env.store.checkpoints(env.job)))
+
+
+def test_a_number_written_again_after_its_object_was_found_gone_replaces_the_unusable_one(env):
+    _resumed_twice(env, 1, 2)
+    env.s3.delete_object(Bucket=env.bucket, Key=f"{checkpoint_prefix(env.job)}{2:010d}")
+    _end_unusable(env, 2)
+    env.allocation = env.start()  # resumes from 1, and writes 2 again
+    assert env.commit(env.write(2, b"step=2, again")).committed
+    [again] = [c for c in env.run(env.store.checkpoints(env.job)) if c.seq == 2]
+    assert again.complete and again.allocation_id == env.allocation and again.reason is None

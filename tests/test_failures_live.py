@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import sys
+import textwrap
 import time
 
 import pytest
@@ -167,3 +168,44 @@ def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_co
     assert view.state == "succeeded", view.reason
     assert [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
     s.run(s.client.cancel("stubborn"))
+
+
+# Saves two checkpoints, then fails (exit 3) once the test has spoiled the newest; resumed, it
+# says what it got back and succeeds.
+SAVES_TWO_THEN_FAILS = [sys.executable, "-c", textwrap.dedent("""
+    import os, sys, time
+    from jobkit import Checkpointer
+    ck = Checkpointer.from_env()
+    state = ck.restore()
+    if state is not None:
+        print("RESTORED", state.decode(), flush=True)
+        sys.exit(0)
+    for state in (b"one", b"two"):
+        print("SAVED", ck.save(state).committed, flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+    sys.exit(3)
+""")]
+
+
+def test_a_job_whose_newest_checkpoint_is_corrupted_resumes_from_the_one_before(stack):
+    """Bit rot, or an object overwritten behind the store's back: the resume checks the bytes,
+    and the checkpoint is taken for incomplete instead of failing every attempt sent to it."""
+    from activities.checkpoints import s3_client
+
+    s = stack(machines=1, gpus=2, policy={"min_runtime": 0})
+    flag = s.data_dir / "spoiled-checkpoint-written"
+    s.submit("spoiled", 1, SAVES_TWO_THEN_FAILS + [str(flag)], max_retries=1)
+    s.until(lambda: sum(c.complete for c in s.status("spoiled").checkpoints) == 2, timeout=30)
+    newest = max(s.status("spoiled").checkpoints, key=lambda c: c.seq)
+    settings = s.up.settings
+    s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+    s3.put_object(Bucket=settings.s3_bucket, Key=newest.key, Body=b"rotten", Metadata={"sha256": "0" * 64})
+    flag.touch()
+    view = s.wait("spoiled", timeout=90)
+    assert view.state == "succeeded", view.reason
+    assert [(a.end_reason, a.resumed_from) for a in view.attempts] == [
+        ("failed", None), ("machine_failure", newest.seq), ("completed", newest.seq - 1)]
+    assert "RESTORED one" in s.log("spoiled", attempt=3)
+    [spoiled] = [c for c in view.checkpoints if c.seq == newest.seq]
+    assert not spoiled.complete and "corrupted" in spoiled.reason

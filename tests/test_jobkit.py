@@ -296,25 +296,50 @@ def test_the_ack_wait_never_outlasts_the_grace_period(tmp_path):
 # --- restoring ---------------------------------------------------------------------------------
 
 
-def test_restore_refuses_a_corrupted_or_unverifiable_checkpoint(tmp_path):
-    saved = local(tmp_path).save(b"good bytes")
+def _tamper(tmp_path: Path, saved) -> dict:
     obj = tmp_path / "ck" / "0000000001"
     obj.chmod(0o644)
     obj.write_bytes(b"bad bytes!")
-    with pytest.raises(CheckpointError, match="corrupted"):
-        local(tmp_path, resume_from=saved.uri).restore()
+    return {}
+
+
+def _strip_metadata(tmp_path: Path, saved) -> dict:
     (tmp_path / "ck" / "0000000001.meta.json").unlink()
-    with pytest.raises(CheckpointError, match="no sha256 metadata"):
-        local(tmp_path, resume_from=saved.uri).restore()
-    with pytest.raises(CheckpointError, match="does not exist"):
-        local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000009").restore()
+    return {}
 
 
-def test_restore_refuses_bytes_that_are_not_the_committed_checkpoint(tmp_path):
+def _lose(tmp_path: Path, saved) -> dict:
+    (tmp_path / "ck" / "0000000001").unlink()
+    return {}
+
+
+def _replace(tmp_path: Path, saved) -> dict:
+    return {"resume_sha256": sha(b"another state")}  # the commit names other bytes than these
+
+
+@pytest.mark.parametrize("spoil, words", [
+    (_tamper, "is corrupted"),
+    (_strip_metadata, "no sha256 metadata"),
+    (_lose, "does not exist"),
+    (_replace, "not the one committed"),
+], ids=["bytes that do not match their sha256 are unusable",
+        "an object without its sha256 cannot be verified, so it is unusable",
+        "an object that is gone is unusable",
+        "bytes that are not the ones committed are unusable"])
+def test_an_unusable_resume_checkpoint_is_refused_and_reported_so_the_next_attempt_falls_back(tmp_path, spoil,
+                                                                                             words):
+    saved = local(tmp_path).save(b"good bytes")
+    kw = spoil(tmp_path, saved)
+    ck = local(tmp_path, resume_from=saved.uri, resume_seq=1, report_dir=tmp_path / "r", **kw)
+    with pytest.raises(jobkit.CheckpointUnusable, match=words):
+        ck.restore()
+    report = json.loads((tmp_path / "r" / jobkit.UNUSABLE_REPORT).read_text())
+    assert report["seq"] == 1 and words in report["reason"]
+
+
+def test_restore_takes_the_committed_checkpoint(tmp_path):
     saved = Checkpointer(f"file://{tmp_path}/ck/").save(b"committed state")
     assert local(tmp_path, resume_from=saved.uri, resume_sha256=saved.sha256).restore() == b"committed state"
-    with pytest.raises(CheckpointError, match="not the one committed"):
-        local(tmp_path, resume_from=saved.uri, resume_sha256=sha(b"another state")).restore()
 
 
 def test_bad_settings_are_named():
@@ -417,7 +442,8 @@ def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path,
     kw = dict(monotonic=lambda: clock[0], sleep=sleep, s3_retry_for=retry_for)
     if name.startswith("a restore"):
         local(tmp_path).save(b"state")
-        ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", grace_period=stopping, **kw)
+        ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", resume_seq=1, grace_period=stopping,
+                   report_dir=tmp_path / "r", **kw)
         ck._stores["file"] = Flaky(ck._store("file"), outages)
         act = ck.restore
     else:
@@ -429,6 +455,8 @@ def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path,
     if outcome == "unreachable":
         with pytest.raises(CheckpointStoreUnreachable):
             act()
+        # The store's fault, not the checkpoint's: it is not reported unusable.
+        assert not (tmp_path / "r" / jobkit.UNUSABLE_REPORT).exists()
     else:
         assert act() is not None
     # A restore's pauses are slept a second at a time: a stop meanwhile may bring its deadline forward.
@@ -560,8 +588,17 @@ def test_s3_conditional_writes_metadata_and_restore(live_servers):
     # An object whose bytes do not match its sha256 metadata is refused.
     bad_key = f"{prefix}/0000000009"
     s3.put_object(Bucket=bucket, Key=bad_key, Body=b"tampered", Metadata={"sha256": sha(b"original")})
-    with pytest.raises(CheckpointError, match="corrupted"):
+    with pytest.raises(jobkit.CheckpointUnusable, match="corrupted"):
         Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=f"s3://{bucket}/{bad_key}")).restore()
+    # One that is gone is unusable too; a bucket that is not there says nothing of the checkpoint.
+    with pytest.raises(jobkit.CheckpointUnusable, match="does not exist"):
+        Checkpointer.from_env(s3_env(live_servers, prefix,
+                                     GPUSCHED_RESUME_FROM=f"s3://{bucket}/{prefix}/0000000042")).restore()
+    with pytest.raises(CheckpointError) as raised:
+        Checkpointer.from_env(s3_env(live_servers, prefix,
+                                     GPUSCHED_RESUME_FROM=f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/k/0000000001")
+                              ).restore()
+    assert not isinstance(raised.value, jobkit.CheckpointUnusable)
 
 
 @pytest.mark.live

@@ -26,8 +26,9 @@ Output (stdout, one line each, flushed)::
 
 Exit codes: 0 done, or stopped on SIGTERM after its checkpoint (jobkit.EXIT_STOPPED); 3
 ``--fail-at-step`` was reached (step K is not completed); 1 the checkpoint on SIGTERM failed, or
-the resume checkpoint is unusable; 75 the checkpoint store is unreachable at resume
-(jobkit.EXIT_RETRY_LATER: gpusched queues the job again); 2 bad arguments.
+the resume checkpoint is unusable (gone or corrupted: jobkit has reported it, and gpusched queues
+the job again to resume from the checkpoint before); 75 the checkpoint store is unreachable at
+resume (jobkit.EXIT_RETRY_LATER: gpusched queues the job again); 2 bad arguments.
 """
 
 from __future__ import annotations

@@ -104,6 +104,8 @@ class JobWorkflow:
         self.failures = 0  # attempts the command itself failed (its own non-zero exit)
         self.attempt_began = None  # when this attempt's processes were asked to start
         self.failed_host: str | None = None  # the machine whose agent failed this attempt
+        self.resume_seq: int | None = None  # the checkpoint this attempt resumed from
+        self.unusable_checkpoint: int | None = None  # that checkpoint, when the job found it unusable
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -221,6 +223,7 @@ class JobWorkflow:
         alloc = placement.allocation_id
         hosts = placement.hosts
         self.attempt_began, self.failed_host = workflow.now(), None
+        self.resume_seq, self.unusable_checkpoint = grant.resume_seq, None
         runs = [
             workflow.start_activity(
                 "run_job",
@@ -295,6 +298,15 @@ class JobWorkflow:
             await self._stop(runs)
             result = failed[0]
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
+            unusable = next((r.resume_unusable for r in failed if r.resume_unusable), None)
+            if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
+                # Its checkpoint is gone or corrupted: no fault of the job's, and sent back to it
+                # the job would fail the same way every time. The end takes it for incomplete.
+                self.unusable_checkpoint = self.resume_seq
+                return self._count_infra_failure(
+                    EndReason.machine_failure,
+                    f"it could not resume from checkpoint {self.resume_seq} ({how}): {unusable}; the next "
+                    "attempt resumes from the newest complete checkpoint before it, or from the start")
             sick = [fault for r in failed for fault in r.gpu_faults]
             if sick and workflow.patched("gpu-fault-requeues"):
                 # A process that dies as its GPU fails died of the GPU: the job is not at fault.
@@ -354,9 +366,11 @@ class JobWorkflow:
         await workflow.execute_activity(
             "end_attempt",
             EndAttempt(job_id=self.job_id, allocation_id=allocation_id, end_reason=end, exit_code=exit_code,
-                       next_state=next_state, reason=reason, machine_id=self.failed_host),
+                       next_state=next_state, reason=reason, machine_id=self.failed_host,
+                       unusable_checkpoint=self.unusable_checkpoint),
             **STORE_CALL,
         )
+        self.unusable_checkpoint = None
         self.state = next_state
         self.exit_code = exit_code if next_state.terminal else None
         self.reason = reason

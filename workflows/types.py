@@ -245,8 +245,11 @@ class RunJobResult(WithNewFields):
     # A failed run: the faults its GPUs showed when it died ("GPU 3: xid:79"). Any, and the GPU,
     # not the job, is taken for the cause: the job is requeued instead of failed.
     gpu_faults: list[str] = Field(default_factory=list)
+    # Why the job could not use the checkpoint it was told to resume from (jobkit's
+    # unusable.json): the attempt's end takes it for incomplete, and its failure is not the job's.
+    resume_unusable: str | None = None
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("gpu_faults",)  # since 2026-12-01
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("gpu_faults", "resume_unusable")  # since 2026-12-01, -03
 
 
 class AttemptView(Model):
@@ -391,8 +394,10 @@ class EndAttempt(WithNewFields):
     next_state: JobState  # queued (to run again) or a terminal state
     reason: str
     machine_id: str | None = None  # the machine whose agent failed the attempt, when one did
+    # The checkpoint the attempt resumed from, when its job found it unusable: no longer complete.
+    unusable_checkpoint: int | None = None
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id",)  # since 2026-12-02
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint")  # since 2026-12-02, -03
 
 
 class JobStateChange(Model):
