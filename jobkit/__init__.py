@@ -74,7 +74,8 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
    it, and takes the next free number (at most 20 tries; after the first refusal it lists the
    prefix to jump past every taken number, when listing is allowed). A refusal of what is in fact
    this writer's own earlier write (an HTTP retry after a lost response: same sha256, allocation
-   and attempt in the metadata) counts as written.
+   and attempt in the metadata) counts as written. A checkpoint over 8 MiB looks its number up
+   first (``LOOK_FIRST_BYTES``), so a number already taken costs it no upload.
    Local ``file://`` checkpoints do the same with ``os.link`` (atomic, never overwrites) and a
    ``<N:010d>.meta.json`` file beside the object for the metadata.
 2. The first N is ``GPUSCHED_RESUME_SEQ + 1`` (1 on a fresh start); each save takes the next.
@@ -158,6 +159,7 @@ MIN_PART_MB = 5  # S3's smallest part, the last excepted
 MAX_PARTS = 10_000  # S3's most parts in one upload
 UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
 S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable store (GPUSCHED_S3_RETRY_S)
+LOOK_FIRST_BYTES = 8 * MIB  # a checkpoint bigger than this looks its number up before the upload
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 UNUSABLE_REPORT = "unusable.json"  # in the report directory: the resume checkpoint cannot be used
 
@@ -836,9 +838,17 @@ class Checkpointer:
             patiently = self._patiently(self._save_deadline())
             for _ in range(MAX_WRITE_TRIES):
                 key = seq_key(location.key, seq)
-                if patiently(f"writing checkpoint {seq}", store.put_new, location.bucket, key, data, digest, metadata):
-                    break
-                theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
+                theirs = None
+                if digest.size > LOOK_FIRST_BYTES:
+                    # A number already taken (the unusable checkpoint an attempt fell back from,
+                    # an earlier attempt's uncommitted write) then costs a lookup, not the upload
+                    # of tens of GiB, perhaps in the grace. The conditional write still decides.
+                    theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
+                if theirs is None:
+                    if patiently(f"writing checkpoint {seq}", store.put_new, location.bucket, key, data, digest,
+                                 metadata):
+                        break
+                    theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
                 if theirs is not None and all(theirs.get(k) == v for k, v in metadata.items()):
                     log.info("jobkit: checkpoint %d was already written by this allocation", seq)
                     break

@@ -124,6 +124,35 @@ def test_a_taken_number_refuses_the_writer_which_takes_the_next(tmp_path, caplog
     assert ck.save(b"next").seq == 6
 
 
+class Counting:
+    """A store that counts the writes asked of it, by key."""
+
+    def __init__(self, inner):
+        self.inner, self.writes = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_new(self, bucket, key, *args):
+        self.writes.append(key.rsplit("/", 1)[1])
+        return self.inner.put_new(bucket, key, *args)
+
+
+@pytest.mark.parametrize("size, written", [
+    (1000, ["0000000004", "0000000005"]),
+    (jobkit.LOOK_FIRST_BYTES + 1, ["0000000005"]),
+], ids=["a small checkpoint tries the taken number and is refused",
+        "a big one looks the number up first and uploads nothing under it"])
+def test_a_taken_number_costs_a_big_checkpoint_no_upload(tmp_path, size, written):
+    three = f"file://{tmp_path}/ck/0000000003"
+    local(tmp_path, allocation_id="alloc-old", resume_from=three, resume_seq=3).save(b"unusable, or uncommitted")
+    ck = local(tmp_path, allocation_id="alloc-new", attempt="2", resume_from=three, resume_seq=3)
+    store = ck._stores["file"] = Counting(ck._store("file"))
+    result = ck.save(b"x" * size)
+    assert (result.seq, result.refused, store.writes) == (5, (4,), written)
+    assert (tmp_path / "ck" / "0000000005").stat().st_size == size
+
+
 def test_after_a_refusal_the_writer_jumps_past_every_taken_number(tmp_path):
     other = local(tmp_path, allocation_id="alloc-other")
     for i in range(30):  # more than the 20 tries one by one would allow
