@@ -270,7 +270,9 @@ ON CONFLICT (job_id, seq) DO UPDATE SET
     sha256 = EXCLUDED.sha256, progress = EXCLUDED.progress, work_seconds = EXCLUDED.work_seconds,
     complete = EXCLUDED.complete, reason = EXCLUDED.reason, written_at = EXCLUDED.written_at,
     created_at = EXCLUDED.created_at, deleted_at = NULL, unusable_at = NULL
-  WHERE checkpoints.unusable_at IS NOT NULL"""
+  -- A number written again after its checkpoint was found unusable (its object gone) or
+  -- collected (a job that fell back to its start): a refused report leaves the row as it was.
+  WHERE EXCLUDED.complete AND (checkpoints.unusable_at IS NOT NULL OR checkpoints.deleted_at IS NOT NULL)"""
 CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""

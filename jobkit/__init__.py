@@ -398,7 +398,15 @@ class _FileStore:
                     out.write(chunk)
         except FileNotFoundError:
             raise CheckpointUnusable(f"checkpoint {path} does not exist") from None
-        return d, self.head(bucket, key)
+        try:
+            metadata = json.loads(Path("/" + key + ".meta.json").read_text())
+        except FileNotFoundError:
+            metadata = None
+        except ValueError:  # written atomically: unreadable is damaged
+            metadata = None
+        # Any other error (EIO, a stale NFS handle) says nothing of the checkpoint: it goes up
+        # as such (a local I/O failure), and the checkpoint is not reported unusable.
+        return d, metadata if isinstance(metadata, dict) else None
 
 
 class _S3Store:

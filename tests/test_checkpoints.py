@@ -321,3 +321,29 @@ def test_a_number_written_again_after_its_object_was_found_gone_replaces_the_unu
     assert env.commit(env.write(2, b"step=2, again")).committed
     [again] = [c for c in env.run(env.store.checkpoints(env.job)) if c.seq == 2]
     assert again.complete and again.allocation_id == env.allocation and again.reason is None
+
+
+def test_a_job_fallen_back_to_its_start_commits_its_first_numbers_again(env):
+    """Its old numbers' rows are unusable or collected: a new write replaces them."""
+    _resumed_twice(env, 1, 2, 3)  # 1 is collected once 2 and 3 are complete
+    assert [c.deleted for c in env.run(env.store.checkpoints(env.job))] == [True, False, False]
+    _end_unusable(env, 3)
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 2
+    _end_unusable(env, 2)
+    env.allocation = env.start()
+    assert env.resumed is None
+    assert env.commit(env.write(1, b"step=1, from the start")).committed
+    [first] = [c for c in env.run(env.store.checkpoints(env.job)) if c.seq == 1]
+    assert first.complete and not first.deleted and first.allocation_id == env.allocation
+
+
+def test_a_refused_report_of_an_unusable_number_leaves_it_unusable_and_replaceable(env):
+    _resumed_twice(env, 1, 2)
+    env.s3.delete_object(Bucket=env.bucket, Key=f"{checkpoint_prefix(env.job)}{2:010d}")
+    _end_unusable(env, 2)
+    zombie = env.allocation
+    env.allocation = env.start()
+    assert not env.commit(env.write(2, b"from the zombie"), allocation=zombie).committed
+    [row] = env.run(env.store.pool.fetch("SELECT * FROM checkpoints WHERE job_id = $1 AND seq = 2", env.job))
+    assert row["unusable_at"] is not None and "unusable when allocation" in row["reason"]

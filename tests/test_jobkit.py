@@ -366,6 +366,25 @@ def test_an_unusable_resume_checkpoint_is_refused_and_reported_so_the_next_attem
     assert report["seq"] == 1 and words in report["reason"]
 
 
+def test_metadata_that_cannot_be_read_now_does_not_make_the_checkpoint_unusable(tmp_path, monkeypatch):
+    """An I/O error (EIO, a stale NFS handle) is the disk's, not the checkpoint's."""
+    import errno
+
+    saved = local(tmp_path).save(b"good bytes")
+    read_text = Path.read_text
+
+    def failing(path, *args, **kwargs):
+        if path.name.endswith(".meta.json"):
+            raise OSError(errno.EIO, "Input/output error")
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", failing)
+    ck = local(tmp_path, resume_from=saved.uri, resume_seq=1, report_dir=tmp_path / "r")
+    with pytest.raises(jobkit.CheckpointRetryLater):
+        ck.restore()
+    assert not (tmp_path / "r" / jobkit.UNUSABLE_REPORT).exists()
+
+
 def test_restore_takes_the_committed_checkpoint(tmp_path):
     saved = Checkpointer(f"file://{tmp_path}/ck/").save(b"committed state")
     assert local(tmp_path, resume_from=saved.uri, resume_sha256=saved.sha256).restore() == b"committed state"

@@ -155,30 +155,30 @@ RESTORE_OR_FAIL = """
 """
 
 
-@pytest.mark.parametrize("spoil, resume_seq, unusable", [
-    ("corrupt", 1, "is corrupted"),
-    ("corrupt", None, None),
-    ("none", 1, None),
+@pytest.mark.parametrize("spoiled, stray, unusable", [
+    (True, False, "is corrupted"),
+    (False, True, None),
+    (False, False, None),
 ], ids=["a job that finds its resume checkpoint corrupted says why in its result",
-        "a report without a resume checkpoint given is no word on any",
+        "a report of another checkpoint than the one it resumes from is no word on that one",
         "a job that resumes says nothing"])
-def test_a_resume_checkpoint_the_job_found_unusable_is_named_in_its_result(tmp_path, spoil, resume_seq,
-                                                                           unusable):
+def test_a_resume_checkpoint_the_job_found_unusable_is_named_in_its_result(tmp_path, spoiled, stray, unusable):
     from jobkit import Checkpointer
 
-    saved = Checkpointer(f"file://{tmp_path}/ck/").save(b"state")
-    if spoil == "corrupt":
-        (tmp_path / "ck" / "0000000001").chmod(0o644)
-        (tmp_path / "ck" / "0000000001").write_bytes(b"rotten")
-    req = job(RESTORE_OR_FAIL, attempt=2, checkpoint_uri=f"file://{tmp_path}/ck/",
-              resume_from=saved.uri if resume_seq else None, resume_seq=resume_seq,
-              env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    if resume_seq is None:  # a stray report (written by hand) of a checkpoint the attempt was not given
+    writer = Checkpointer(f"file://{tmp_path}/ck/")
+    writer.save(b"older")
+    saved = writer.save(b"state")  # number 2: the one to resume from
+    if spoiled:
+        (tmp_path / "ck" / "0000000002").chmod(0o644)
+        (tmp_path / "ck" / "0000000002").write_bytes(b"rotten")
+    if stray:  # written by hand: of checkpoint 1, which this attempt was not given
         report_dir = tmp_path / "jobs" / "train-1" / "reports-2"
         report_dir.mkdir(parents=True)
         (report_dir / "unusable.json").write_text('{"seq": 1, "reason": "is corrupted"}')
+    req = job(RESTORE_OR_FAIL, attempt=2, checkpoint_uri=f"file://{tmp_path}/ck/", resume_from=saved.uri,
+              resume_seq=2, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
-    assert (result.exit_code != 0) is (spoil == "corrupt" and resume_seq is not None), result.last_log_lines
+    assert (result.exit_code != 0) is spoiled, result.last_log_lines
     assert (unusable in result.resume_unusable) if unusable else result.resume_unusable is None
 
 

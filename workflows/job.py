@@ -298,7 +298,11 @@ class JobWorkflow:
             await self._stop(runs)
             result = failed[0]
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
-            unusable = next((r.resume_unusable for r in failed if r.resume_unusable), None)
+            # Any rank's word, those that ended as the rest of the gang was stopped included: the
+            # first to fail may be one whose peer never came up from its restore.
+            unusable = next((r.result().resume_unusable for r in runs
+                             if r.done() and not r.cancelled() and r.exception() is None and r.result().resume_unusable),
+                            None)
             if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
                 # Its checkpoint is gone or corrupted: no fault of the job's, and sent back to it
                 # the job would fail the same way every time. The end takes it for incomplete.
