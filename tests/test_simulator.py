@@ -366,6 +366,41 @@ def test_a_job_on_a_failed_machine_loses_the_work_since_its_last_checkpoint_and_
     assert second.end - second.start == pytest.approx(7200.0 - 3600.0), "it resumed from the 3,700 checkpoint"
 
 
+def test_a_machine_that_fails_while_a_checkpoint_is_still_being_written_loses_the_work_since_the_one_before():
+    """The checkpoint begun at 3,700 is written by 3,730: a death at 3,710 resumes from 1,900."""
+    trace = [tj("a", 100.0, 7200.0, interval=1800.0)]
+    settings = SimSettings(policy=PolicyConfig(stagger_checkpoints=False))
+    fleet = small_fleet(machines=2)
+    [machine] = machine_of(simulate(trace, fleet, "gpusched", settings).allocations[0])
+    sim = Simulation(trace, fleet, "gpusched", settings)
+    sim.push(3710.0, engine.MACHINE_DOWN, ("c1", machine, 0))
+    first = allocs(sim.run(), "a")[0]
+    assert first.lost_work == pytest.approx((3710.0 - 1900.0) * 8)
+
+
+def test_a_machine_that_failed_twice_comes_back_only_once_both_failures_are_repaired():
+    trace = [tj("a", 100.0, 7200.0, interval=1800.0)]
+    sim = Simulation(trace, small_fleet(machines=1), "gpusched", SimSettings())
+    for down, up in ((1000.0, 2800.0), (2000.0, 3800.0)):
+        sim.push(down, engine.MACHINE_DOWN, ("c1", "c1/b0/r0/m0", 0))
+        sim.push(up, engine.MACHINE_UP, ("c1", "c1/b0/r0/m0", 0))
+    first, second = allocs(sim.run(), "a")
+    assert (first.end, second.start) == (1000.0, 3800.0)
+
+
+@pytest.mark.parametrize("until, span", [(None, 1000.0), (50.0, 0.0)],
+                         ids=["a repair after the last job does not stretch the run",
+                              "a run cut before the first submission spans nothing, not a negative time"])
+def test_the_run_spans_from_the_first_submission_to_the_last_job_event(until, span):
+    sim = Simulation([tj("a", 100.0, 1000.0)], small_fleet(machines=1), "gpusched", SimSettings(until=until))
+    sim.push(1500.0, engine.GPU_DOWN, ("c1", "c1/b0/r0/m0", 3))
+    sim.push(2300.0, engine.GPU_UP, ("c1", "c1/b0/r0/m0", 3))
+    summary = summarize(sim.run())
+    assert summary["end"] - summary["start"] == span
+    if until is None:
+        assert summary["utilisation"] == pytest.approx(1.0)
+
+
 # --- thrash protection and invariants on a busy trace ---------------------------------------------
 
 
@@ -481,6 +516,17 @@ def test_easy_backfills_a_small_job_only_when_it_ends_before_the_blocked_jobs_re
         assert starts["small"] >= 2000.0, "it may not run on the reserved machine before the big job"
     fifo = simulate(trace, small_fleet(machines=1), "fifo", SimSettings())
     assert job_record(fifo, "small").first_start >= 2000.0, "strict FIFO never starts it ahead of big"
+
+
+def test_easy_reserves_for_the_first_blocked_job_counting_the_jobs_started_ahead_of_it_in_the_same_cycle():
+    """All three arrive together: A starts, B (both machines) is blocked and reserves where A's
+    end frees room, so C, which would hold a machine past it, may not backfill."""
+    trace = csv_trace("a,0,100,8,t,normal,,100\nb,0,100,16,t,normal,,100\nc,0,10000,8,t,normal,,10000\n")
+    result = simulate(trace, small_fleet(machines=2), "easy", SimSettings())
+    check_run_invariants(result, trace)
+    starts = {j.job_id: j.first_start for j in result.jobs}
+    assert (starts["a"], starts["b"]) == (0.0, 100.0), starts
+    assert starts["c"] >= 200.0, starts
 
 
 # --- checkpoint staggering -----------------------------------------------------------------------

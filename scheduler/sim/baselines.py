@@ -48,6 +48,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
     requeues, running, cap = _start(snapshot)
     now = snapshot.now
     placements, pending = [], []
+    placed_ends = []  # (expected end, (machine, GPU count)) of the jobs this cycle started
     hold = None
     for job in _submit_order(snapshot):
         avoid = placement.NO_AVOID
@@ -57,12 +58,17 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
         if slots is None:
             reason = placement.explain_no_fit(cap, job.spec)
             if hold is None:
-                book = reservation.ReleaseBook((j.expected_end(now), cap.machines_of(j)) for j in running)
+                # The jobs started ahead of it in this cycle give their GPUs back too: left out,
+                # its reservation came later than it should, or not at all, and backfill delayed it.
+                book = reservation.ReleaseBook([*((j.expected_end(now), cap.machines_of(j)) for j in running),
+                                                *placed_ends])
                 hold = reservation.plan_hold(cap, job.spec, book, now, frozenset())
             pending.append(Pending(job_id=job.spec.job_id, position=len(pending) + 1, estimated_start=None,
                                    misses_deadline=None, reason=reason))
             continue
         cap.take(slots)
+        if hold is None:
+            placed_ends.append((now + remaining_work(job), _machine_counts(cap, slots)))
         placements.append(Placement(job_id=job.spec.job_id, gpus=slots, reason="easy",
                                     backfilled=hold is not None))
     reservations = ()
@@ -71,3 +77,11 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
                                     expected_start=hold.expected_start),)
     return CycleResult(placements=tuple(placements), requeues=tuple(requeues), pending=tuple(pending),
                        reservations=reservations)
+
+
+def _machine_counts(cap: Capacity, slots) -> list[tuple[int, int]]:
+    counts: dict[int, int] = {}
+    for machine_id, _ in slots:
+        i = cap.index[machine_id]
+        counts[i] = counts.get(i, 0) + 1
+    return list(counts.items())

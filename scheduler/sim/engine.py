@@ -66,8 +66,8 @@ class SimSettings(BaseModel):
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
     restart_s: float = Field(default=0.0, ge=0)  # an attempt after the first starts again before it progresses
     learn_restart: bool = False  # policy.expected_restart_s becomes restart_s once a restart has been seen
-    # Per machine, per GPU. At most 100 a day: with the 30-minute repair even 48 leave a machine
-    # always down, and rates far beyond had the simulation run for ever.
+    # Per machine, per GPU. At most 100 a day: with the 30-minute repair, 48 a day keep a machine
+    # down 63% of the time (failures overlap), and rates far beyond had the simulation run for ever.
     machine_failures_per_day: float = Field(default=0.0, ge=0, le=100)
     gpu_failures_per_day: float = Field(default=0.0, ge=0, le=100)
     repair_s: float = Field(default=1800.0, gt=0)
@@ -163,6 +163,9 @@ class Simulation:
         self.cycle_ms: list[float] = []
         self.reclaim_latencies: list[float] = []
         self.freed_now: set[str] = set()  # clusters whose GPUs a decision freed this instant
+        # Failures not yet repaired, per machine and per GPU: failures overlap, and a unit comes
+        # back only when the last of them is repaired.
+        self.failures_open: dict[tuple, int] = {}
         for job in trace:
             self.jobs[job.spec.job_id] = JobLife(trace=job, cluster="")
             self.push(job.submit_time, SUBMIT, job.spec.job_id)
@@ -353,10 +356,11 @@ class Simulation:
         elif graceful and not life.spec.checkpoints:
             saved, release = 0.0, now + min(self.settings.sigterm_exit_s, self.settings.policy.grace_period)
         elif graceful:
-            saved, _ = self.saved_progress(life, now)
+            saved, _ = self.saved_progress(life, now - self.settings.checkpoint_write_s)
             release = now + self.settings.policy.grace_period
         else:
-            saved, _ = self.saved_progress(life, now)
+            # Only a checkpoint whose write has finished can be resumed from.
+            saved, _ = self.saved_progress(life, now - self.settings.checkpoint_write_s)
             release = now
         lost = max(0.0, done - saved) * life.spec.num_gpus
         life.progress = saved
@@ -440,6 +444,11 @@ class Simulation:
         name, machine_id, gpu = payload
         cluster = self.clusters[name]
         m = cluster.machines[machine_id]
+        unit = (name, machine_id) if kind in (MACHINE_DOWN, MACHINE_UP) else (name, machine_id, gpu)
+        open_now = self.failures_open.get(unit, 0) + (1 if kind in (MACHINE_DOWN, GPU_DOWN) else -1)
+        self.failures_open[unit] = open_now
+        if kind in (MACHINE_UP, GPU_UP) and open_now > 0:
+            return set()  # another failure of it is still being repaired
         if kind == MACHINE_DOWN:
             m = m.model_copy(update={"reachable": False})
         elif kind == MACHINE_UP:
@@ -533,7 +542,10 @@ class Simulation:
     # --- the end -----------------------------------------------------------------------------
 
     def result(self, now: float) -> SimResult:
-        end = max([now] + [a.end for a in self.allocations])
+        if self.settings.until is None and not any(life.state in ("running", "draining") for life in self.jobs.values()):
+            # The run ends with its last job's event: repairs after it change nothing.
+            now = max([self.start] + [a.end for a in self.allocations] + [life.trace.submit_time for life in self.jobs.values()])
+        end = max([now, self.start] + [a.end for a in self.allocations])
         for life in self.jobs.values():
             if life.state in ("running", "draining"):
                 self.close_allocation(life, now, "cancelled", 0.0)
