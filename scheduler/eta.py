@@ -102,6 +102,7 @@ def estimate_starts(
     wanted: Collection[str] | None = None,
     arrivals: ArrivalLoad | None = None,
     restart: float = 0.0,
+    held: Sequence[Hold] = (),
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
@@ -117,6 +118,7 @@ def estimate_starts(
     heapq.heapify(calendar)
     seq = len(calendar)
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
+    cycle_holds = held
     held = dict(usage.used)
     block_free = cap.block_free
     has_room = cap.has_room
@@ -210,7 +212,9 @@ def estimate_starts(
     for shape_key in shapes:
         offer(shape_key)
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
-    holds: list[tuple[int, Hold]] = []  # (order of the holder, hold)
+    # (from which place in the queue it applies, hold). The cycle's own holds apply to every
+    # job but their holder, as this cycle's admission held them against whoever came after.
+    holds: list[tuple[int, Hold]] = [(-1, h) for h in cycle_holds]
 
     def may_plan(n: int) -> bool:
         """Whether a job of n GPUs that finds no room may still plan a reservation."""
@@ -257,7 +261,8 @@ def estimate_starts(
             avoid = NO_AVOID
             if holds:
                 applying = tuple(k for k, (h_order, h) in enumerate(holds)
-                                 if h_order < order and t + duration > h.expected_start)
+                                 if h_order < order and t + duration > h.expected_start
+                                 and h.job_id != spec.job_id)
                 if applying:
                     avoid = avoid_cache.get(applying)
                     if avoid is None:
@@ -272,7 +277,7 @@ def estimate_starts(
                 if (
                     planning
                     and t - job.queued_since >= starvation_threshold
-                    and all(h_order != order for h_order, _ in holds)
+                    and all(h.job_id != spec.job_id for _, h in holds)
                 ):
                     # The calendar per machine, made only here: planning is rare (bounded by
                     # max_holds), releases are many.
@@ -305,8 +310,8 @@ def estimate_starts(
             held[spec.team] = held.get(spec.team, 0) + n
             heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks, None))
             seq += 1
-            if holds and any(o == order for o, _ in holds):
-                holds = [(o, h) for o, h in holds if o != order]
+            if holds and any(h.job_id == spec.job_id for _, h in holds):
+                holds = [(o, h) for o, h in holds if h.job_id != spec.job_id]
                 avoid_cache.clear()
             lane.jobs.popleft()
             released_pool = False

@@ -388,3 +388,19 @@ def test_the_walk_keeps_the_reserved_pool_only_while_a_job_it_is_kept_for_still_
     result = cycle(snap)
     assert preempted(result) == ["L"]
     assert pending(result)["J"].estimated_start == NOW + 120 + 3600
+
+
+def test_the_walk_keeps_the_cycles_reservations_a_job_behind_one_waits_and_the_holder_starts_on_time():
+    """m0 is half free until NOW+1000, m1 full until NOW+3000; the starving 8-GPU job holds m0. A
+    2-GPU job queued ahead of it that would run past NOW+1000 is kept behind that reservation: its
+    estimate is not 'now' (it was, the walk applying a hold only to the jobs queued after its
+    holder, while its reason said otherwise), and the holder starts as its reservation says."""
+    from test_reservation import BASE_RUNNING, STARVING
+
+    result = cycle(snapshot(fleet(machines=2), running=BASE_RUNNING,
+                            queue=[STARVING, job("long").gpus(2).expected(5000).submitted(NOW - 100_000)]))
+    [hold] = result.reservations
+    p = pending(result)
+    assert p["long"].reason == "behind the reservation of job starving"
+    assert p["long"].estimated_start == NOW + 3000  # m1, once it is free
+    assert p["starving"].estimated_start == hold.expected_start == NOW + 1000
