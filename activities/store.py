@@ -89,8 +89,9 @@ class Store:
         self.reuse: dict[str, rows.Reuse] = {}  # per cluster: the models of its last snapshot
 
     @classmethod
-    async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10) -> "Store":
-        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
+    async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0) -> "Store":
+        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
+                                         timeout=timeout)
         return cls(pool)
 
     async def close(self) -> None:

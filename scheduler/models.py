@@ -218,7 +218,7 @@ class PolicyConfig(Frozen):
     # How long an attempt that resumes takes to start again before it progresses (a new process,
     # its checkpoint loaded): added to the expected end of a resumed job, so that the scheduler
     # neither waits for GPUs that come back later than it thinks nor plans on them too early.
-    expected_restart_s: float = Field(default=0.0, ge=0)
+    expected_restart_s: float = Field(default=0.0, ge=0, le=86400)
 
 
 class Earmark(Frozen):

@@ -13,6 +13,7 @@ import pytest
 
 from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
+from scheduler.models import Quota
 from workflows.types import JobView
 
 
@@ -184,6 +185,50 @@ def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, t
     assert main(["list", "--data-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "cannot reach the gpusched stack" in err and "gpusched dev up" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("dsn, code, words", [
+    ("notadsn", 2, "GPUSCHED_PG_DSN or GPUSCHED_TEMPORAL_ADDRESS cannot be used"),
+    ("postgresql://postgres@127.0.0.1:99999/x", 2, "port must be"),
+], ids=["a DSN that is not one", "a port no address has"])
+def test_a_database_address_no_client_can_use_is_one_line(capsys, monkeypatch, tmp_path, dsn, code, words):
+    monkeypatch.setenv("GPUSCHED_PG_DSN", dsn)
+    assert main(["list", "--data-dir", str(tmp_path)]) == code
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_database_that_takes_the_connection_and_never_answers_fails_in_seconds(capsys, monkeypatch, tmp_path):
+    import socket
+    import time
+
+    from workers import client
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    monkeypatch.setattr(client, "CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setenv("GPUSCHED_PG_DSN", f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/x")
+    began = time.monotonic()
+    try:
+        assert main(["list", "--data-dir", str(tmp_path)]) == 1
+    finally:
+        silent.close()
+    assert time.monotonic() - began < 10
+    err = capsys.readouterr().err
+    assert "cannot reach the gpusched stack (no answer in time)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("team", ["", "  ", "a\x01b", "a\nb", "x" * 129],
+                         ids=["empty", "blank", "a control character", "a newline", "too long"])
+def test_a_quota_for_a_team_name_no_job_could_carry_is_refused(team):
+    import asyncio
+
+    from workers.client import ClientError, GpuschedClient
+
+    with pytest.raises(ClientError) as refused:
+        asyncio.run(GpuschedClient(None, None, None).set_quota(team, Quota(guaranteed=1)))
+    assert refused.value.field == "team"
 
 
 @pytest.mark.live

@@ -134,3 +134,26 @@ def test_an_unwritable_output_exits_2(tmp_path, capsys):
         == 2
     )
     assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["from-philly", "--input", "{d}/same.csv", "--out", "{d}/same.csv"], "--out: is the input"),
+    (["generate", "--jobs", "5", "--out", "{d}/same.csv", "--fleet-out", "{d}/same.csv"], "--fleet-out: is --out"),
+    (["from-philly", "--input", "{d}/same.csv", "--out", "{d}/t.csv", "--days", "1e308"], "--days: must be above 0 and at most 3660"),
+], ids=["a conversion onto its own input", "a fleet onto the trace", "a window of more days than any trace"])
+def test_a_trace_command_never_overwrites_its_input_nor_writes_two_files_into_one(tmp_path, capsys, argv, words):
+    original = PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\n"
+    (tmp_path / "same.csv").write_text(original)
+    assert run("trace", *[a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert (tmp_path / "same.csv").read_text() == original
+
+
+def test_an_input_far_bigger_than_any_trace_is_refused_without_reading_it_all(tmp_path, capsys, monkeypatch):
+    from workers import arg_types
+
+    monkeypatch.setattr(arg_types, "MAX_INPUT_BYTES", 100)
+    (tmp_path / "big.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\n" * 10)
+    assert run("trace", "from-philly", "--input", str(tmp_path / "big.csv"), "--out", str(tmp_path / "t.csv")) == 2
+    assert "is over 0 MiB; is it the right file?" in capsys.readouterr().err

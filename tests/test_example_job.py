@@ -170,9 +170,17 @@ def test_sigterm_without_checkpoints_still_stops_cleanly():
     assert out[-1].startswith("example-job: stopped at step ") and "without a checkpoint" in out[-1], out
 
 
-def test_bad_arguments_exit_2():
-    rc, out = run_to_end(["--steps", "-1"], job_env())
-    assert rc == 2 and "must be >= 0" in out[-1]
+@pytest.mark.parametrize("args, env, words", [
+    (["--steps", "-1"], {}, "must be a finite number >= 0"),
+    (["--steps", "1", "--state-mb", "inf"], {}, "must be a finite number >= 0"),
+    (["--steps", "1", "--step-seconds", "nan"], {}, "must be a finite number >= 0"),
+    (["--steps", "1"], {"GPUSCHED_CHECKPOINT_INTERVAL": "abc"}, "is not a number of seconds"),
+    (["--steps", "1"], {"GPUSCHED_CHECKPOINT_URI": "bogus"}, "only s3:// and file:// are supported"),
+], ids=["a negative count", "an infinite state", "a step time that is not a number",
+        "a checkpoint interval that is not a number", "a checkpoint URI no store has"])
+def test_bad_arguments_exit_2(args, env, words):
+    rc, out = run_to_end(args, job_env(**env))
+    assert rc == 2 and words in out[-1] and not any("Traceback" in line for line in out), out
 
 
 @pytest.mark.parametrize("steps", [0, 1])

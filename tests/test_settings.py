@@ -52,3 +52,33 @@ def test_a_database_address_is_printed_without_its_password(dsn, shown):
     from workers.devstack import without_password
 
     assert without_password(dsn) == shown
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{bad", "cannot be read"),
+    ("[1, 2]", "not a stack file"),
+    ('{"settings": {"pg_dsn": 5}}', "GPUSCHED_PG_DSN: Input should be a valid string"),
+], ids=["a stack file that is not JSON", "a stack file that is not an object",
+        "a stack file with a setting of the wrong type, named as its variable"])
+def test_a_damaged_stack_file_is_refused_in_words(monkeypatch, tmp_path, content, words):
+    for var in ("GPUSCHED_PG_DSN", "GPUSCHED_API_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "stack.json").write_text(content)
+    with pytest.raises(SettingsError, match=words):
+        load_settings(tmp_path)
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"GPUSCHED_TEMPORAL_TLS_CERT": "/etc/hostname"}, "go together"),
+    ({"GPUSCHED_TEMPORAL_TLS_KEY": "/etc/hostname"}, "go together"),
+    ({"GPUSCHED_TEMPORAL_TLS_CA": "/no/such/ca.pem"}, "GPUSCHED_TEMPORAL_TLS_CA: cannot read /no/such/ca.pem"),
+], ids=["a client certificate without its key", "a key without its certificate", "a CA file that is not there"])
+def test_temporal_tls_settings_no_client_can_use_are_named(monkeypatch, tmp_path, env, words):
+    import asyncio
+
+    from workers.settings import connect_temporal
+
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError, match=words):
+        asyncio.run(connect_temporal(load_settings(tmp_path)))

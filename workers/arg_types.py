@@ -60,13 +60,20 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_INPUT_BYTES = 2**29  # a trace or fleet file bigger than this is not what it seems
+
+
 def read_input(path: str | Path, what: str) -> str:
     """The text of an input file, or an ``InputError`` saying why it cannot be read: missing,
     unreadable, or not UTF-8 (with the line of the first bad byte)."""
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_INPUT_BYTES + 1)
     except OSError as e:
         raise InputError(str(path), None, None, f"cannot read the {what}: {e.strerror or e}") from None
+    if len(raw) > MAX_INPUT_BYTES:  # /dev/zero, or a file of another kind: not read to the end
+        raise InputError(str(path), None, None, f"the {what} is over {MAX_INPUT_BYTES // 2**20} MiB; "
+                                                "is it the right file?")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

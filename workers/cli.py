@@ -69,7 +69,7 @@ def _check_writable(out: Path, policies: list[str]) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     trace, fleet = load_inputs(args.trace, args.fleet)
-    names = [args.policy] + [p for p in args.compare if p != args.policy]
+    names = list(dict.fromkeys([args.policy, *args.compare]))  # each policy once
     for name in names:
         if name not in POLICIES:
             raise InputError("--policy/--compare", None, None,

@@ -140,7 +140,11 @@ def run_fault_gpu(args: argparse.Namespace) -> int:
     from workers.settings import machine_component
 
     data_dir = devstack.resolve_data_dir(args.data_dir)
-    state = devstack.load_state(data_dir)
+    try:
+        state = devstack.load_state(data_dir)
+    except devstack.StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if state is None:
         print(f"error: no stack in {data_dir}; start one with `gpusched dev up`", file=sys.stderr)
         return 2

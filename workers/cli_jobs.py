@@ -138,10 +138,20 @@ def _run(args, body) -> int:
             return EXIT_REFUSED
         try:
             client = await GpuschedClient.connect(settings)
-        except (OSError, ConnectionError, RuntimeError) as e:
-            print(f"error: cannot reach the gpusched stack ({e}); start it with `gpusched dev up` "
+        except (OSError, ConnectionError, RuntimeError, TimeoutError) as e:
+            why = str(e) or "no answer in time"
+            print(f"error: cannot reach the gpusched stack ({why}); start it with `gpusched dev up` "
                   "or set GPUSCHED_* (see README)", file=sys.stderr)
             return EXIT_UNREACHABLE
+        except SettingsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_REFUSED
+        except asyncpg.PostgresError as e:  # it answered, and refused: a wrong database or role
+            print(f"error: the database (GPUSCHED_PG_DSN) refused the connection: {e}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        except (ValueError, OverflowError) as e:  # a DSN or address no client can use
+            print(f"error: GPUSCHED_PG_DSN or GPUSCHED_TEMPORAL_ADDRESS cannot be used: {e}", file=sys.stderr)
+            return EXIT_REFUSED
         async with client:
             try:
                 return await body(client)

@@ -21,6 +21,7 @@ from scheduler.sim.trace import TraceJob, format_trace
 from scheduler.sim.workloads import (
     DAY,
     PHILLY_BUSIEST_WEEK,
+    MAX_GENERATED_DAYS,
     MAX_LOAD,
     MIN_LOAD,
     fleet_for,
@@ -102,6 +103,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_from_philly(args: argparse.Namespace) -> int:
     def make() -> tuple[list[TraceJob], int | None]:
+        if not 0 < args.days <= MAX_GENERATED_DAYS:
+            raise InputError("--days", None, None, f"must be above 0 and at most {MAX_GENERATED_DAYS}, got {args.days:g}")
+        if _same_file(args.input, args.out):
+            raise InputError("--out", None, None, f"is the input {args.input}: it would be overwritten; "
+                                                  "write the trace to another file")
         text = read_input(args.input, "Philly trace")
         jobs = from_philly(text, str(args.input), start=args.start, days=args.days, seed=args.seed)
         if not jobs:
@@ -127,6 +133,9 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
               file=sys.stderr)
         return 2
     span = args.days * DAY
+    if args.fleet_out is not None and _same_file(args.out, args.fleet_out):
+        print(f"error: --fleet-out: is --out ({args.out}): give the fleet a file of its own", file=sys.stderr)
+        return 2
     try:
         jobs, gpus = make()
         args.out.write_text(format_trace(jobs), encoding="utf-8")
@@ -138,7 +147,7 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     work = offered_gpu_seconds(jobs)
     on_fleet = f", load {work / (gpus * span):.2f} on {gpus} GPUs" if gpus else ""
@@ -150,3 +159,10 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
 
 def _fleet_gpus(fleet_yaml: str) -> int:
     return parse_fleet(fleet_yaml, "generated fleet").total_gpus
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve() or (Path(b).exists() and Path(a).samefile(b))
+    except OSError:
+        return False

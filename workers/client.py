@@ -35,6 +35,7 @@ from workflows.types import (
     JobView,
     PriorityBump,
     job_workflow_id,
+    team_problem,
 )
 
 
@@ -66,6 +67,7 @@ class Submitted(BaseModel):
     estimated_start: str | None  # ISO 8601, or None when it cannot start as the cluster is
 
 
+CONNECT_TIMEOUT = 10.0  # seconds for the database and Temporal to answer a new connection
 # What a submit sent again may differ in from the job's stored request: the time it was sent,
 # and the priority, which a bump rewrites there.
 CHANGES_AFTER_SUBMIT = {"submit_time", "priority"}
@@ -89,9 +91,10 @@ class GpuschedClient:
     @classmethod
     async def connect(cls, settings: Settings | None = None) -> "GpuschedClient":
         settings = settings or load_settings()
-        store = await Store.connect(settings.pg_dsn, min_size=1, max_size=4)
+        # A server that takes the connection and never answers must not hang a command.
+        store = await Store.connect(settings.pg_dsn, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT)
         try:
-            temporal = await connect_temporal(settings)
+            temporal = await asyncio.wait_for(connect_temporal(settings), CONNECT_TIMEOUT)
         except Exception:
             await store.close()
             raise
@@ -306,6 +309,8 @@ class GpuschedClient:
     # --- quotas -----------------------------------------------------------------------------
 
     async def set_quota(self, team: str, quota: Quota) -> None:
+        if (problem := team_problem(team)) is not None:
+            raise ClientError(problem, field="team")
         await self.store.set_quota(team, quota)
 
     async def quotas(self) -> dict[str, Quota]:

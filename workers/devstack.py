@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from scheduler.models import Machine
 from workers import servers
@@ -121,9 +121,15 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
     if not path.exists():
         return None
     try:
-        return StackState.model_validate_json(path.read_text())
-    except ValueError as e:
-        raise StackError(f"{path} is not a gpusched stack file: {e}") from None
+        state = StackState.model_validate_json(path.read_text())
+        Settings(**state.settings)  # every command builds them: one of the wrong type fails here, in words
+        return state
+    except (OSError, ValueError) as e:
+        first = e.errors()[0] if isinstance(e, ValidationError) and e.errors() else None
+        where = ".".join(map(str, first["loc"])) if first else ""
+        why = (f"{where + ': ' if where else ''}{first['msg']}" if first
+               else getattr(e, "strerror", None) or e)
+        raise StackError(f"{path} is not a gpusched stack file ({why}); `gpusched dev up` writes it again") from None
 
 
 def _save(data_dir: Path, state: StackState) -> None:

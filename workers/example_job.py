@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ INITIAL_STATE = hashlib.sha256(b"gpusched example-job").digest()
 ROUNDS = 2000
 EXIT_FAILED_AT_STEP = 3
 EXIT_CHECKPOINT_FAILED = 1
+EXIT_BAD_ARGUMENTS = 2  # as argparse exits
 
 
 def advance(state: bytes, step: int) -> bytes:
@@ -157,7 +159,11 @@ def say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    ck = Checkpointer.from_env()
+    try:
+        ck = Checkpointer.from_env()
+    except CheckpointError as e:  # a GPUSCHED_* setting of the job's that no checkpoint can use
+        print(f"example-job: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_ARGUMENTS
     ck.handle_sigterm()
     burner = pick_burner(args.backend)
     padding = int(args.state_mb * 1024 * 1024)
@@ -226,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
 def _nonneg(kind):
     def parse(text: str):
         value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        if not 0 <= value < math.inf:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
         return value
     return parse
 

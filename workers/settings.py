@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue
 
@@ -94,7 +94,14 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     values: dict[str, object] = {}
     stack = (data_dir or default_data_dir()) / STACK_FILE
     if stack.exists():
-        state = json.loads(stack.read_text())
+        try:
+            state = json.loads(stack.read_text())
+        except (OSError, ValueError) as e:
+            raise SettingsError(f"{stack} cannot be read ({e}); `gpusched dev up` writes it again, or "
+                                "set GPUSCHED_* (see README)") from None
+        if not isinstance(state, dict) or not isinstance(state.get("settings", {}), dict):
+            raise SettingsError(f"{stack} is not a stack file (a JSON object with its settings); "
+                                "`gpusched dev up` writes it again")
         values.update(state.get("settings", {}))
         if state.get("temporal_ui_url"):
             values.setdefault("temporal_ui_url", state["temporal_ui_url"])
@@ -109,7 +116,12 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
             # and nothing would visibly break.
             raise SettingsError("the API token (GPUSCHED_API_TOKEN or --api-token) is set but blank; give the "
                                 "token, or unset it to run the API without one")
-    return Settings(**values)
+    try:
+        return Settings(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        raise SettingsError(f"{_ENV.get(field, field)}: {first['msg']}") from None
 
 
 class SettingsError(ValueError):
@@ -152,14 +164,23 @@ async def connect_temporal(settings: Settings):
     from temporalio.contrib.pydantic import pydantic_data_converter
 
     tls: TLSConfig | bool = False
+    if bool(settings.temporal_tls_cert) != bool(settings.temporal_tls_key):
+        raise SettingsError("GPUSCHED_TEMPORAL_TLS_CERT and GPUSCHED_TEMPORAL_TLS_KEY go together (a client "
+                            "certificate and its private key): give both, or neither")
     if settings.temporal_tls_ca or settings.temporal_tls_cert:
-        def read(p: str | None) -> bytes | None:
-            return Path(p).read_bytes() if p else None
+        def read(field: str) -> bytes | None:
+            path = getattr(settings, field)
+            if not path:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as e:
+                raise SettingsError(f"{_ENV[field]}: cannot read {path} ({e.strerror or e})") from None
 
         tls = TLSConfig(
-            server_root_ca_cert=read(settings.temporal_tls_ca),
-            client_cert=read(settings.temporal_tls_cert),
-            client_private_key=read(settings.temporal_tls_key),
+            server_root_ca_cert=read("temporal_tls_ca"),
+            client_cert=read("temporal_tls_cert"),
+            client_private_key=read("temporal_tls_key"),
         )
     return await Client.connect(
         settings.temporal_address,

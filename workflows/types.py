@@ -135,6 +135,21 @@ DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas
 LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
 
 
+MAX_TEAM_CHARS = 128
+
+
+def team_problem(team: str) -> str | None:
+    """What is wrong with a team's name (and how to fix it), or None. ``*`` passes: it names the
+    default quota, which a quota may be set for."""
+    if not team.strip():
+        return "is blank; give the team's name"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in team):
+        return "holds a control character (a tab, a newline, NUL), which no team's name can carry"
+    if len(team) > MAX_TEAM_CHARS:
+        return f"is {len(team)} characters long; a team's name has at most {MAX_TEAM_CHARS}"
+    return None
+
+
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
@@ -142,8 +157,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for field in ("team", "gpu_type", "cluster"):
         if "\0" in (getattr(request, field) or ""):
             return field, "holds a NUL character, which no name can carry"
-    if not request.team.strip():
-        return "team", "is blank; give the team's name"
+    if (problem := team_problem(request.team)) is not None:
+        return "team", problem
     if request.team == DEFAULT_QUOTA:
         return "team", "'*' names the default quota of every team without its own, not a team; give the team's name"
     if request.gpu_type is not None and not request.gpu_type.strip():

@@ -64,7 +64,9 @@ class SimSettings(BaseModel):
     checkpoint_write_s: float = Field(default=30.0, ge=0)  # time to write one checkpoint
     checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB, as in design.md
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
-    restart_s: float = Field(default=0.0, ge=0)  # an attempt after the first starts again before it progresses
+    # An attempt after the first starts again before it progresses; a day at most (longer is no
+    # restart, and a simulation of one ran for ever).
+    restart_s: float = Field(default=0.0, ge=0, le=86400)
     learn_restart: bool = False  # policy.expected_restart_s becomes restart_s once a restart has been seen
     # Per machine, per GPU. At most 100 a day: with the 30-minute repair, 48 a day keep a machine
     # down 63% of the time (failures overlap), and rates far beyond had the simulation run for ever.
