@@ -177,6 +177,14 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_the_simulation_r
     assert "simulated" not in err
 
 
+def test_an_empty_output_folder_is_refused_not_taken_for_the_current_one(tmp_path, inputs, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(simulate_argv(*inputs, "")) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is empty" in err and "Traceback" not in err, err
+    assert not (tmp_path / "summary.json").exists()
+
+
 @pytest.mark.parametrize("flag", ["--restart-s", "--machine-failures-per-day", "--until"])
 def test_a_number_that_is_not_finite_is_a_usage_error(tmp_path, inputs, capsys, flag):
     with pytest.raises(SystemExit) as exited:

@@ -89,6 +89,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         field, message = first_error(e)
         flag = flag_for(field)
         raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
+    if not args.out.strip():  # Path("") is the current folder: the results would land anywhere
+        raise InputError("simulate", None, "--out", "is empty; give the folder for the results")
     out = Path(args.out)
     _check_writable(out, names)
     summaries = {}

@@ -264,7 +264,7 @@ class RunJobResult(WithNewFields):
     # unusable.json): the attempt's end takes it for incomplete, and its failure is not the job's.
     resume_unusable: str | None = None
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("gpu_faults", "resume_unusable")  # since 2026-12-01, -03
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("gpu_faults", "resume_unusable")  # since 2026-12-01, -02
 
 
 class AttemptView(Model):
@@ -412,7 +412,7 @@ class EndAttempt(WithNewFields):
     # The checkpoint the attempt resumed from, when its job found it unusable: no longer complete.
     unusable_checkpoint: int | None = None
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint")  # since 2026-12-02, -03
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint")  # since 2026-12-02
 
 
 class JobStateChange(Model):
