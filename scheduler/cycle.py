@@ -181,7 +181,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
         wanted=wanted,
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
         restart=restart,
-        held=state.holds,
+        reservations=state.holds,
     )
     if claimants:
         starts.update(claimants if wanted is None else {k: v for k, v in claimants.items() if k in wanted})

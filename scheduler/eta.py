@@ -11,8 +11,9 @@ Algorithm overview
   3. Jobs of one shape (GPU count, topology, eligible machines) are interchangeable for fitting:
      each team's jobs of a shape form a lane, and when a shape's first job finds no room, nothing
      else of that shape fits either until GPUs come back.
-  4. A job that would have waited past the starvation threshold holds its soonest place, as
-     the real cycle does; later jobs may use it only if they end before it starts.
+  4. The cycle's reservations hold their machines against every job but their holder, as
+     admission holds them; a job that would have waited past the starvation threshold in the
+     walk holds its soonest place too. Later jobs may use it only if they end before it starts.
   5. Advance to the next release, give its GPUs back, and repeat from 2.
   6. Work that arrives later is known only as a forecast (scheduler/forecast.py): a job that
      more important expected arrivals would go before waits, after its place in the walk, until
@@ -102,7 +103,7 @@ def estimate_starts(
     wanted: Collection[str] | None = None,
     arrivals: ArrivalLoad | None = None,
     restart: float = 0.0,
-    held: Sequence[Hold] = (),
+    reservations: Sequence[Hold] = (),
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
@@ -118,7 +119,6 @@ def estimate_starts(
     heapq.heapify(calendar)
     seq = len(calendar)
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
-    cycle_holds = held
     held = dict(usage.used)
     block_free = cap.block_free
     has_room = cap.has_room
@@ -214,7 +214,7 @@ def estimate_starts(
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
     # (from which place in the queue it applies, hold). The cycle's own holds apply to every
     # job but their holder, as this cycle's admission held them against whoever came after.
-    holds: list[tuple[int, Hold]] = [(-1, h) for h in cycle_holds]
+    holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations]
 
     def may_plan(n: int) -> bool:
         """Whether a job of n GPUs that finds no room may still plan a reservation."""
