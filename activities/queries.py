@@ -304,9 +304,8 @@ WHERE job_id = $1 AND seq = $3 AND complete
   AND seq = (SELECT resumed_from FROM allocations WHERE id = $2 AND job_id = $1)"""
 # The work the job holds is what its newest complete checkpoint holds (none: nothing).
 PROGRESS_FROM_CHECKPOINTS = f"""
-UPDATE jobs SET updated_at = {NOW_EPOCH}, progress = coalesce(
-    (SELECT work_seconds FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
-     ORDER BY seq DESC LIMIT 1), 0)
+UPDATE jobs SET updated_at = {NOW_EPOCH},
+    progress = coalesce((SELECT work_seconds FROM ({LATEST_COMPLETE_CHECKPOINT}) latest), 0)
 WHERE id = $1"""
 SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"
 # Only an attempt that resumed from a checkpoint restarts; the first report counts.

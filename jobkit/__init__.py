@@ -400,9 +400,7 @@ class _FileStore:
             raise CheckpointUnusable(f"checkpoint {path} does not exist") from None
         try:
             metadata = json.loads(Path("/" + key + ".meta.json").read_text())
-        except FileNotFoundError:
-            metadata = None
-        except ValueError:  # written atomically: unreadable is damaged
+        except (FileNotFoundError, ValueError):  # none, or damaged (it is written atomically)
             metadata = None
         # Any other error (EIO, a stale NFS handle) says nothing of the checkpoint: it goes up
         # as such (a local I/O failure), and the checkpoint is not reported unusable.

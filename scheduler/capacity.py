@@ -378,6 +378,15 @@ class Capacity:
         """(machine, GPU count) of the GPUs a running job gives back to use when it ends."""
         return _grouped(self.layout, job).counts
 
+    def counts_of(self, slots: Iterable[GpuSlot]) -> list[tuple[int, int]]:
+        """(machine, GPU count) of `slots`, on the machines this capacity knows."""
+        counts: dict[int, int] = {}
+        for machine_id, _ in slots:
+            i = self.index.get(machine_id)
+            if i is not None:
+                counts[i] = counts.get(i, 0) + 1
+        return list(counts.items())
+
     def slots_on(self, i: int, count: int) -> list[GpuSlot]:
         """The `count` lowest-numbered free GPUs of machine i (neighbours share links)."""
         machine_id = self.machines[i].id

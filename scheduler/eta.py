@@ -392,11 +392,4 @@ def estimate_starts(
 
 def _counts(cap: Capacity, entry: tuple) -> list[tuple[int, int]]:
     """(machine, GPU count) of a calendar entry's release."""
-    if entry[6] is not None:
-        return entry[6]
-    counts: dict[int, int] = {}
-    for machine_id, _ in entry[5]:
-        i = cap.index.get(machine_id)
-        if i is not None:
-            counts[i] = counts.get(i, 0) + 1
-    return list(counts.items())
+    return entry[6] if entry[6] is not None else cap.counts_of(entry[5])

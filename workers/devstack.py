@@ -41,6 +41,7 @@ from workers.settings import (
     ready_path,
     settings_env,
 )
+from workflows.types import first_error
 
 SERVERS = ("postgres", "temporal", "s3")
 # The setting that, given from outside, means "use that server, do not start ours".
@@ -124,12 +125,12 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
         state = StackState.model_validate_json(path.read_text())
         Settings(**state.settings)  # every command builds them: one of the wrong type fails here, in words
         return state
+    except ValidationError as e:
+        field, message = first_error(e)
+        why = message if field == "request" else f"{field}: {message}"  # "request": the file as a whole
     except (OSError, ValueError) as e:
-        first = e.errors()[0] if isinstance(e, ValidationError) and e.errors() else None
-        where = ".".join(map(str, first["loc"])) if first else ""
-        why = (f"{where + ': ' if where else ''}{first['msg']}" if first
-               else getattr(e, "strerror", None) or e)
-        raise StackError(f"{path} is not a gpusched stack file ({why}); `gpusched dev up` writes it again") from None
+        why = getattr(e, "strerror", None) or str(e)
+    raise StackError(f"{path} is not a gpusched stack file ({why}); `gpusched dev up` writes it again")
 
 
 def _save(data_dir: Path, state: StackState) -> None:

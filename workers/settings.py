@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue
+from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue, first_error
 
 STACK_FILE = "stack.json"
 
@@ -119,9 +119,8 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     try:
         return Settings(**values)
     except ValidationError as e:
-        first = e.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        raise SettingsError(f"{_ENV.get(field, field)}: {first['msg']}") from None
+        field, message = first_error(e)
+        raise SettingsError(f"{_ENV.get(field, field)}: {message}") from None
 
 
 class SettingsError(ValueError):

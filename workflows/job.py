@@ -300,9 +300,8 @@ class JobWorkflow:
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
             # Any rank's word, those that ended as the rest of the gang was stopped included: the
             # first to fail may be one whose peer never came up from its restore.
-            unusable = next((r.result().resume_unusable for r in runs
-                             if r.done() and not r.cancelled() and r.exception() is None and r.result().resume_unusable),
-                            None)
+            unusable = next((result.resume_unusable for r in runs
+                             if (result := _result_of(r)) is not None and result.resume_unusable), None)
             if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
                 # Its checkpoint is gone or corrupted: no fault of the job's, and sent back to it
                 # the job would fail the same way every time. The end takes it for incomplete.
@@ -402,9 +401,14 @@ class JobWorkflow:
         ])
 
 
+def _result_of(run) -> RunJobResult | None:
+    """A run's result, if it ended with one (not cancelled, not failed)."""
+    if not run.done() or run.cancelled() or run.exception() is not None:
+        return None
+    return run.result()
+
+
 def _ended_on_its_own(run) -> bool:
     """Whether a stopped run had already succeeded by itself (the agent answers with the result)."""
-    if run.cancelled() or run.exception() is not None:
-        return False
-    result = run.result()
-    return result.exit_code == 0 and not result.stopped
+    result = _result_of(run)
+    return result is not None and result.exit_code == 0 and not result.stopped

@@ -68,7 +68,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
             continue
         cap.take(slots)
         if hold is None:
-            placed_ends.append((now + remaining_work(job), _machine_counts(cap, slots)))
+            placed_ends.append((now + remaining_work(job), cap.counts_of(slots)))
         placements.append(Placement(job_id=job.spec.job_id, gpus=slots, reason="easy",
                                     backfilled=hold is not None))
     reservations = ()
@@ -78,10 +78,3 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
     return CycleResult(placements=tuple(placements), requeues=tuple(requeues), pending=tuple(pending),
                        reservations=reservations)
 
-
-def _machine_counts(cap: Capacity, slots) -> list[tuple[int, int]]:
-    counts: dict[int, int] = {}
-    for machine_id, _ in slots:
-        i = cap.index[machine_id]
-        counts[i] = counts.get(i, 0) + 1
-    return list(counts.items())
