@@ -378,6 +378,23 @@ def test_a_machine_that_fails_while_a_checkpoint_is_still_being_written_loses_th
     assert first.lost_work == pytest.approx((3710.0 - 1900.0) * 8)
 
 
+def test_a_machine_that_fails_during_a_preemptions_grace_loses_the_work_since_the_last_finished_checkpoint():
+    """Low checkpoints at 1,800; critical preempts it at 2,500, and its machine dies at 2,510,
+    before the grace's checkpoint is written. Low stopped working at 2,500: it loses 700 s."""
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 2500.0, 600.0, priority="critical")]
+    sim = Simulation(trace, small_fleet(machines=1), "gpusched",
+                     SimSettings(policy=PolicyConfig(stagger_checkpoints=False)))
+    sim.push(2510.0, engine.MACHINE_DOWN, ("c1", "c1/b0/r0/m0", 0))
+    sim.push(4000.0, engine.MACHINE_UP, ("c1", "c1/b0/r0/m0", 0))
+    result = sim.run()
+    first = allocs(result, "low")[0]
+    assert (first.reason, first.end) == ("machine_failure", 2510.0)
+    assert first.lost_work == pytest.approx((2500.0 - 1800.0) * 8)
+    assert job_record(result, "low").preemptions == 1
+    summary = summarize(result)
+    assert (summary["preemptions"], summary["preempted_allocations"]) == (1, 0)
+
+
 def test_a_machine_that_failed_twice_comes_back_only_once_both_failures_are_repaired():
     trace = [tj("a", 100.0, 7200.0, interval=1800.0)]
     sim = Simulation(trace, small_fleet(machines=1), "gpusched", SimSettings())
@@ -431,6 +448,17 @@ def test_injected_machine_failures_requeue_jobs_and_keep_every_invariant(policy)
     assert summarize(result)["work_lost_gpu_hours"]["machine_failure"] > 0
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_a_failed_gpu_that_a_draining_job_still_holds_counts_as_in_service(policy):
+    # Busy GPUs above the healthy ones made utilisation exceed 1 for a moment after a GPU failed.
+    trace, fleet = busy_inputs()
+    result = simulate(list(trace), fleet, policy,
+                      SimSettings(gpu_failures_per_day=2.0, machine_failures_per_day=0.5, seed=3))
+    assert any(a.reason == "machine_failure" for a in result.allocations)
+    assert all(s.busy_gpus <= s.healthy_gpus for s in result.samples)
+    assert summarize(result)["utilisation"] <= 1.0
+
+
 @pytest.mark.parametrize(
     "policy, failures_per_day",
     [("gpusched", 0.0), ("gpusched", 1.0), ("fifo", 1.0), ("easy", 1.0)],
@@ -451,6 +479,30 @@ def test_a_different_failure_seed_gives_different_failures():
     runs = [simulate(list(trace), fleet, "fifo", SimSettings(machine_failures_per_day=1.0, seed=s)) for s in (1, 2)]
     failed = [[(a.job_id, a.end) for a in r.allocations if a.reason == "machine_failure"] for r in runs]
     assert failed[0] != failed[1]
+
+
+
+def test_injected_gpu_failures_hit_each_gpu_at_the_same_rate_on_a_mixed_fleet():
+    # One 8-GPU machine and eight 1-GPU machines: half the GPUs each. Drawn machine by machine,
+    # the small ones would take 8 of every 9 failures.
+    fleet = parse_fleet(
+        """
+clusters:
+  - name: c1
+    blocks:
+      - {name: big, racks: 1, machines_per_rack: 1, gpus_per_machine: 8, gpu_type: H100}
+      - {name: small, racks: 1, machines_per_rack: 8, gpus_per_machine: 1, gpu_type: H100}
+quotas:
+  "*": {guaranteed: 0}
+""",
+        "mixed.yaml",
+    )
+    trace = [tj("long", 0.0, 30 * 86400.0, gpus=1)]
+    sim = Simulation(trace, fleet, "fifo", SimSettings(gpu_failures_per_day=2.0, seed=5))
+    hits = [payload[1] for _, kind, _, payload in sim.events if kind == engine.GPU_DOWN]
+    on_big = sum(1 for machine in hits if machine.startswith("c1/big/"))
+    assert len(hits) > 400
+    assert 0.4 < on_big / len(hits) < 0.6
 
 
 # --- FIFO and EASY ---------------------------------------------------------------------------------

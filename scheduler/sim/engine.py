@@ -105,6 +105,7 @@ class JobLife:
     release_reason: str = ""
     lost_pending: float = 0.0  # work a draining job loses when it releases
     progressing_from: float = 0.0  # when this attempt's restart ends and its work goes on
+    stopped_at: float = 0.0  # when a draining job was told to stop: it makes no progress after
 
     @property
     def spec(self):
@@ -127,6 +128,9 @@ class ClusterState:
         self.earmarks: tuple = ()
         self.never_fits: dict[tuple, str | None] = {}
         self.empty = Capacity(machines)
+        # Failed GPUs (or GPUs of a machine gone) that a job still holds while it drains: in
+        # service until it leaves them, so that busy never exceeds what is counted as usable.
+        self.failed_held: dict[tuple[str, int], str] = {}
 
         self.healthy_gpus = self.count_healthy()
 
@@ -137,6 +141,26 @@ class ClusterState:
 
     def count_healthy(self) -> int:
         return sum(m.gpus - len(m.unhealthy_gpus) for m in self.machine_tuple if m.reachable)
+
+    def in_service(self, machine_id: str, gpu: int) -> bool:
+        m = self.machines.get(machine_id)
+        return m is not None and m.reachable and gpu not in m.unhealthy_gpus
+
+    def note_failure(self, machine_id: str) -> None:
+        """The GPUs of that machine that jobs hold and that are now out of service."""
+        for job in self.running.values():
+            for slot in job.gpus:
+                if slot[0] == machine_id and not self.in_service(*slot):
+                    self.failed_held[slot] = job.spec.job_id
+
+    def note_repair(self) -> None:
+        for slot in [slot for slot in self.failed_held if self.in_service(*slot)]:
+            del self.failed_held[slot]  # counted as healthy again
+
+    def note_left(self, job: RunningJob) -> None:
+        for slot in job.gpus:
+            if self.failed_held.get(slot) == job.spec.job_id:
+                del self.failed_held[slot]
 
 
 class Simulation:
@@ -349,7 +373,8 @@ class Simulation:
              for_job: str | None = None) -> None:
         """Preempt (graceful) or kill (not graceful) a running job; account what it loses."""
         run = life.running
-        done = self.done_by(life, now)
+        # A draining job stopped working when it was told to; a failure now cuts its grace short.
+        done = self.done_by(life, life.stopped_at if life.state == "draining" else now)
         can_save = life.spec.checkpoints and self.settings.checkpoint_write_s <= self.settings.policy.grace_period
         if graceful and can_save:
             saved, release = done, now + self.settings.checkpoint_write_s
@@ -375,7 +400,7 @@ class Simulation:
             self.freed_now.add(cluster.name)
             return
         life.lost_pending = lost
-        life.state = "draining"
+        life.state, life.stopped_at = "draining", now
         life.running = run.model_copy(update={"draining_until": release, "preempted_for": for_job})
         cluster.running[life.spec.job_id] = life.running
         self.push(release, RELEASE, (life.spec.job_id, life.attempt))
@@ -400,6 +425,8 @@ class Simulation:
         cluster = self.clusters[life.cluster]
         if cluster.running.pop(life.spec.job_id, None) is not None:
             cluster.busy_gpus -= life.spec.num_gpus
+            if cluster.failed_held:
+                cluster.note_left(run)
         life.lost_work += lost
         interval = life.spec.checkpoint_interval
         if interval:
@@ -429,6 +456,7 @@ class Simulation:
         rng = random.Random(s.seed)
         span = max(j.submit_time + j.duration for j in trace) - self.start
         machines = [(c.name, m) for c in self.fleet.clusters for m in c.machines]
+        most = max((m.gpus for _, m in machines), default=0)
         for per_day, kind in ((s.machine_failures_per_day, MACHINE_DOWN), (s.gpu_failures_per_day, GPU_DOWN)):
             units = len(machines) if kind == MACHINE_DOWN else sum(m.gpus for _, m in machines)
             rate = per_day * units / 86400.0
@@ -438,6 +466,12 @@ class Simulation:
                 if t > self.start + span:
                     break
                 cluster, machine = machines[rng.randrange(len(machines))]
+                if kind == GPU_DOWN:
+                    # Every GPU fails at the same rate: a machine is hit in proportion to its GPUs
+                    # (drawn again with probability 1 - gpus / most; never on a uniform fleet,
+                    # whose draws stay as they were).
+                    while machine.gpus < most and rng.random() * most >= machine.gpus:
+                        cluster, machine = machines[rng.randrange(len(machines))]
                 gpu = rng.randrange(machine.gpus)
                 self.push(t, kind, (cluster, machine.id, gpu))
                 self.push(t + s.repair_s, MACHINE_UP if kind == MACHINE_DOWN else GPU_UP, (cluster, machine.id, gpu))
@@ -460,6 +494,10 @@ class Simulation:
         else:
             m = m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus - {gpu}})
         cluster.replace_machine(m)
+        if kind in (MACHINE_DOWN, GPU_DOWN):
+            cluster.note_failure(machine_id)
+        elif cluster.failed_held:
+            cluster.note_repair()
         return {name}
 
     # --- the cycle ---------------------------------------------------------------------------
@@ -535,7 +573,7 @@ class Simulation:
         busy = healthy = queued_jobs = queued_gpus = 0
         for cluster in self.clusters.values():
             busy += cluster.busy_gpus
-            healthy += cluster.healthy_gpus
+            healthy += cluster.healthy_gpus + len(cluster.failed_held)
             queued_jobs += len(cluster.queue)
             queued_gpus += cluster.queued_gpus
         self.samples.append(Sample(time=now, busy_gpus=busy, healthy_gpus=healthy,

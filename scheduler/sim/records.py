@@ -52,7 +52,7 @@ class Sample(Record):
 
     time: float
     busy_gpus: int  # GPUs held by jobs, draining ones included
-    healthy_gpus: int
+    healthy_gpus: int  # usable GPUs, and failed ones a draining job still holds (it leaves them soon)
     queued_jobs: int
     queued_gpus: int
 
