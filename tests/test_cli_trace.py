@@ -139,8 +139,10 @@ def test_an_unwritable_output_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["from-philly", "--input", "{d}/same.csv", "--out", "{d}/same.csv"], "--out: is the input"),
     (["generate", "--jobs", "5", "--out", "{d}/same.csv", "--fleet-out", "{d}/same.csv"], "--fleet-out: is --out"),
+    (["from-philly", "--input", "{d}/same.csv", "--out", "{d}/t.csv", "--days", "1", "--start", "2017-10-16 00:00:00",
+      "--fleet-out", "{d}/same.csv"], "--fleet-out: is the input"),
     (["from-philly", "--input", "{d}/same.csv", "--out", "{d}/t.csv", "--days", "1e308"], "--days: must be above 0 and at most 3660"),
-], ids=["a conversion onto its own input", "a fleet onto the trace", "a window of more days than any trace"])
+], ids=["a conversion onto its own input", "a fleet onto the trace", "a fleet onto the input", "a window of more days than any trace"])
 def test_a_trace_command_never_overwrites_its_input_nor_writes_two_files_into_one(tmp_path, capsys, argv, words):
     original = PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\n"
     (tmp_path / "same.csv").write_text(original)

@@ -108,6 +108,9 @@ def run_from_philly(args: argparse.Namespace) -> int:
         if _same_file(args.input, args.out):
             raise InputError("--out", None, None, f"is the input {args.input}: it would be overwritten; "
                                                   "write the trace to another file")
+        if args.fleet_out is not None and _same_file(args.input, args.fleet_out):
+            raise InputError("--fleet-out", None, None, f"is the input {args.input}: it would be overwritten; "
+                                                        "write the fleet to another file")
         text = read_input(args.input, "Philly trace")
         jobs = from_philly(text, str(args.input), start=args.start, days=args.days, seed=args.seed)
         if not jobs:
