@@ -481,7 +481,6 @@ def test_a_different_failure_seed_gives_different_failures():
     assert failed[0] != failed[1]
 
 
-
 def test_injected_gpu_failures_hit_each_gpu_at_the_same_rate_on_a_mixed_fleet():
     # One 8-GPU machine and eight 1-GPU machines: half the GPUs each. Drawn machine by machine,
     # the small ones would take 8 of every 9 failures.

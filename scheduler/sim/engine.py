@@ -130,7 +130,7 @@ class ClusterState:
         self.empty = Capacity(machines)
         # Failed GPUs (or GPUs of a machine gone) that a job still holds while it drains: in
         # service until it leaves them, so that busy never exceeds what is counted as usable.
-        self.failed_held: dict[tuple[str, int], str] = {}
+        self.failed_held: set[tuple[str, int]] = set()
 
         self.healthy_gpus = self.count_healthy()
 
@@ -146,21 +146,13 @@ class ClusterState:
         m = self.machines.get(machine_id)
         return m is not None and m.reachable and gpu not in m.unhealthy_gpus
 
-    def note_failure(self, machine_id: str) -> None:
-        """The GPUs of that machine that jobs hold and that are now out of service."""
+    def recount_failed_held(self, machine_id: str) -> None:
+        """After a failure or repair of that machine: which of its GPUs jobs hold out of service."""
+        self.failed_held = {slot for slot in self.failed_held if slot[0] != machine_id}
         for job in self.running.values():
             for slot in job.gpus:
                 if slot[0] == machine_id and not self.in_service(*slot):
-                    self.failed_held[slot] = job.spec.job_id
-
-    def note_repair(self) -> None:
-        for slot in [slot for slot in self.failed_held if self.in_service(*slot)]:
-            del self.failed_held[slot]  # counted as healthy again
-
-    def note_left(self, job: RunningJob) -> None:
-        for slot in job.gpus:
-            if self.failed_held.get(slot) == job.spec.job_id:
-                del self.failed_held[slot]
+                    self.failed_held.add(slot)
 
 
 class Simulation:
@@ -425,8 +417,7 @@ class Simulation:
         cluster = self.clusters[life.cluster]
         if cluster.running.pop(life.spec.job_id, None) is not None:
             cluster.busy_gpus -= life.spec.num_gpus
-            if cluster.failed_held:
-                cluster.note_left(run)
+            cluster.failed_held.difference_update(run.gpus)
         life.lost_work += lost
         interval = life.spec.checkpoint_interval
         if interval:
@@ -494,10 +485,7 @@ class Simulation:
         else:
             m = m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus - {gpu}})
         cluster.replace_machine(m)
-        if kind in (MACHINE_DOWN, GPU_DOWN):
-            cluster.note_failure(machine_id)
-        elif cluster.failed_held:
-            cluster.note_repair()
+        cluster.recount_failed_held(machine_id)
         return {name}
 
     # --- the cycle ---------------------------------------------------------------------------
