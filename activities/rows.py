@@ -6,10 +6,13 @@ Pure functions over plain mappings (asyncpg records), so they are tested without
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping
+
+from pydantic import ValidationError
 
 from scheduler.forecast import expected_arrivals
 from scheduler.models import (
@@ -38,6 +41,8 @@ from workflows.types import (
     PreemptSignal,
     request_problem,
 )
+
+log = logging.getLogger(__name__)
 
 Row = Mapping[str, Any]
 
@@ -89,7 +94,18 @@ def policy(lock: Row, learned_restart: float | None = None) -> PolicyConfig:
     overrides = json_value(lock["policy"])
     if learned_restart is not None and "expected_restart_s" not in overrides:
         overrides = {**overrides, "expected_restart_s": learned_restart}
-    return PolicyConfig(**overrides)
+    while True:
+        try:
+            return PolicyConfig(**overrides)
+        except ValidationError as e:
+            # An override stored by an older release whose bounds were wider: the cycle must
+            # still run, so that knob takes its default until `cluster set` gives it a new value.
+            bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]} & overrides.keys()
+            if not bad:
+                raise
+            log.warning("cluster policy: ignoring %s (%s); run `gpusched cluster set` to fix it",
+                        ", ".join(f"{k}={overrides[k]!r}" for k in sorted(bad)), e.errors()[0]["msg"])
+            overrides = {k: v for k, v in overrides.items() if k not in bad}
 
 
 class Reuse:

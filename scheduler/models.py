@@ -21,6 +21,11 @@ def gpu_path(slot: GpuSlot) -> str:
 
 
 MIN_CHECKPOINT_INTERVAL = 1.0  # seconds; a shorter interval would checkpoint at every step
+# Bounds of the policy's durations: past them a knob is a typo (a grace period of 1e308 s), and
+# the arithmetic built on it overflows or plans absurd horizons.
+DAY = 86400.0
+WEEK = 7 * DAY
+YEAR = 365 * DAY
 
 
 class Frozen(BaseModel):
@@ -194,31 +199,33 @@ class PolicyConfig(Frozen):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    grace_period: float = Field(default=120.0, ge=0)
-    min_runtime: float = Field(default=600.0, ge=0)  # no preemption before this much running
-    thrash_window: float = Field(default=3600.0, gt=0)
-    thrash_max_preemptions: int = Field(default=2, ge=1)  # this many in the window: protected
-    starvation_threshold: float = Field(default=1800.0, ge=0)  # then a blocked job gets a reservation
-    max_reservations: int = Field(default=1, ge=0)
+    grace_period: float = Field(default=120.0, ge=0, le=DAY)
+    min_runtime: float = Field(default=600.0, ge=0, le=WEEK)  # no preemption before this much running
+    thrash_window: float = Field(default=3600.0, gt=0, le=WEEK)
+    thrash_max_preemptions: int = Field(default=2, ge=1, le=100)  # this many in the window: protected
+    starvation_threshold: float = Field(default=1800.0, ge=0, le=WEEK)  # then a blocked job gets a reservation
+    max_reservations: int = Field(default=1, ge=0, le=100)
     reserved_pool_fraction: float = Field(default=0.005, ge=0, le=0.5)  # whole machines kept for big jobs
     stagger_checkpoints: bool = True
-    checkpoint_slot: float = Field(default=60.0, gt=0)  # staggering granularity
-    max_unsaved_run: float = Field(default=900.0, ge=0)  # a job that cannot checkpoint is protected after this
-    max_preemption_searches: int = Field(default=16, ge=0)  # per cycle; bounds the cycle's cost
-    consolidation_wait: float = Field(default=300.0, ge=0)  # then small jobs may move for a gang job
-    max_consolidations: int = Field(default=2, ge=0)  # searches per cycle; 0 turns moves off
-    eta_horizon: float = Field(default=30 * 86400.0, gt=0)
+    # The staggering granularity: a day's plan has LONGEST_PERIOD / checkpoint_slot slots, each
+    # looked at for every placement, so a slot under a second makes every cycle crawl.
+    checkpoint_slot: float = Field(default=60.0, ge=1, le=DAY)
+    max_unsaved_run: float = Field(default=900.0, ge=0, le=YEAR)  # a job that cannot checkpoint is protected after this
+    max_preemption_searches: int = Field(default=16, ge=0, le=1000)  # per cycle; bounds the cycle's cost
+    consolidation_wait: float = Field(default=300.0, ge=0, le=WEEK)  # then small jobs may move for a gang job
+    max_consolidations: int = Field(default=2, ge=0, le=100)  # searches per cycle; 0 turns moves off
+    eta_horizon: float = Field(default=30 * DAY, ge=3600, le=YEAR)
     # The forecast of arrivals behind estimates (scheduler/forecast.py): the submissions of the
     # last `forecast_window` seconds are expected again one window later (0 turns it off); an
     # arrival due t seconds from now counts for min(1, t / forecast_ramp) of its GPUs, since the
     # sooner it comes, the likelier it starts by preemption instead of taking the releases a
     # waiting job counts on.
-    forecast_window: float = Field(default=86400.0, ge=0)
-    forecast_ramp: float = Field(default=7200.0, ge=0)
+    forecast_window: float = Field(default=DAY, ge=0, le=WEEK)
+    forecast_ramp: float = Field(default=7200.0, ge=0, le=WEEK)
     # How long an attempt that resumes takes to start again before it progresses (a new process,
     # its checkpoint loaded): added to the expected end of a resumed job, so that the scheduler
     # neither waits for GPUs that come back later than it thinks nor plans on them too early.
-    expected_restart_s: float = Field(default=0.0, ge=0, le=86400)
+    expected_restart_s: float = Field(default=0.0, ge=0, le=DAY)
 
 
 class Earmark(Frozen):

@@ -42,6 +42,11 @@ from workflows.types import JobView
     (["cluster", "set", "c1", "--policy", "grace_period=abc"], "grace_period=abc"),
     (["cluster", "set", "c1", "--policy", "min_runtime=-5"], "min_runtime=-5"),
     (["cluster", "set", "c1", "--policy", "grace_period=30", "min_runtime=-5"], "min_runtime=-5"),
+    (["cluster", "set", "c1", "--policy", "checkpoint_slot=1e-300"], "checkpoint_slot=1e-300: Input should be greater"),
+    (["cluster", "set", "c1", "--policy", "grace_period=1e308"], "grace_period=1e308: Input should be less"),
+    (["cluster", "set", "c1", "--policy", "max_preemption_searches=1000000000"], "max_preemption_searches="),
+    (["cluster", "set", "c1", "--policy", "eta_horizon=1e-300"], "eta_horizon=1e-300"),
+    (["cluster", "set", "c1", "--machine-timeout", "1e-300"], "give --machine-timeout 5 to 86400 seconds"),
 ], ids=[
     "a job of no GPUs",
     "a job without a command",
@@ -64,6 +69,11 @@ from workflows.types import JobView
     "a policy knob that is not a number",
     "a negative policy knob",
     "every knob after one --policy is checked",
+    "a checkpoint slot too fine to plan",
+    "a grace period no job would live to see end",
+    "preemption searches past any cycle's time",
+    "an estimate horizon of no time",
+    "a machine timeout shorter than a heartbeat",
 ])
 def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
     try:

@@ -15,7 +15,7 @@ from functools import lru_cache
 import pytest
 
 from scheduler.fleet import Fleet, parse_fleet
-from scheduler.models import JobSpec, PolicyConfig, Priority
+from scheduler.models import YEAR, JobSpec, PolicyConfig, Priority
 from scheduler.sim import engine
 from scheduler.sim.engine import SimSettings, Simulation, simulate
 from scheduler.sim.records import AllocationRecord, SimResult
@@ -312,7 +312,7 @@ def test_a_checkpoint_that_cannot_finish_within_the_grace_loses_the_work_since_t
 
 @pytest.mark.parametrize("exit_s", [5.0, 0.0], ids=["it exits 5 s after SIGTERM", "it exits at once"])
 def test_a_preempted_job_that_never_checkpoints_loses_all_its_progress_and_runs_its_full_duration_again(exit_s):
-    settings = SimSettings(sigterm_exit_s=exit_s, policy=PolicyConfig(min_runtime=0, max_unsaved_run=1e9))
+    settings = SimSettings(sigterm_exit_s=exit_s, policy=PolicyConfig(min_runtime=0, max_unsaved_run=YEAR))
     trace = [tj("low", 0.0, 7200.0, priority="low"), tj("crit", 1000.0, 600.0, priority="critical")]
     result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
 

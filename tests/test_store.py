@@ -11,7 +11,7 @@ import pytest
 
 from activities.store import UNPICKED_COOL_DOWN, GpuReport, Store
 from scheduler.cycle import run_cycle
-from scheduler.models import CycleResult, Machine, Placement, Preemption, Quota
+from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
@@ -280,6 +280,15 @@ def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_
     assert run(store.snapshot("c1")).config.expected_restart_s == 12.5
     run(store.configure_cluster("c1", policy={"expected_restart_s": 60}))
     assert run(store.snapshot("c1")).config.expected_restart_s == 60
+
+
+def test_a_stored_policy_override_out_of_todays_bounds_takes_its_default_and_the_cycle_still_runs(store_env, caplog):
+    """An older release let `cluster set` store checkpoint_slot=1e-300; a cycle must not fail on it."""
+    run, store = store_env
+    run(store.configure_cluster("c1", policy={"checkpoint_slot": 1e-300, "grace_period": 30}))
+    config = run(store.snapshot("c1")).config
+    assert (config.checkpoint_slot, config.grace_period) == (PolicyConfig().checkpoint_slot, 30)
+    assert "ignoring checkpoint_slot=1e-300" in caplog.text
 
 
 @pytest.mark.parametrize("request_, field, words", [

@@ -69,7 +69,10 @@ def _check_writable(out: Path, policies: list[str]) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     trace, fleet = load_inputs(args.trace, args.fleet)
-    names = list(dict.fromkeys([args.policy, *args.compare]))  # each policy once
+    if args.compare is not None and not args.compare:  # `--compare ,` would quietly compare nothing
+        raise InputError("--compare", None, None, f"names no policy; give some of {', '.join(POLICIES)}, "
+                         "comma-separated, e.g. --compare fifo,easy")
+    names = list(dict.fromkeys([args.policy, *(args.compare or [])]))  # each policy once
     for name in names:
         if name not in POLICIES:
             raise InputError("--policy/--compare", None, None,
@@ -125,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", required=True, help="trace CSV (see docs/traces.md)")
     sim.add_argument("--fleet", required=True, help="fleet YAML (see docs/traces.md)")
     sim.add_argument("--policy", default="gpusched", help=f"one of {', '.join(POLICIES)} (default gpusched)")
-    sim.add_argument("--compare", default=[], type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
+    sim.add_argument("--compare", default=None, type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                      help="also run these policies, e.g. fifo,easy; each goes into DIR/<name>")
     sim.add_argument("--out", required=True, help="output folder")
     sim.add_argument("--json", action="store_true", help="print summary.json to stdout")

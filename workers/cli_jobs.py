@@ -23,13 +23,14 @@ from temporalio.service import RPCError
 
 from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
-from scheduler.models import JobKind, PolicyConfig, Priority, Quota, Topology
+from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import finite, limit, positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
 
 EXIT_REFUSED = 2
+MIN_MACHINE_TIMEOUT = 5.0  # seconds: over two of an agent's 2 s heartbeats
 EXIT_UNREACHABLE = 1
 
 
@@ -405,8 +406,10 @@ def cmd_cluster_set(args) -> int:
         if field in knobs:
             print(f"error: policy: {field}={knobs[field]}: {message}", file=sys.stderr)
             return EXIT_REFUSED
-    if args.machine_timeout is not None and not args.machine_timeout > 0:
-        print("error: machine_timeout: give a positive number of seconds", file=sys.stderr)
+    if args.machine_timeout is not None and not MIN_MACHINE_TIMEOUT <= args.machine_timeout <= DAY:
+        print(f"error: machine_timeout: give --machine-timeout {MIN_MACHINE_TIMEOUT:g} to {DAY:g} seconds: agents "
+              "heartbeat every 2 s, and a shorter timeout takes every machine for lost between two beats",
+              file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
