@@ -120,6 +120,7 @@ def parse_fleet(text: str, source: str) -> Fleet:
 _UNREADABLE = object()  # a scalar its tag cannot read (`!!int abc`)
 MAX_GPUS_PER_MACHINE = 1024
 MAX_MACHINES_PER_BLOCK = 100_000
+MAX_MACHINES_PER_FLEET = 100_000  # across its clusters: 800,000 GPUs of 8, past any fleet there is
 
 
 class _FleetReader:
@@ -128,6 +129,7 @@ class _FleetReader:
     def __init__(self, source: str, loader: yaml.SafeLoader):
         self.source = source
         self.loader = loader
+        self.machines = 0  # read so far, in every cluster
 
     def fleet(self, root: yaml.Node) -> Fleet:
         top = self.mapping(root, "", allowed=_TOP_KEYS, required=("clusters",), what="the fleet file")
@@ -168,6 +170,11 @@ class _FleetReader:
             raise self.error(keys["racks"], f"{field}.racks",
                              f"{racks} racks of {per_rack} machines is {racks * per_rack} machines; a block "
                              f"holds at most {MAX_MACHINES_PER_BLOCK}: split it into several blocks")
+        self.machines += racks * per_rack
+        if self.machines > MAX_MACHINES_PER_FLEET:  # checked before the machines are built
+            raise self.error(keys["racks"], f"{field}.racks",
+                             f"brings the fleet to {self.machines} machines; a fleet file holds at most "
+                             f"{MAX_MACHINES_PER_FLEET}: give fewer racks or machines_per_rack")
         gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
         if "gpu_memory_gb" in keys:
             memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb")
