@@ -364,8 +364,9 @@ class _FleetReader:
     def name(self, node: yaml.Node, field: str) -> str:
         """A path segment of machine ids, so it must not contain '/' or whitespace."""
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            name = str(value)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            # As written: YAML reads `010` as 8 and `0x1F` as 31, but the ids say what the file says.
+            name = value if isinstance(value, str) else str(node.value)
             if name and "/" not in name and not any(c.isspace() for c in name):
                 return name
         raise self.error(

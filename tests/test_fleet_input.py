@@ -70,6 +70,13 @@ def test_a_valid_fleet_names_every_machine_by_its_position():
     assert fleet.total_gpus == c1.total_gpus + 16
 
 
+@pytest.mark.parametrize("written", ["010", "0x1F", "1_000", "1.50", "7"],
+                         ids=["a leading zero", "hexadecimal", "an underscore", "a decimal", "a plain number"])
+def test_a_name_that_yaml_reads_as_a_number_keeps_its_spelling(written):
+    fleet = parse_fleet(f"clusters:\n  - name: {written}\n    blocks:\n      - {block(written)}\n", "fleet.yaml")
+    assert fleet.clusters[0].machines[0].id == f"{written}/{written}/r0/m0"
+
+
 def test_partitions_default_to_training():
     fleet = parse_fleet(VALID, "fleet.yaml")
     partitions = {m.block: m.partition for m in fleet.cluster("c1").machines}
