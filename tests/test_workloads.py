@@ -206,6 +206,7 @@ def test_philly_priorities_follow_the_documented_mix():
         ("2017-10-16 00:00:00,a minute,1,60.0,aaa", "duration"),
         ("2017-10-16 00:00:00,60.0,1.5,60.0,aaa", "num_gpus"),
         ("2017-10-16 00:00:00,60.0,1,60.0,", "cluster"),
+        ("2017-10-16 00:00:00,60.0,1,60.0,a\x1bb", "cluster"),
         ("2017-10-16 00:00:00,60.0", None),
     ],
     ids=[
@@ -214,6 +215,7 @@ def test_philly_priorities_follow_the_documented_mix():
         "a duration in words",
         "half a GPU",
         "no virtual cluster",
+        "a virtual cluster with a control character",
         "a short row",
     ],
 )

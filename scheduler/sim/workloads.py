@@ -365,6 +365,11 @@ def _read_philly(reader, source: str, window_start, window: float, seed: int, ma
             raise InputError(
                 source, line, "cluster", "is empty; every Philly row names its virtual cluster"
             )
+        if not cells["cluster"].isprintable():  # it becomes a team name, shown in tables and logs
+            raise InputError(
+                source, line, "cluster",
+                f"holds a control character ({cells['cluster']!r}); a virtual cluster is a plain name like 6214e9"
+            )
         offset = (submitted - window_start).total_seconds()
         if duration <= 0 or num_gpus < 1 or not 0 <= offset < window:
             continue
