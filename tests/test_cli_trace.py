@@ -58,7 +58,18 @@ def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
     [job] = parse_trace(out.read_text(), str(out))
     assert (job.spec.job_id, job.spec.team, job.submit_time) == ("philly-2", "vc-abc", 3600.0)
     assert "vc-abc" in parse_fleet(fleet_out.read_text(), str(fleet_out)).quotas
+    # The fleet says how to make it again, from the file it was made from.
+    assert fleet_out.read_text().startswith(f"# Made by: gpusched trace from-philly --input {source} ")
     assert "1 jobs over 7 days" in capsys.readouterr().out
+
+
+def test_a_fleet_file_that_cannot_be_written_is_named_not_the_trace(tmp_path, capsys):
+    """/dev/full opens but refuses the write, with no file name on the error."""
+    out = tmp_path / "t.csv"
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(out),
+               "--fleet-out", "/dev/full") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: /dev/full: ") and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize(

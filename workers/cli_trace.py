@@ -12,6 +12,7 @@ turns bad input into one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -123,8 +124,9 @@ def run_from_philly(args: argparse.Namespace) -> int:
         return jobs, None
 
     command = (
-        f'gpusched trace from-philly --input philly.csv --start "{args.start}" --days {args.days} '
-        f"--seed {args.seed} --out {args.out} --fleet-out {args.fleet_out} --load {args.load}"
+        f"gpusched trace from-philly --input {shlex.quote(str(args.input))} --start {shlex.quote(args.start)} "
+        f"--days {args.days} --seed {args.seed} --out {shlex.quote(str(args.out))} "
+        f"--fleet-out {shlex.quote(str(args.fleet_out))} --load {args.load}"
     )
     return _write(args, make, command)
 
@@ -139,18 +141,20 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
     if args.fleet_out is not None and _same_file(args.out, args.fleet_out):
         print(f"error: --fleet-out: is --out ({args.out}): give the fleet a file of its own", file=sys.stderr)
         return 2
+    writing = args.out  # the file a failed write names: a full disk raises no filename
     try:
         jobs, gpus = make()
         args.out.write_text(format_trace(jobs), encoding="utf-8")
         if args.fleet_out is not None:
             fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
+            writing = args.fleet_out
             args.fleet_out.write_text(fleet, encoding="utf-8")
             gpus = _fleet_gpus(fleet)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {exc.filename or writing}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     work = offered_gpu_seconds(jobs)
     on_fleet = f", load {work / (gpus * span):.2f} on {gpus} GPUs" if gpus else ""
