@@ -3,6 +3,9 @@ clear refusal of a setting no process can run with."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from workers.settings import SettingsError, load_settings
@@ -82,3 +85,32 @@ def test_temporal_tls_settings_no_client_can_use_are_named(monkeypatch, tmp_path
         monkeypatch.setenv(var, value)
     with pytest.raises(SettingsError, match=words):
         asyncio.run(connect_temporal(load_settings(tmp_path)))
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["list"], 2),
+    (["dev", "status"], 2),
+    (["dev", "down"], 2),
+    (["dev", "up"], 2),
+], ids=["a job command", "the stack's status", "stopping the stack", "starting the stack"])
+def test_a_data_dir_this_user_may_not_look_into_is_said_in_one_line(monkeypatch, tmp_path, capsys, argv, code):
+    """Path.exists raises PermissionError for a folder without search permission (root is never
+    refused, so the refusal is made here)."""
+    from workers.cli import main
+
+    for var in [v for v in os.environ if v.startswith("GPUSCHED_")]:
+        monkeypatch.delenv(var)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_exists = Path.exists
+
+    def exists(self, *a, **k):
+        if str(self).startswith(f"{locked}/"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *a, **k)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    assert main([*argv, "--data-dir", str(locked)]) == code
+    err = capsys.readouterr().err
+    assert err == (f"error: cannot look into {locked} (Permission denied); give a data directory this user may "
+                   "read, with --data-dir or GPUSCHED_DATA_DIR\n")

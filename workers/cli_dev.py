@@ -74,6 +74,9 @@ def run_up(args: argparse.Namespace) -> int:
         devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
                     cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
                     timeout=args.timeout, fake_devices=args.fake_devices, out=sys.stdout)
+    except devstack.DataDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except devstack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         print("the components that did start keep running: see `gpusched dev status`, "
@@ -90,6 +93,9 @@ def run_status(args: argparse.Namespace) -> int:
 
     try:
         statuses = devstack.status(args.data_dir)
+    except devstack.DataDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except devstack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -111,9 +117,15 @@ def run_down(args: argparse.Namespace) -> int:
     from workers import devstack
 
     where = devstack.resolve_data_dir(args.data_dir)
-    had_stack = (where / devstack.STACK_FILE).exists()
     try:
+        try:
+            had_stack = devstack.stack_present(where / devstack.STACK_FILE)
+        except devstack.SettingsError as e:
+            raise devstack.DataDirError(str(e)) from None
         stopped = devstack.down(args.data_dir, purge=args.purge)
+    except devstack.DataDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except devstack.StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

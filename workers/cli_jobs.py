@@ -125,7 +125,11 @@ def add_job_commands(subparsers) -> None:
 def _run(args, body) -> int:
     """Connect, run ``body(client)``, and turn refusals and unreachable servers into one line."""
 
-    missing = missing_stack(args.data_dir)
+    try:
+        missing = missing_stack(args.data_dir)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     if missing is not None:  # say so instead of answering for a stack on the default ports
         print(f"error: no gpusched stack in {missing}; start one with `gpusched dev up --data-dir {missing}` "
               "or set GPUSCHED_* (see README)", file=sys.stderr)

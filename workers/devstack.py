@@ -35,11 +35,13 @@ from workers import servers
 from workers.settings import (
     STACK_FILE,
     Settings,
+    SettingsError,
     default_data_dir,
     env_overrides,
     machine_component,
     ready_path,
     settings_env,
+    stack_present,
 )
 from workflows.types import first_error
 
@@ -58,6 +60,11 @@ WORKER_RESTARTS = 2
 class StackError(Exception):
     """The stack could not be brought to the asked state; the message says which component and
     ends with the tail of its log."""
+
+
+class DataDirError(StackError):
+    """The data directory given cannot hold a stack (a file, a folder this user may not read):
+    nothing was started or stopped."""
 
 
 class Component(BaseModel):
@@ -119,8 +126,11 @@ def resolve_data_dir(data_dir: Path | str | None) -> Path:
 
 def load_state(data_dir: Path | str | None = None) -> StackState | None:
     path = resolve_data_dir(data_dir) / STACK_FILE
-    if not path.exists():
-        return None
+    try:
+        if not stack_present(path):
+            return None
+    except SettingsError as e:
+        raise DataDirError(str(e)) from None
     try:
         state = StackState.model_validate_json(path.read_text())
         Settings(**state.settings)  # every command builds them: one of the wrong type fails here, in words
@@ -140,6 +150,9 @@ def _save(data_dir: Path, state: StackState) -> None:
 @contextmanager
 def _locked(data_dir: Path) -> Iterator[None]:
     """One stack operation at a time per data directory (two `up`s would start everything twice)."""
+    if data_dir.exists() and not data_dir.is_dir():  # mkdir would say only "File exists"
+        raise DataDirError(f"{data_dir} is a file, not a data directory; give --data-dir a folder "
+                         "(a new one, or the one a stack was started in)")
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "stack.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -93,7 +93,7 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     the embedded stack's stack.json in ``data_dir`` (or the default data directory)."""
     values: dict[str, object] = {}
     stack = (data_dir or default_data_dir()) / STACK_FILE
-    if stack.exists():
+    if stack_present(stack):
         try:
             state = json.loads(stack.read_text())
         except (OSError, ValueError) as e:
@@ -134,7 +134,17 @@ def missing_stack(data_dir: Path | None) -> Path | None:
     if data_dir is None and not os.environ.get("GPUSCHED_DATA_DIR"):
         return None
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
-    return None if (folder / STACK_FILE).exists() or env_overrides() else folder
+    return None if env_overrides() or stack_present(folder / STACK_FILE) else folder
+
+
+def stack_present(stack: Path) -> bool:
+    """Whether a stack file is there; a folder this user may not look into is said in words
+    (Path.exists raises for it instead of answering)."""
+    try:
+        return stack.exists()
+    except OSError as e:
+        raise SettingsError(f"cannot look into {stack.parent} ({e.strerror or e}); give a data directory this "
+                            "user may read, with --data-dir or GPUSCHED_DATA_DIR") from None
 
 
 def env_overrides() -> dict[str, str]:
