@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -231,6 +233,23 @@ def test_dev_status_and_down_of_a_folder_without_a_stack_do_nothing(tmp_path):
     with pytest.raises(devstack.StackError, match="not a gpusched stack"):
         devstack.down(tmp_path / "precious", purge=True)
     assert (tmp_path / "precious" / "file").exists()
+
+
+@pytest.mark.parametrize("state, words", [
+    ({"components": {"postgres": {"kind": "server", "port": 99999}}}, "components.postgres.port"),
+    ({"components": {"agent-1": {"kind": "worker", "pid": -1}}}, "components.agent-1.pid"),
+    ({"external": ["redis"]}, "external.0: Input should be 'postgres', 'temporal' or 's3'"),
+], ids=["a port no address has", "a pid that would signal every process", "an external server we do not know"])
+def test_a_hand_edited_stack_file_no_process_could_have_written_is_refused_in_words(tmp_path, state, words):
+    (tmp_path / devstack.STACK_FILE).write_text(json.dumps(state))
+    with pytest.raises(devstack.StackError, match=f"not a gpusched stack file \\({re.escape(words)}"):
+        devstack.status(tmp_path)
+
+
+def test_the_status_of_an_external_server_at_an_impossible_port_is_unhealthy_not_a_traceback(tmp_path):
+    settings = {"pg_dsn": "postgresql://postgres@127.0.0.1:99999/x", "temporal_address": "127.0.0.1:70000"}
+    (tmp_path / devstack.STACK_FILE).write_text(json.dumps({"settings": settings, "external": ["postgres", "temporal"]}))
+    assert [(s.name, s.healthy) for s in devstack.status(tmp_path)] == [("postgres", False), ("temporal", False)]
 
 
 def test_dev_down_while_a_first_up_is_under_way_waits_for_it_then_stops_what_it_started(tmp_path):

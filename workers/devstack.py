@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, ValidationError
@@ -67,16 +67,21 @@ class DataDirError(StackError):
     nothing was started or stopped."""
 
 
+# stack.json is ours but a person may edit it: a value no process could have is refused when it
+# is read, in words, not met later as a traceback (or, for pid -1, a signal to every process).
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
 class Component(BaseModel):
     kind: Literal["server", "worker"]
-    pid: int | None = None
-    port: int | None = None
-    ports: dict[str, int] = Field(default_factory=dict)
+    pid: int | None = Field(default=None, ge=1)
+    port: Port | None = None
+    ports: dict[str, Port] = Field(default_factory=dict)
     machine_id: str | None = None
     cmd: list[str] = Field(default_factory=list)
     log: str = ""
-    stop_signal: int = signal.SIGTERM
-    stop_grace: float = 10.0
+    stop_signal: int = Field(default=signal.SIGTERM, ge=1, le=signal.SIGRTMAX)
+    stop_grace: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
 
     def running(self) -> bool:
         return servers.is_running(self.pid, self.cmd)
@@ -89,7 +94,7 @@ class StackState(BaseModel):
     machines: list[Machine] = Field(default_factory=list)
     gpus_per_machine: int = 8
     gpu_type: str = "H100"
-    external: list[str] = Field(default_factory=list)  # servers we use but did not start
+    external: list[Literal[SERVERS]] = Field(default_factory=list)  # servers we use but did not start
     temporal_ui_url: str | None = None
     fast: bool = False  # Postgres without fsync (tests)
     fake_devices: bool = False  # agents use fake GPUs even where NVML finds real ones (the demo)
@@ -463,7 +468,7 @@ def _port_open(host: str, port: int | None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
             return True
-    except OSError:
+    except (OSError, OverflowError):  # OverflowError: a port past 65535 in a hand-edited address
         return False
 
 
@@ -520,7 +525,10 @@ def _address_of(name: str, settings: Settings) -> tuple[str, int | None]:
         return host, int(port) if port.isdigit() else None
     url = urlsplit(settings.pg_dsn if name == "postgres" else settings.s3_endpoint or "")
     default = {"postgres": 5432, "s3": 443 if url.scheme == "https" else 80}[name]
-    return url.hostname or "", url.port or default
+    try:
+        return url.hostname or "", url.port or default
+    except ValueError:  # a port no address has: the status says unhealthy, the connection says why
+        return url.hostname or "", None
 
 
 def down(data_dir: Path | str | None = None, *, purge: bool = False) -> list[str]:
