@@ -140,7 +140,7 @@ class CheckpointCommitter:
             for page in self.s3.get_paginator(listing).paginate(Bucket=self.bucket, Prefix=prefix):
                 for entry in page.get(entries) or []:
                     name = entry["Key"][len(prefix):]
-                    if name.isdigit() and int(name) < below and act(entry, int(name)) is not None:
+                    if name.isascii() and name.isdigit() and int(name) < below and act(entry, int(name)) is not None:
                         count += 1
             return count
 

@@ -641,11 +641,16 @@ def _float_env(env: Mapping[str, str], name: str) -> Optional[float]:
     return value
 
 
+def _whole(text: str) -> bool:
+    """Digits int() reads: str.isdigit() also says yes to '²', which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _int_env(env: Mapping[str, str], name: str, least: int) -> Optional[int]:
     raw = (env.get(name) or "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < least:
+    if not _whole(raw) or int(raw) < least:
         raise CheckpointError(f"{name}={raw!r} must be a whole number >= {least}")
     return int(raw)
 
@@ -692,7 +697,7 @@ class Checkpointer:
             _Location(self.resume_from)  # fail early on a bad URI
         if resume_seq is None and self.resume_from is not None:
             last = self.resume_from.rstrip("/").rsplit("/", 1)[-1]
-            resume_seq = int(last) if last.isdigit() else 0
+            resume_seq = int(last) if _whole(last) else 0
         self.resume_seq = int(resume_seq or 0) if self.resume_from is not None else 0
         self.resume_sha256 = resume_sha256 if self.resume_from is not None else None
         self.next_seq = self.resume_seq + 1
@@ -724,7 +729,7 @@ class Checkpointer:
         keyword arguments override what the environment says."""
         env = os.environ if environ is None else environ
         seq = (env.get("GPUSCHED_RESUME_SEQ") or "").strip()
-        if seq and not seq.isdigit():
+        if seq and not _whole(seq):
             raise CheckpointError(f"GPUSCHED_RESUME_SEQ={seq!r} is not a sequence number")
         kwargs: Dict[str, Any] = dict(
             checkpoint_uri=env.get("GPUSCHED_CHECKPOINT_URI") or None,

@@ -173,10 +173,13 @@ def test_sigterm_without_checkpoints_still_stops_cleanly():
 @pytest.mark.parametrize("args, env, words", [
     (["--steps", "-1"], {}, "must be a finite number >= 0"),
     (["--steps", "1", "--state-mb", "inf"], {}, "must be a finite number >= 0"),
+    (["--steps", "1", "--state-mb", "1e12"], {}, "must be at most 16384"),
+    (["--steps", "1"], {"GPUSCHED_S3_PART_MB": "²"}, "must be a whole number >= 5"),
     (["--steps", "1", "--step-seconds", "nan"], {}, "must be a finite number >= 0"),
     (["--steps", "1"], {"GPUSCHED_CHECKPOINT_INTERVAL": "abc"}, "is not a number of seconds"),
     (["--steps", "1"], {"GPUSCHED_CHECKPOINT_URI": "bogus"}, "only s3:// and file:// are supported"),
-], ids=["a negative count", "an infinite state", "a step time that is not a number",
+], ids=["a negative count", "an infinite state", "a state bigger than memory", "a part size in superscript",
+        "a step time that is not a number",
         "a checkpoint interval that is not a number", "a checkpoint URI no store has"])
 def test_bad_arguments_exit_2(args, env, words):
     rc, out = run_to_end(args, job_env(**env))

@@ -399,9 +399,11 @@ def test_bad_settings_are_named():
         Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "gs://bucket/x/"})
     with pytest.raises(CheckpointError, match="GPUSCHED_S3_PART_MB='4' must be a whole number >= 5"):
         Checkpointer.from_env({"GPUSCHED_S3_PART_MB": "4"})
-    for threads in ("0", "many"):
+    for threads in ("0", "many", "²"):  # '²'.isdigit() is true, and int('²') fails
         with pytest.raises(CheckpointError, match="GPUSCHED_S3_UPLOAD_THREADS"):
             Checkpointer.from_env({"GPUSCHED_S3_UPLOAD_THREADS": threads})
+    with pytest.raises(CheckpointError, match="GPUSCHED_RESUME_SEQ"):
+        Checkpointer.from_env({"GPUSCHED_RESUME_SEQ": "³"})
 
 
 def test_a_checkpoint_file_that_cannot_be_read_is_a_checkpoint_error(tmp_path):

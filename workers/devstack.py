@@ -522,7 +522,7 @@ def _order(name: str, comp: Component) -> tuple:
 def _address_of(name: str, settings: Settings) -> tuple[str, int | None]:
     if name == "temporal":
         host, _, port = settings.temporal_address.rpartition(":")
-        return host, int(port) if port.isdigit() else None
+        return host, int(port) if port.isascii() and port.isdigit() else None
     url = urlsplit(settings.pg_dsn if name == "postgres" else settings.s3_endpoint or "")
     default = {"postgres": 5432, "s3": 443 if url.scheme == "https" else 80}[name]
     try:

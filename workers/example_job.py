@@ -229,21 +229,26 @@ def run(args: argparse.Namespace) -> int:
 # --- command line ----------------------------------------------------------------------------
 
 
-def _nonneg(kind):
+def _nonneg(kind, most: float = math.inf):
     def parse(text: str):
         value = kind(text)
         if not 0 <= value < math.inf:  # NaN fails both
             raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
     return parse
+
+
+MAX_STATE_MB = 16384  # the padding is held in memory: past this the job dies of MemoryError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_nonneg(int), required=True, help="steps to run in all")
     parser.add_argument("--step-seconds", type=_nonneg(float), default=1.0,
                         help="seconds of work per step (default 1)")
-    parser.add_argument("--state-mb", type=_nonneg(float), default=0.0,
-                        help="pad each checkpoint to about this many MiB (default 0)")
+    parser.add_argument("--state-mb", type=_nonneg(float, MAX_STATE_MB), default=0.0,
+                        help=f"pad each checkpoint to about this many MiB, at most {MAX_STATE_MB} (default 0)")
     parser.add_argument("--fail-at-step", type=int, default=None, metavar="K",
                         help="exit 3 when step K would run (for tests)")
     parser.add_argument("--backend", choices=("auto", "python", "torch"), default="auto",
