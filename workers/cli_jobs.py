@@ -27,7 +27,7 @@ from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topolo
 from workers.arg_types import finite, limit, positive_float, positive_int
 from workers.client import ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import SettingsError, load_settings, missing_stack
-from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem
+from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem, team_problem
 
 EXIT_REFUSED = 2
 MIN_MACHINE_TIMEOUT = 5.0  # seconds: over two of an agent's 2 s heartbeats
@@ -370,6 +370,9 @@ def cmd_quota_set(args) -> int:
             print(f"error: max: {message}; give --max at least --guaranteed", file=sys.stderr)
         else:
             print(f"error: {field}: {message} (give {flag_for(field)} a valid value)", file=sys.stderr)
+        return EXIT_REFUSED
+    if (problem := team_problem(args.team)) is not None:  # before connecting: no stack needed to say so
+        print(f"error: team: {problem}", file=sys.stderr)
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:

@@ -150,6 +150,11 @@ def team_problem(team: str) -> str | None:
     return None
 
 
+# Set by the agent in every attempt's environment, over anything the request says (with the
+# GPUSCHED_* variables): a request that sets one would be silently overridden, so it is refused.
+AGENT_SET_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+
+
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
@@ -174,6 +179,11 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for name, value in request.env.items():
         if not name or "=" in name or "\0" in name:
             return "env", f"has the variable name {name!r}; a name is not empty and holds no '=' or NUL"
+        if not name.isprintable() or any(c.isspace() for c in name):
+            return "env", f"has the variable name {name!r}; a name holds no spaces or control characters"
+        if name in AGENT_SET_ENV or name.startswith("GPUSCHED_"):
+            return "env", (f"sets {name}, which the agent sets for each attempt (the granted GPUs, the "
+                           "job's checkpoints: see docs/live.md); leave it out, or name yours otherwise")
         if "\0" in value:
             return "env", f"variable {name} holds a NUL character, which no environment value can carry"
     interval = request.checkpoint_interval
