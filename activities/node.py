@@ -27,7 +27,7 @@ passed back when the job has a checkpoint URI), plus ``RunJobInput.env``, plus t
 | GPUSCHED_REPORT_DIR       | where the job reports checkpoints it wrote (see below)         |
 | GPUSCHED_LAUNCHED_AT      | the epoch time the agent started the process                   |
 | GPUSCHED_S3_*             | the checkpoint store's endpoint and credentials, when it has a checkpoint URI |
-| GPUSCHED_GRACE_PERIOD     | seconds between SIGTERM and SIGKILL when the job is stopped    |
+| GPUSCHED_GRACE_PERIOD     | seconds from SIGTERM to SIGKILL, as launched (a stop order's own: stop.json) |
 | GPUSCHED_LOG              | this attempt's log file                                        |
 | GPUSCHED_RUN_TOKEN        | a random value marking this run's processes, wherever they go  |
 
@@ -80,8 +80,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
-from jobkit import RESTORED_REPORT, UNUSABLE_REPORT
-from workflows.types import AGENT_SHUTDOWN, RunJobInput, RunJobResult
+from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
+from workflows.types import AGENT_SHUTDOWN, RunJobInput, RunJobResult, StopOrder
 
 log = logging.getLogger("gpusched.node")
 
@@ -156,6 +156,7 @@ class _Run:
     body_offset: int = 0  # where the job's own output starts in the log (after our header)
     outcome: asyncio.Task | None = None  # → RunJobResult once the process group is gone
     stop_deadline: float | None = None  # loop time of the SIGKILL, once a stop is asked
+    ordered_stop: bool = False  # the scheduler's stop order set the deadline (stop_job)
     stopper: asyncio.Task | None = None
     spawned: asyncio.Event = field(default_factory=asyncio.Event)  # started, or failed to
     token: str = field(default_factory=new_token)  # GPUSCHED_RUN_TOKEN: marks all its processes
@@ -273,7 +274,8 @@ class NodeActivities:
                 log.info("allocation %d: cancelled, stopping with %gs grace",
                          alloc, req.grace_period)
             ended_before = run.outcome.done() or (run.process is not None and run.process.returncode is not None)
-            self._request_stop(run, req.grace_period)
+            if not run.ordered_stop:  # the order's grace stands over the one launched with
+                self._request_stop(run, req.grace_period)
             # An attempt the server has given up on takes no heartbeats.
             result = await self._stopped(run, heartbeat=not _forgotten(details))
             if ended_before and run.stopper is None:
@@ -322,6 +324,35 @@ class NodeActivities:
             (self.pid_dir / f"{alloc}.json").unlink(missing_ok=True)
         except OSError as err:
             log.warning("cannot remove pid file of allocation %d: %s", alloc, err)
+
+    @activity.defn(name="stop_job")
+    async def stop_job(self, order: StopOrder) -> bool:
+        """Stop an attempt with the grace the scheduler ordered; False if it is not running here.
+
+        The workflow sends it just before it cancels ``run_job``, in either order of arrival:
+        the grace the attempt was launched with may be out of date (the cluster's grace period
+        changed since) or not apply (a gang that lost a machine is given none), and the
+        scheduler plans the GPUs free when the order's grace ends."""
+        run = self.processes.get(order.allocation_id)
+        if run is None or run.outcome is None or run.outcome.done():
+            return False
+        log.info("allocation %d: stop ordered (%s), %gs grace", order.allocation_id, order.reason,
+                 order.grace_period)
+        self._tell_stop_order(run, order.grace_period)
+        self._request_stop(run, order.grace_period, ordered=True)
+        return True
+
+    def _tell_stop_order(self, run: _Run, grace: float) -> None:
+        """Tell the job the grace it really has (jobkit's stop.json), before SIGTERM where the
+        order comes first; its GPUSCHED_GRACE_PERIOD is the launch's."""
+        folder = self._report_dir(run.req)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{STOP_ORDER}.tmp"
+            tmp.write_text(json.dumps({"grace_period": grace, "deadline": time.time() + grace}))
+            os.replace(tmp, folder / STOP_ORDER)  # whole or not at all: the job may read it any time
+        except OSError as err:
+            log.warning("allocation %d: cannot tell the job its grace: %s", run.req.allocation_id, err)
 
     async def kill_allocation(self, allocation_id: int, grace: float) -> RunJobResult | None:
         """Stop an allocation's process (SIGTERM, ``grace``, SIGKILL); None if it has none."""
@@ -654,13 +685,15 @@ class NodeActivities:
         _append(run.log_path, line + "\n")
         return RunJobResult(exit_code=code, log_path=str(run.log_path), last_log_lines=[line])
 
-    def _request_stop(self, run: _Run, grace: float) -> None:
+    def _request_stop(self, run: _Run, grace: float, *, ordered: bool = False) -> None:
         """SIGTERM now and SIGKILL ``grace`` seconds later; a later request may only shorten the
-        grace (an orphan kill after a preemption)."""
+        grace (an orphan kill after a preemption), except the scheduler's order (``ordered``),
+        which sets it either way."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, grace)
-        if run.stop_deadline is None or deadline < run.stop_deadline:
+        if ordered or run.stop_deadline is None or deadline < run.stop_deadline:
             run.stop_deadline = deadline
+        run.ordered_stop = run.ordered_stop or ordered
         if run.process is None or run.process.returncode is not None or run.stopper is not None:
             return  # not started yet (_execute stops it when it is), already ended, or stopping
         run.members.signal(signal.SIGTERM)

@@ -99,7 +99,11 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
    ``$GPUSCHED_REPORT_DIR/unusable.json`` = ``{"seq": 3, "reason": "..."}``: the agent hands it to
    gpusched with the attempt's end, which takes checkpoint 3 for incomplete and queues the job
    again, to resume from the newest complete checkpoint before it (or from the start).
-5. Once restored, with ``GPUSCHED_LAUNCHED_AT`` set, it writes ``$GPUSCHED_REPORT_DIR/restored.json``
+5. The grace of a stop is the preemption's, which may differ from ``GPUSCHED_GRACE_PERIOD`` (the
+   cluster's grace changed since the launch; a gang that lost a machine gets none): the agent
+   writes ``$GPUSCHED_REPORT_DIR/stop.json`` = ``{"grace_period": 20, "deadline": <epoch>}`` as
+   the stop is ordered, and once SIGTERM arrived the deadlines above follow it.
+6. Once restored, with ``GPUSCHED_LAUNCHED_AT`` set, it writes ``$GPUSCHED_REPORT_DIR/restored.json``
    = ``{"seq": 3, "seconds": 41.2, "size": 1234}``: how long the restart took, from the agent
    launching the process to the state being back (``restart_seconds``). The agent forwards it;
    the control plane keeps it on the allocation and learns from it how long restarts take.
@@ -162,6 +166,7 @@ S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable st
 LOOK_FIRST_BYTES = 8 * MIB  # a checkpoint bigger than this looks its number up before the upload
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 UNUSABLE_REPORT = "unusable.json"  # in the report directory: the resume checkpoint cannot be used
+STOP_ORDER = "stop.json"  # in the report directory, from the agent: the grace the stop really gives
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 
@@ -800,9 +805,24 @@ class Checkpointer:
                 self._stop_deadline = self._monotonic() + self.grace_period
             self.stop_requested = True
 
+    def _follow_stop_order(self) -> None:
+        """Once a stop was asked, take the grace deadline from the agent's stop order, when it
+        wrote one (``stop.json``): that is when SIGKILL comes."""
+        if not self.stop_requested or self.report_dir is None:
+            return
+        try:
+            order = json.loads((self.report_dir / STOP_ORDER).read_text())
+            deadline, grace = float(order["deadline"]), float(order["grace_period"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return  # none (the launch's grace stands), or not yet whole
+        if math.isfinite(deadline) and math.isfinite(grace) and grace >= 0:
+            self._stop_deadline = self._monotonic() + (deadline - self._clock())
+            self.grace_period = grace
+
     def seconds_left(self) -> float:
         """Seconds left of the grace period since SIGTERM (never below 0); ``math.inf`` before a
         stop was requested, or when the grace period is unknown."""
+        self._follow_stop_order()
         if self._stop_deadline is None:
             return math.inf
         return max(0.0, self._stop_deadline - self._monotonic())
@@ -898,6 +918,7 @@ class Checkpointer:
 
     def _within_grace(self, deadline: float) -> float:
         """``deadline``, or the grace deadline less the reserve for exiting once a stop was asked."""
+        self._follow_stop_order()
         if self._stop_deadline is None:
             return deadline
         return min(deadline, self._stop_deadline - min(1.0, (self.grace_period or 0.0) / 10))
@@ -933,6 +954,7 @@ class Checkpointer:
 
     def _ack_deadline(self, began: float) -> float:
         deadline = began + self.ack_timeout
+        self._follow_stop_order()
         if self._stop_deadline is not None:
             reserve = min(1.0, (self.grace_period or 0.0) / 10)
             deadline = min(deadline, self._stop_deadline - reserve)

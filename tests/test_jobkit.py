@@ -596,6 +596,24 @@ def test_sigterm_sets_stop_requested_and_starts_the_grace_clock(tmp_path):
     assert EXIT_STOPPED == 0
 
 
+@pytest.mark.parametrize("order, left", [
+    (None, 30),
+    ({"grace_period": 300, "deadline": 1300.0}, 300),
+    ({"grace_period": 5, "deadline": 1005.0}, 5),
+    ({"grace_period": "soon"}, 30),
+], ids=["without a stop order the launch's grace stands", "an order's longer grace is followed",
+        "an order's shorter grace is followed", "a stop order that cannot be read is ignored"])
+def test_after_sigterm_the_grace_follows_the_agents_stop_order(tmp_path, order, left):
+    clock, ticks = Clock(1000.0), Clock(50.0)
+    ck = local(tmp_path, grace_period=30, report_dir=tmp_path / "r", clock=clock, monotonic=ticks)
+    (tmp_path / "r").mkdir()
+    if order is not None:
+        (tmp_path / "r" / jobkit.STOP_ORDER).write_text(json.dumps(order))
+    assert ck.seconds_left() == math.inf  # no stop asked yet: the order is not looked at
+    ck.request_stop()
+    assert ck.seconds_left() == left
+
+
 # --- real S3 ---------------------------------------------------------------------------------
 
 

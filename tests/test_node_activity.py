@@ -22,7 +22,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities, job_env
-from workflows.types import GpuGrant, RunJobInput
+from jobkit import STOP_ORDER
+from workflows.types import GpuGrant, RunJobInput, StopOrder
 
 MACHINE = "c1/b0/r0/m0"
 
@@ -488,6 +489,46 @@ def test_a_job_that_ignores_sigterm_is_killed_after_its_grace(tmp_path):
     assert isinstance(raised, asyncio.CancelledError)
     assert 0.5 <= took < 2.5
     assert (node.finished[6].signal, node.finished[6].stopped) == (signal.SIGKILL, True)
+
+
+@pytest.mark.parametrize("launched_with, ordered, order_first, least, most", [
+    (30, 0.5, True, 0.5, 2.5),
+    (30, 0.5, False, 0.5, 2.5),
+    (0.5, 3.0, True, 3.0, 5.0),
+    (0.5, 3.0, False, 3.0, 5.0),
+], ids=[
+    "a shorter ordered grace, ordered before the cancel",
+    "a shorter ordered grace, ordered after the cancel",
+    "a longer ordered grace, ordered before the cancel",
+    "a longer ordered grace, ordered after the cancel (the launch grace had not run out)",
+])
+def test_a_stop_order_gives_the_job_the_ordered_grace_not_the_one_it_was_launched_with(
+        tmp_path, launched_with, ordered, order_first, least, most):
+    node = node_in(tmp_path)
+    req = job(IGNORES_TERM, allocation_id=15, grace_period=launched_with)
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        start = time.monotonic()
+        order = StopOrder(allocation_id=15, grace_period=ordered, reason="preempted for j")
+        if order_first:
+            assert await ActivityEnvironment().run(node.stop_job, order)
+        env.cancel()
+        if not order_first:
+            await asyncio.sleep(0.1)
+            assert await ActivityEnvironment().run(node.stop_job, order)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - start
+
+    took = run(scenario())
+    assert least <= took < most, took
+    assert (node.finished[15].signal, node.finished[15].stopped) == (signal.SIGKILL, True)
+    # The job is told the grace it really has (jobkit follows it once SIGTERM came).
+    assert json.loads((node._report_dir(req) / STOP_ORDER).read_text())["grace_period"] == ordered
+    assert not run(ActivityEnvironment().run(node.stop_job, StopOrder(allocation_id=15, grace_period=1)))
 
 
 def test_a_stop_gives_the_whole_process_group_its_grace_then_kills_it(tmp_path):

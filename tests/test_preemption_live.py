@@ -88,3 +88,25 @@ def test_a_job_inside_its_minimum_runtime_is_not_preempted(stack):
     s.until(lambda: s.status("urgent").reason, timeout=10)
     assert s.wait("young", timeout=60).attempts[0].end_reason == "completed"
     assert s.wait("urgent").state == "succeeded"
+
+
+# On SIGTERM it takes 4 s to save, then exits; resumed, it says from which checkpoint and ends.
+SAVES_IN_4_S = [sys.executable, "-c", SLOW_SAVE[2].replace("time.sleep(13)", "time.sleep(4)")]
+
+
+def test_a_victim_gets_the_grace_of_the_preemption_not_the_one_it_was_launched_with(stack):
+    """The operator raised the grace period after the job started: the stop gives it the new
+    one (the agent used to keep the launch's 1 s, killing the save half-way)."""
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 1})
+    s.submit("slow", 4, SAVES_IN_4_S, priority="low")
+    s.until(lambda: "running" in s.log("slow"))
+    s.run(s.client.store.configure_cluster("c1", policy={"min_runtime": 0, "grace_period": 20}))
+    s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
+    assert s.wait("urgent").state == "succeeded"
+    view = s.wait("slow", timeout=60)
+    assert view.state == "succeeded", view
+    first, second = view.attempts
+    assert first.end_reason == "preempted", first
+    saved = re.search(r"^saved (\d+) True$", s.log("slow"), re.M)
+    assert saved, s.log("slow")
+    assert second.resumed_from == int(saved.group(1))

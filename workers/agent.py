@@ -454,7 +454,7 @@ async def serve(args: argparse.Namespace) -> int:
         worker = Worker(
             client,
             task_queue=settings.agent_task_queue(args.machine_id),
-            activities=[node.run_job],
+            activities=[node.run_job, node.stop_job],
             max_concurrent_activities=64,
             # A cancel reaches a job only with a heartbeat's answer, and the SDK sends them at
             # most every 0.8 x heartbeat timeout (30 s without one): cap it so a preemption's

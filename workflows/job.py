@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         RunJobInput,
         RunJobResult,
         StartAttempt,
+        StopOrder,
         Wake,
         agent_task_queue,
         first_error,
@@ -68,6 +69,7 @@ STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=15),
 # silent while running it, before the job gives the GPUs back and queues again.
 AGENT_PICKUP = timedelta(seconds=30)
 AGENT_HEARTBEAT = timedelta(seconds=10)
+STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
 RUN_LIMIT = timedelta(days=14)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
 # attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a
@@ -271,7 +273,21 @@ class JobWorkflow:
             self._publish()
             await workflow.execute_activity(
                 "set_job_state", JobStateChange(job_id=self.job_id, state=JobState.checkpointing), **STORE_CALL)
+        stops = []
+        if preempt is not None and self.cancel_reason is None and workflow.patched("stop-with-ordered-grace"):
+            # The agents stop with the preemption's grace, not the one the attempt was launched
+            # with: the cluster's grace may have changed since, and a gang that lost a machine
+            # is given none. Best effort: an agent that cannot be reached stops with its own.
+            stops = [workflow.start_activity(
+                "stop_job", StopOrder(allocation_id=alloc, grace_period=preempt.grace_period, reason=preempt.reason),
+                task_queue=self.prefix + agent_task_queue(host.machine_id),
+                schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
+                retry_policy=RetryPolicy(maximum_attempts=1))
+                for host, run in zip(hosts, runs) if not run.done()]
         await self._stop(runs)
+        for stop in stops:
+            stop.cancel()  # one not picked up by now has nothing left to stop
+        await asyncio.gather(*stops, return_exceptions=True)
         if workflow.patched("stopped-success-completes") and all(_ended_on_its_own(r) for r in runs):
             # Every process had already exited 0 when the stop reached it: the job is done,
             # and running it again would only repeat its work.

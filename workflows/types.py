@@ -261,6 +261,15 @@ class RunJobInput(Model):
     checkpoint_phase: float | None = None  # staggering: checkpoints at epoch times ≡ phase (mod interval)
 
 
+class StopOrder(Model):
+    """Stop this attempt's process on the agent with this grace (SIGTERM, the grace, SIGKILL):
+    the preemption's own, which may differ from the grace the attempt was launched with."""
+
+    allocation_id: int
+    grace_period: float = Field(ge=0)
+    reason: str = ""
+
+
 class RunJobResult(WithNewFields):
     exit_code: int | None  # None: killed by a signal that was not ours
     signal: int | None = None
