@@ -62,13 +62,8 @@ print("saved", saved.seq, saved.committed, flush=True)
 """]
 
 
-def test_a_victim_whose_checkpoint_takes_longer_than_the_heartbeat_timeout_keeps_its_whole_grace(stack):
-    """While its job saves, the agent heartbeats the cancelled attempt: a quiet stop would be timed
-    out by the server at 10 s, the GPUs given to the preemptor and the checkpoint refused."""
-    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 25})
-    s.submit("slow", 4, SLOW_SAVE, priority="low")
-    s.until(lambda: "running" in s.log("slow"))
-    s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
+def resumed_from_the_save_in_its_grace(s) -> str:
+    """`slow` was preempted by `urgent`, saved in its grace, and resumed from that save: its seq."""
     assert s.wait("urgent").state == "succeeded"
     view = s.wait("slow", timeout=60)
     assert view.state == "succeeded", view
@@ -77,7 +72,17 @@ def test_a_victim_whose_checkpoint_takes_longer_than_the_heartbeat_timeout_keeps
     saved = re.search(r"^saved (\d+) True$", s.log("slow"), re.M)
     assert saved, s.log("slow")
     assert second.resumed_from == int(saved.group(1))
-    assert f"resumed from {saved.group(1)}" in s.log("slow", attempt=2)
+    return saved.group(1)
+
+
+def test_a_victim_whose_checkpoint_takes_longer_than_the_heartbeat_timeout_keeps_its_whole_grace(stack):
+    """While its job saves, the agent heartbeats the cancelled attempt: a quiet stop would be timed
+    out by the server at 10 s, the GPUs given to the preemptor and the checkpoint refused."""
+    s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 25})
+    s.submit("slow", 4, SLOW_SAVE, priority="low")
+    s.until(lambda: "running" in s.log("slow"))
+    s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
+    assert f"resumed from {resumed_from_the_save_in_its_grace(s)}" in s.log("slow", attempt=2)
 
 
 def test_a_job_inside_its_minimum_runtime_is_not_preempted(stack):
@@ -102,11 +107,4 @@ def test_a_victim_gets_the_grace_of_the_preemption_not_the_one_it_was_launched_w
     s.until(lambda: "running" in s.log("slow"))
     s.run(s.client.store.configure_cluster("c1", policy={"min_runtime": 0, "grace_period": 20}))
     s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
-    assert s.wait("urgent").state == "succeeded"
-    view = s.wait("slow", timeout=60)
-    assert view.state == "succeeded", view
-    first, second = view.attempts
-    assert first.end_reason == "preempted", first
-    saved = re.search(r"^saved (\d+) True$", s.log("slow"), re.M)
-    assert saved, s.log("slow")
-    assert second.resumed_from == int(saved.group(1))
+    resumed_from_the_save_in_its_grace(s)

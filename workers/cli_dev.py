@@ -118,10 +118,7 @@ def run_down(args: argparse.Namespace) -> int:
 
     where = devstack.resolve_data_dir(args.data_dir)
     try:
-        try:
-            had_stack = devstack.stack_present(where / devstack.STACK_FILE)
-        except devstack.SettingsError as e:
-            raise devstack.DataDirError(str(e)) from None
+        had_stack = devstack.has_stack_file(where / devstack.STACK_FILE)
         stopped = devstack.down(args.data_dir, purge=args.purge)
     except devstack.DataDirError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -129,13 +129,19 @@ def resolve_data_dir(data_dir: Path | str | None) -> Path:
     return Path(data_dir or default_data_dir()).expanduser().absolute()
 
 
-def load_state(data_dir: Path | str | None = None) -> StackState | None:
-    path = resolve_data_dir(data_dir) / STACK_FILE
+def has_stack_file(path: Path) -> bool:
+    """Whether the stack file is there; a data directory this user may not look into is a
+    DataDirError."""
     try:
-        if not stack_present(path):
-            return None
+        return stack_present(path)
     except SettingsError as e:
         raise DataDirError(str(e)) from None
+
+
+def load_state(data_dir: Path | str | None = None) -> StackState | None:
+    path = resolve_data_dir(data_dir) / STACK_FILE
+    if not has_stack_file(path):
+        return None
     try:
         state = StackState.model_validate_json(path.read_text())
         Settings(**state.settings)  # every command builds them: one of the wrong type fails here, in words
