@@ -75,7 +75,7 @@ class CheckpointCommitter:
     async def commit(self, job_id: str, allocation_id: int, report: CheckpointReport) -> CheckpointAck:
         """Raises ``CheckpointStoreUnavailable`` when S3 cannot say whether the bytes are there:
         nothing is recorded then, so the report can be sent again."""
-        refusal = await self._verify(job_id, report)
+        refusal = await verify_object(self.s3, self.bucket, job_id, report)
         # The row names the key checkpoint `seq` has, whatever the report said: clearing
         # superseded checkpoints deletes that key, and only ever one of the job's own.
         report = report.model_copy(update={"key": checkpoint_key(job_id, report.seq)})
@@ -152,31 +152,33 @@ class CheckpointCommitter:
         if count:
             log.info(done, count, job_id)
 
-    async def _verify(self, job_id: str, report: CheckpointReport) -> str | None:
-        """Why the reported bytes are not what S3 holds, or None when they are."""
-        if not report.key.startswith(checkpoint_prefix(job_id)):
-            return f"key {report.key} is outside the job's checkpoints ({checkpoint_prefix(job_id)})"
-        if report.key != checkpoint_key(job_id, report.seq):
-            return f"key {report.key} is not checkpoint {report.seq}'s ({checkpoint_key(job_id, report.seq)})"
-        from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            head = await asyncio.to_thread(self.s3.head_object, Bucket=self.bucket, Key=report.key)
-        except ClientError as e:
-            if _missing(e):
-                return f"no object {report.key} in bucket {self.bucket}"
-            raise CheckpointStoreUnavailable(f"checkpoint store: {e}") from e
-        except BotoCoreError as e:
-            raise CheckpointStoreUnavailable(f"checkpoint store unreachable: {e}") from e
-        if head["ContentLength"] != report.size:
-            return f"size mismatch: S3 holds {head['ContentLength']} bytes, the report says {report.size}"
-        etag = head.get("ETag", "").strip('"')
-        if report.md5 and "-" not in etag and etag != report.md5:
-            return f"MD5 mismatch: S3 computed {etag}, the report says {report.md5}"
-        stored = head.get("Metadata", {}).get("sha256")
-        if stored != report.sha256:
-            return f"SHA-256 mismatch: the object says {stored}, the report says {report.sha256}"
-        return None
+async def verify_object(s3, bucket: str, job_id: str, report: CheckpointReport) -> str | None:
+    """Why the reported bytes are not what S3 holds, or None when they are. Raises
+    ``CheckpointStoreUnavailable`` when S3 cannot say."""
+    if not report.key.startswith(checkpoint_prefix(job_id)):
+        return f"key {report.key} is outside the job's checkpoints ({checkpoint_prefix(job_id)})"
+    if report.key != checkpoint_key(job_id, report.seq):
+        return f"key {report.key} is not checkpoint {report.seq}'s ({checkpoint_key(job_id, report.seq)})"
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        head = await asyncio.to_thread(s3.head_object, Bucket=bucket, Key=report.key)
+    except ClientError as e:
+        if _missing(e):
+            return f"no object {report.key} in bucket {bucket}"
+        raise CheckpointStoreUnavailable(f"checkpoint store: {e}") from e
+    except BotoCoreError as e:
+        raise CheckpointStoreUnavailable(f"checkpoint store unreachable: {e}") from e
+    if head["ContentLength"] != report.size:
+        return f"size mismatch: S3 holds {head['ContentLength']} bytes, the report says {report.size}"
+    etag = head.get("ETag", "").strip('"')
+    if report.md5 and "-" not in etag and etag != report.md5:
+        return f"MD5 mismatch: S3 computed {etag}, the report says {report.md5}"
+    stored = head.get("Metadata", {}).get("sha256")
+    if stored != report.sha256:
+        return f"SHA-256 mismatch: the object says {stored}, the report says {report.sha256}"
+    return None
 
 
 def _missing(error) -> bool:

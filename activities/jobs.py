@@ -15,7 +15,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.checkpoints import checkpoint_uri, object_uri
+from activities.checkpoints import CheckpointStoreUnavailable, checkpoint_uri, object_uri, verify_object
 from activities.store import Store
 from workflows.types import (
     CONTROL_TASK_QUEUE,
@@ -32,11 +32,14 @@ from workflows.types import (
     Reconcile,
     SchedulerInput,
     StartAttempt,
+    UnusableReport,
     Wake,
     job_workflow_id,
     scheduler_workflow_id,
 )
 
+
+STORE_LOOK_S = 20.0  # the longest the control plane looks for a checkpoint in its store (HEAD, retries)
 
 # The statuses of a workflow that has ended, read from the server's raw answer: the SDK's enum
 # lacks the newer ones (PAUSED: alive, only held), and one it cannot decode must not stop a
@@ -48,9 +51,10 @@ ENDED = frozenset({Status.WORKFLOW_EXECUTION_STATUS_COMPLETED, Status.WORKFLOW_E
 
 class JobActivities:
     def __init__(self, store: Store, client: Client, task_queue_prefix: str = "",
-                 loop: SchedulerInput | None = None, bucket: str = "gpusched-checkpoints"):
+                 loop: SchedulerInput | None = None, bucket: str = "gpusched-checkpoints", s3=None):
         self.store = store
         self.bucket = bucket
+        self.s3 = s3  # a boto3 client of the checkpoint store; None: a machine's word is taken as said
         self.client = client
         self.prefix = task_queue_prefix
         self.loop = loop or SchedulerInput(cluster="")
@@ -90,6 +94,28 @@ class JobActivities:
     async def end_attempt(self, inp: EndAttempt) -> None:
         await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
                                      inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint)
+
+    @activity.defn(name="doubt_unusable_checkpoint")
+    async def doubt_unusable_checkpoint(self, report: UnusableReport) -> str | None:
+        """Why the machine's word that its resume checkpoint is unusable is doubted (the store
+        holds it as committed, and no other machine said so), or None: believed."""
+        if self.s3 is None:
+            return None
+        committed = await self.store.resumed_checkpoint(report.job_id, report.allocation_id, report.seq)
+        if committed is None:
+            return None  # not the checkpoint it resumed from, or no longer complete
+        try:
+            differs = await asyncio.wait_for(verify_object(self.s3, self.bucket, report.job_id, committed),
+                                             STORE_LOOK_S)
+        except (CheckpointStoreUnavailable, TimeoutError) as e:
+            # Unable to look, the job's word is all there is: as before the control plane looked.
+            activity.logger.warning("cannot check checkpoint %d of %s in the store (%s): taking the job's word",
+                                    report.seq, report.job_id, str(e) or "no answer in time")
+            return None
+        if differs is not None:
+            return None  # the store agrees that it is not what was committed
+        return await self.store.doubt_unusable(report.job_id, report.allocation_id, report.seq,
+                                               report.machine_id, report.said)
 
     @activity.defn(name="set_job_state")
     async def set_job_state(self, inp: JobStateChange) -> None:

@@ -438,6 +438,38 @@ class Store:
                     await conn.execute(q.AUDIT, None, job_id, next_state.value, reason,
                                        json.dumps({"exit_code": exit_code}))
 
+    async def resumed_checkpoint(self, job_id: str, allocation_id: int, seq: int) -> CheckpointReport | None:
+        """Checkpoint ``seq`` as committed, if it is complete and the allocation resumed from it."""
+        row = await self.pool.fetchrow(q.RESUMED_FROM_CHECKPOINT, job_id, allocation_id, seq)
+        return None if row is None else CheckpointReport(seq=row["seq"], key=row["key"], size=row["size"],
+                                                          sha256=row["sha256"])
+
+    async def doubt_unusable(self, job_id: str, allocation_id: int, seq: int, machine_id: str,
+                             said: str) -> str | None:
+        """Doubt a machine's word that checkpoint ``seq`` is unusable, when the checkpoint store
+        holds it as committed: that machine may be reading another store (its agent's S3
+        endpoint, bucket or credentials unlike the control plane's), and believing it throws
+        away good work. The machine gets no work for a cool-down, so the next attempt resumes
+        from the same checkpoint elsewhere. A second machine's word is believed (returns None):
+        bytes can rot under metadata that still matches, and one attempt more is the price of
+        not losing work to one misconfigured machine. Returns why the word was doubted; a
+        repeat of the call for the same allocation answers the same."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
+            doubts = await conn.fetch(q.CHECKPOINT_DOUBTS, job_id, seq)
+            mine = next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
+            if mine is not None or any(d["machine_id"] != machine_id for d in doubts):
+                return mine
+            await conn.execute(q.MARK_UNPICKED, allocation_id, machine_id, UNPICKED_COOL_DOWN)
+            why = (f"machine {machine_id} could not resume from checkpoint {seq}, which the checkpoint store "
+                   "holds as committed (its size and SHA-256): it is kept, and the next attempt resumes from it "
+                   "again, on another machine if one is free (if a second machine cannot use it either, it is "
+                   f"given up); check {machine_id}'s S3 settings (endpoint, bucket, credentials) against the "
+                   f"control plane's. It said: {said}")
+            await conn.execute(q.AUDIT, None, job_id, "checkpoint_unusable_doubted", why,
+                               json.dumps({"seq": seq, "allocation_id": allocation_id, "machine_id": machine_id}))
+            return why
+
     @staticmethod
     async def _mark_unusable(conn, job_id: str, alloc: int, seq: int, reason: str) -> None:
         why = f"unusable when allocation {alloc} resumed from it: {reason}"

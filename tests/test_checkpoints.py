@@ -347,3 +347,80 @@ def test_a_refused_report_of_an_unusable_number_leaves_it_unusable_and_replaceab
     assert not env.commit(env.write(2, b"from the zombie"), allocation=zombie).committed
     [row] = env.run(env.store.pool.fetch("SELECT * FROM checkpoints WHERE job_id = $1 AND seq = 2", env.job))
     assert row["unusable_at"] is not None and "unusable when allocation" in row["reason"]
+
+
+# --- a machine's word that its resume checkpoint is unusable, checked against the store ---------
+
+MACHINE, OTHER_MACHINE = "c1/b0/r0/m0", "c1/b0/r0/m1"
+SAID = "checkpoint s3://bucket/key does not exist"
+
+
+def _doubt(env, seq: int = 2, machine: str = MACHINE, s3="env", allocation: int | None = None) -> str | None:
+    """The control plane's answer to the attempt's report (None: believed)."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.jobs import JobActivities
+    from workflows.types import UnusableReport
+
+    acts = JobActivities(env.store, client=None, bucket=env.bucket, s3=env.s3 if s3 == "env" else s3)
+    report = UnusableReport(job_id=env.job, allocation_id=allocation or env.allocation, seq=seq,
+                            machine_id=machine, said=SAID)
+    return env.run(ActivityEnvironment().run(acts.doubt_unusable_checkpoint, report))
+
+
+def _spoil_metadata(env) -> None:
+    key = f"{checkpoint_prefix(env.job)}{2:010d}"
+    env.s3.delete_object(Bucket=env.bucket, Key=key)
+    env.s3.put_object(Bucket=env.bucket, Key=key, Body=b"step=2", Metadata={"sha256": "0" * 64})
+
+
+@pytest.mark.parametrize("spoil, s3", [
+    (lambda env: env.s3.delete_object(Bucket=env.bucket, Key=f"{checkpoint_prefix(env.job)}{2:010d}"), "env"),
+    (_spoil_metadata, "env"),
+    (lambda env: None, s3_client("http://127.0.0.1:1", "key", "secret")),
+    (lambda env: None, None),
+], ids=["an object gone from the store too",
+        "an object whose SHA-256 is no longer the one committed",
+        "a store the control plane cannot reach",
+        "a control plane without a store client"])
+def test_the_jobs_word_is_believed_when_the_store_does_not_show_otherwise(env, spoil, s3):
+    _resumed_twice(env, 1, 2)
+    spoil(env)
+    assert _doubt(env, s3=s3) is None
+    assert "checkpoint_unusable_doubted" not in [e["event"] for e in env.run(env.store.audit_trail(env.job))]
+
+
+def test_a_checkpoint_the_store_holds_as_committed_is_kept_and_its_machine_cooled_down(env):
+    _resumed_twice(env, 1, 2)
+    why = _doubt(env)
+    assert why is not None and "holds as committed" in why and MACHINE in why and SAID in why
+    assert "S3 settings" in why
+    assert _doubt(env) == why  # a retry of the call answers the same, and records nothing more
+    events = [e["event"] for e in env.run(env.store.audit_trail(env.job))]
+    assert events.count("checkpoint_unusable_doubted") == 1
+    assert env.run(env.store.pool.fetchval(
+        "SELECT unpicked_until > extract(epoch from now()) FROM machines WHERE id = $1", MACHINE))
+    env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
+                                  f"requeued: {why}"))
+    env.run(env.store.pool.execute("UPDATE machines SET unpicked_until = NULL"))  # the cool-down over
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 2
+    assert all(c.complete for c in env.run(env.store.checkpoints(env.job)))
+
+
+def test_the_same_machine_is_doubted_again_and_a_second_machine_is_believed(env):
+    _resumed_twice(env, 1, 2)
+    first = env.allocation
+    assert _doubt(env) is not None
+    for machine, doubted in [(MACHINE, True), (OTHER_MACHINE, False)]:
+        env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
+                                      "requeued"))
+        env.run(env.store.pool.execute("UPDATE machines SET unpicked_until = NULL"))
+        env.allocation = env.start()
+        assert env.allocation != first and env.resumed["seq"] == 2
+        assert (_doubt(env, machine=machine) is not None) is doubted, machine
+
+
+def test_a_checkpoint_the_attempt_did_not_resume_from_is_not_doubted(env):
+    _resumed_twice(env, 1, 2)
+    assert _doubt(env, seq=1) is None

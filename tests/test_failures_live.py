@@ -170,10 +170,15 @@ def test_a_job_its_agent_stopped_on_shutdown_waits_for_the_machine_and_is_not_co
     s.run(s.client.cancel("stubborn"))
 
 
-# Saves two checkpoints, then fails (exit 3) once the test has spoiled the newest; resumed, it
-# says what it got back and succeeds.
+# Saves two checkpoints, then fails (exit 3) once the file named first exists (the test has
+# spoiled the newest); resumed, it says what it got back and succeeds. Given a second file name,
+# its first resume asks for a key beside its checkpoint, as a machine that asks another store
+# (its agent's S3 settings unlike the control plane's) finds none of the job's checkpoints.
 SAVES_TWO_THEN_FAILS = [sys.executable, "-c", textwrap.dedent("""
     import os, sys, time
+    if len(sys.argv) > 2 and os.environ.get("GPUSCHED_RESUME_SEQ") and not os.path.exists(sys.argv[2]):
+        open(sys.argv[2], "w").close()
+        os.environ["GPUSCHED_RESUME_FROM"] += "-in-another-store"
     from jobkit import Checkpointer
     ck = Checkpointer.from_env()
     state = ck.restore()
@@ -186,6 +191,22 @@ SAVES_TWO_THEN_FAILS = [sys.executable, "-c", textwrap.dedent("""
         time.sleep(0.1)
     sys.exit(3)
 """)]
+
+
+def test_a_machine_that_cannot_find_a_checkpoint_the_store_holds_sends_the_job_elsewhere_from_it(stack):
+    """Believed, it would have thrown the checkpoint away and the job's work with it."""
+    s = stack(machines=2, gpus=2, policy={"min_runtime": 0})
+    fail_at_once = s.data_dir / "fail-at-once"
+    fail_at_once.touch()
+    s.submit("misread", 2, SAVES_TWO_THEN_FAILS + [str(fail_at_once), str(s.data_dir / "looked-elsewhere")],
+             max_retries=1)
+    view = s.wait("misread", timeout=90)
+    assert view.state == "succeeded", view.reason
+    assert [(a.end_reason, a.resumed_from) for a in view.attempts] == [
+        ("failed", None), ("machine_failure", 2), ("completed", 2)]
+    assert machine_of(view.attempts[2].gpus[0]) != machine_of(view.attempts[1].gpus[0])
+    assert "RESTORED two" in s.log("misread", attempt=3)
+    assert all(c.complete for c in view.checkpoints if c.seq == 2)
 
 
 def test_a_job_whose_newest_checkpoint_is_corrupted_resumes_from_the_one_before(stack):

@@ -19,6 +19,7 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
+from activities.checkpoints import s3_client
 from activities.jobs import JobActivities, wake_scheduler
 from activities.planning import PlanningActivities
 from activities.store import Store
@@ -65,14 +66,15 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
         await store.migrate()
         client = await connect_temporal(settings)
         await ensure_search_attributes(client)
-        jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket)
+        s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+        jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket, s3)
         planning = PlanningActivities(store)
         worker = Worker(
             client,
             task_queue=settings.control_task_queue,
             workflows=[JobWorkflow, ClusterSchedulerWorkflow],
-            activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.set_job_state,
-                        jobs.set_priority, jobs.wake_scheduler, jobs.abandon_allocations,
+            activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.doubt_unusable_checkpoint,
+                        jobs.set_job_state, jobs.set_priority, jobs.wake_scheduler, jobs.abandon_allocations,
                         jobs.reconcile_allocations,
                         planning.plan_cycle],
             max_concurrent_activities=64,

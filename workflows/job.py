@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         RunJobResult,
         StartAttempt,
         StopOrder,
+        UnusableReport,
         Wake,
         agent_task_queue,
         first_error,
@@ -65,6 +66,8 @@ GPU_COUNT = SearchAttributeKey.for_int("GpuCount")
 STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=15),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200),
                                            maximum_interval=timedelta(seconds=5)))
+# A look at the checkpoint store from the control plane: a HEAD, with the S3 client's retries.
+STORE_LOOK = dict(start_to_close_timeout=timedelta(seconds=60), retry_policy=STORE_CALL["retry_policy"])
 # How long a placed attempt may wait for its agent to pick it up, and how long an agent may be
 # silent while running it, before the job gives the GPUs back and queues again.
 AGENT_PICKUP = timedelta(seconds=30)
@@ -316,9 +319,18 @@ class JobWorkflow:
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
             # Any rank's word, those that ended as the rest of the gang was stopped included: the
             # first to fail may be one whose peer never came up from its restore.
-            unusable = next((result.resume_unusable for r in runs
-                             if (result := _result_of(r)) is not None and result.resume_unusable), None)
+            unusable, reporter = next(((result.resume_unusable, machine) for r, machine in zip(runs, machines)
+                                       if (result := _result_of(r)) is not None and result.resume_unusable),
+                                      (None, None))
             if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
+                if workflow.patched("unusable-checkpoint-doubted"):
+                    doubt = await workflow.execute_activity(
+                        "doubt_unusable_checkpoint",
+                        UnusableReport(job_id=self.job_id, allocation_id=self.allocation_id, seq=self.resume_seq,
+                                       machine_id=reporter, said=unusable),
+                        **STORE_LOOK)
+                    if doubt:
+                        return self._count_infra_failure(EndReason.machine_failure, doubt)
                 # Its checkpoint is gone or corrupted: no fault of the job's, and sent back to it
                 # the job would fail the same way every time. The end takes it for incomplete.
                 self.unusable_checkpoint = self.resume_seq

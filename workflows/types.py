@@ -434,6 +434,17 @@ class EndAttempt(WithNewFields):
     NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint")  # since 2026-12-02
 
 
+class UnusableReport(Model):
+    """A machine's word that the checkpoint an attempt resumed from cannot be used (gone,
+    corrupted): the control plane looks at the checkpoint store itself before it believes it."""
+
+    job_id: str
+    allocation_id: int
+    seq: int
+    machine_id: str
+    said: str  # the job's own word on why
+
+
 class JobStateChange(Model):
     job_id: str
     state: JobState
