@@ -252,6 +252,39 @@ def test_the_status_of_an_external_server_at_an_impossible_port_is_unhealthy_not
     assert [(s.name, s.healthy) for s in devstack.status(tmp_path)] == [("postgres", False), ("temporal", False)]
 
 
+def test_a_server_back_on_another_port_takes_the_running_workers_with_it(tmp_path):
+    """Its own port taken while it was down, the S3 server comes back elsewhere: the workers,
+    still running with the old endpoint, are started again with the new one; the other servers
+    are left alone. (Temporal moved the same way; S3 is the quick one to stop workers from.)"""
+    import socket
+
+    data_dir = tmp_path / "stack"
+    first = devstack.up(data_dir, machines=1, gpus_per_machine=1, fast=True, ui=False, fake_devices=True)
+    try:
+        assert first.restarted == []
+        state = devstack.load_state(data_dir)
+        workers = {n: c.pid for n, c in state.components.items() if c.kind == "worker"}
+        temporal, old_port = state.components["temporal"].pid, state.components["s3"].port
+        assert devstack.up(data_dir).restarted == []  # nothing changed: nothing started again
+        assert {n: c.pid for n, c in devstack.load_state(data_dir).components.items() if n in workers} == workers
+        devstack.stop_component(data_dir, "s3")
+        assert srv.wait_ports_free({"port": old_port})
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind((srv.HOST, old_port))
+            squatter.listen()
+            again = devstack.up(data_dir)
+        state = devstack.load_state(data_dir)
+        assert state.components["s3"].port != old_port
+        assert again.settings.s3_endpoint.endswith(f":{state.components['s3'].port}")
+        assert sorted(again.restarted) == sorted(workers)
+        assert all(state.components[n].pid != pid for n, pid in workers.items())
+        assert state.components["temporal"].pid == temporal
+        assert all(c.healthy for c in again.components), again.components
+    finally:
+        devstack.down(data_dir)
+
+
 def test_dev_down_while_a_first_up_is_under_way_waits_for_it_then_stops_what_it_started(tmp_path):
     import threading
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -82,6 +83,8 @@ class Component(BaseModel):
     log: str = ""
     stop_signal: int = Field(default=signal.SIGTERM, ge=1, le=signal.SIGRTMAX)
     stop_grace: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
+    # A worker's: a digest of the settings it was started with (None: started by an older build).
+    settings_digest: str | None = None
 
     def running(self) -> bool:
         return servers.is_running(self.pid, self.cmd)
@@ -115,6 +118,7 @@ class UpResult(BaseModel):
     settings: Settings
     temporal_ui_url: str | None
     components: list[ComponentStatus]
+    restarted: list[str] = Field(default_factory=list)  # running workers started again with new settings
 
 
 def fleet_machines(cluster: str, count: int, gpus: int, gpu_type: str) -> list[Machine]:
@@ -208,10 +212,10 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         settings_now = Settings(**state.settings)
         _save(data_dir, state)
         _prepare_database(settings_now, state)
-        if workers:
-            _start_workers(data_dir, state, standard_ports=standard_ports, timeout=timeout)
+        restarted = _start_workers(data_dir, state, standard_ports=standard_ports, timeout=timeout) if workers else []
         result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
-                          temporal_ui_url=state.temporal_ui_url, components=_statuses(data_dir, state))
+                          temporal_ui_url=state.temporal_ui_url, components=_statuses(data_dir, state),
+                          restarted=restarted)
     if out is not None:
         _print_summary(result, out)
     return result
@@ -346,7 +350,9 @@ def _nvml_gpu_count() -> int:
         return 0
 
 
-def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, timeout: float) -> None:
+def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, timeout: float) -> list[str]:
+    """Start the workers that do not run, and those that run with other settings or arguments
+    than they would be given now; returns the names of the latter."""
     api = state.components.get("api")
     if api is not None and api.running():
         api_port = api.port
@@ -367,6 +373,17 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
             del state.components[name]
     _save(data_dir, state)  # the workers read their settings from here
     env = _worker_env(data_dir, Settings(**state.settings))
+    digest = _settings_digest(Settings(**state.settings))
+    wanted = {name: ([str(c) for c in cmd], machine_id) for name, (cmd, machine_id) in wanted.items()}
+    # A server it uses came back on another port (its own was taken), or it was asked for other
+    # arguments: left running, a worker would go on with the old ones, and one that cannot reach
+    # Temporal or Postgres strands its work while looking alive. Stopped together: each may take
+    # its whole grace, its servers gone.
+    restarted = [name for name, (cmd, _) in wanted.items()
+                 if (comp := state.components.get(name)) is not None and comp.running()
+                 and (comp.settings_digest not in (None, digest) or comp.cmd != cmd)]
+    with ThreadPoolExecutor(max(1, len(restarted))) as pool:
+        list(pool.map(lambda name: _stop(data_dir, name, state.components[name]), restarted))
     for name, (cmd, machine_id) in wanted.items():
         comp = state.components.get(name)
         if comp is not None and comp.running():
@@ -374,12 +391,18 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
         state.components[name] = Component(
             kind="worker", port=api_port if name == "api" else None,
             ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
-            cmd=[str(c) for c in cmd], log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd))
+            cmd=cmd, log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd), settings_digest=digest)
         _launch_worker(data_dir, name, state.components[name], env)
     _save(data_dir, state)
     # All of them, not only those just started: one that runs but hangs is reported too.
     ours = [n for n, c in state.components.items() if c.kind == "server"]
     _wait_healthy(data_dir, state, ours + list(wanted), timeout, env)
+    return restarted
+
+
+def _settings_digest(settings: Settings) -> str:
+    """What tells the settings a worker was started with from others, without keeping secrets twice."""
+    return hashlib.sha256(json.dumps(settings_env(settings), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stop_grace(cmd: list[str]) -> float:
@@ -485,6 +508,8 @@ def _print_summary(result: UpResult, out: IO[str]) -> None:
     agents = sum(1 for c in result.components if c.machine_id)
     print(f"gpusched dev stack is up in {result.data_dir}: {', '.join(names)}, {agents} agent(s)",
           file=out)
+    if result.restarted:
+        print(f"  started again with the stack's new settings: {', '.join(result.restarted)}", file=out)
     if result.temporal_ui_url:
         print(f"  Temporal UI: {result.temporal_ui_url}", file=out)
     print(f"  HTTP API:    {s.api_url}", file=out)
@@ -601,6 +626,7 @@ def start_component(data_dir: Path | str | None, name: str, timeout: float = 60.
                            timeout=timeout, only=(name,))
         elif not comp.running():
             env = _worker_env(data_dir, Settings(**state.settings))
+            comp.settings_digest = _settings_digest(Settings(**state.settings))
             _launch_worker(data_dir, name, comp, env)
             _save(data_dir, state)
             _wait_healthy(data_dir, state, [name], timeout, env)
