@@ -207,12 +207,14 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
                 state.worker_args[role] = list(extra)
 
         explicit = {**env_overrides(), **{k: v for k, v in (settings or {}).items() if v is not None}}
+        before = _settings_digest(Settings(**state.settings))
         _start_servers(data_dir, state, explicit, ui=ui, standard_ports=standard_ports, timeout=timeout)
         state.settings = {**state.settings, **explicit}
         settings_now = Settings(**state.settings)
         _save(data_dir, state)
         _prepare_database(settings_now, state)
-        restarted = _start_workers(data_dir, state, standard_ports=standard_ports, timeout=timeout) if workers else []
+        restarted = _start_workers(data_dir, state, before, standard_ports=standard_ports,
+                                   timeout=timeout) if workers else []
         result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
                           temporal_ui_url=state.temporal_ui_url, components=_statuses(data_dir, state),
                           restarted=restarted)
@@ -350,9 +352,12 @@ def _nvml_gpu_count() -> int:
         return 0
 
 
-def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, timeout: float) -> list[str]:
+def _start_workers(data_dir: Path, state: StackState, before: str, *, standard_ports: bool,
+                   timeout: float) -> list[str]:
     """Start the workers that do not run, and those that run with other settings or arguments
-    than they would be given now; returns the names of the latter."""
+    than they would be given now; returns the names of the latter. ``before``: the digest of the
+    stack's settings before this `up`, taken for those of a worker that recorded none (started
+    by an older build)."""
     api = state.components.get("api")
     if api is not None and api.running():
         api_port = api.port
@@ -381,7 +386,7 @@ def _start_workers(data_dir: Path, state: StackState, *, standard_ports: bool, t
     # its whole grace, its servers gone.
     restarted = [name for name, (cmd, _) in wanted.items()
                  if (comp := state.components.get(name)) is not None and comp.running()
-                 and (comp.settings_digest not in (None, digest) or comp.cmd != cmd)]
+                 and ((comp.settings_digest or before) != digest or comp.cmd != cmd)]
     with ThreadPoolExecutor(max(1, len(restarted))) as pool:
         list(pool.map(lambda name: _stop(data_dir, name, state.components[name]), restarted))
     for name, (cmd, machine_id) in wanted.items():

@@ -415,6 +415,9 @@ def start_postgres(data_dir: Path, *, port: int | None = None, fast: bool = Fals
         _initdb(data_dir, user)
     else:
         _remove_stale_lock(data_dir)
+    password, made_now = postgres_password(data_dir)
+    if made_now or _trusts_anyone(data_dir):
+        _require_password(data_dir, user, password)
 
     def build(ports: dict[str, int]) -> list[str]:
         # -k '': no unix socket; clients use TCP, and socket paths under deep test folders
@@ -428,7 +431,7 @@ def start_postgres(data_dir: Path, *, port: int | None = None, fast: bool = Fals
         return cmd
 
     ports = choose_ports(["port"], {"port": port} if port else None)
-    admin = lambda: f"postgresql://postgres@{HOST}:{ports['port']}/postgres"  # noqa: E731
+    admin = lambda: f"postgresql://postgres:{password}@{HOST}:{ports['port']}/postgres"  # noqa: E731
 
     async def probe() -> None:
         await _create_database(admin(), database, if_missing=True)
@@ -442,6 +445,56 @@ def start_postgres(data_dir: Path, *, port: int | None = None, fast: bool = Fals
         # SIGINT ("fast") rolls their transactions back and stops.
         stop_signal=signal.SIGINT, stop_grace=15.0,
     )
+
+
+def postgres_password(data_dir: Path) -> tuple[str, bool]:
+    """The superuser's password of the Postgres on ``data_dir``, and whether it was made just
+    now (first use, or its file unreadable: the next start sets the new one)."""
+    path = data_dir.with_name(data_dir.name + ".password")
+    try:
+        password = path.read_text().strip()
+        if password:
+            return password, False
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        warnings.warn(f"{path} is unreadable ({err}); making a new Postgres password")
+    password = secrets.token_urlsafe(24)  # URL-safe: it goes into the DSN as it is
+    write_private(path, password)
+    return password, True
+
+
+def _trusts_anyone(data_dir: Path) -> bool:
+    """Whether pg_hba.conf lets a client in without a password (initdb's ``trust``, as data
+    directories made before passwords have it)."""
+    return any(_method(line) == "trust" for line in (data_dir / "pg_hba.conf").read_text().splitlines())
+
+
+def _method(line: str) -> str | None:
+    """The authentication method of a pg_hba.conf rule (its last word), None for a comment."""
+    words = line.split("#", 1)[0].split()
+    return words[-1] if words else None
+
+
+def _require_password(data_dir: Path, user: str | None, password: str) -> None:
+    """Give the superuser ``password`` and make every rule ask for it (SCRAM). Done with the
+    server down, in single-user mode, so no client meets a server without a password: with
+    ``trust`` any local user could connect as superuser and rewrite the scheduler's state."""
+    result = subprocess.run(
+        [pg_binary("postgres"), "--single", "-D", str(data_dir), "-c", "exit_on_error=true", "postgres"],
+        input=f"ALTER ROLE postgres PASSWORD '{password}';\n", capture_output=True, text=True,
+        cwd=data_dir, **_as_user(user))
+    if result.returncode != 0:
+        raise ServerError(f"setting the Postgres password on {data_dir} failed:\n{result.stderr.strip()[-2000:]}")
+    hba = data_dir / "pg_hba.conf"
+    hba.write_text("".join(  # written in place: the file keeps its owner, Postgres's user
+        (_asking_password(line) if _method(line) == "trust" else line) + "\n" for line in hba.read_text().splitlines()))
+
+
+def _asking_password(rule: str) -> str:
+    body, hash_, comment = rule.partition("#")
+    before, _, after = body.rpartition("trust")
+    return before + "scram-sha-256" + after + hash_ + comment
 
 
 def _remove_stale_lock(data_dir: Path) -> None:
