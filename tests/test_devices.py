@@ -108,6 +108,7 @@ class Gpu:
     events: int | Exception = XID  # supported event types
     lost: bool = False
     lost_at_start: bool = False
+    mig: tuple[int, int] | Exception = (0, 0)  # MIG mode (current, pending)
 
 
 @dataclass
@@ -157,6 +158,9 @@ class FakeNvml:
 
     def nvmlDeviceGetMemoryInfo(self, h):
         return SimpleNamespace(total=self._gpu(h).mib * 2**20)
+
+    def nvmlDeviceGetMigMode(self, h):
+        return list(_answer(self._gpu(h).mig))
 
     def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
         assert (error_type, counter_type) == (
@@ -234,6 +238,10 @@ def test_nvml_inventory_reads_type_memory_and_uuid():
     ("a GPU lost before the agent started is lost", Gpu(lost_at_start=True), [], 1, ["lost"]),
     ("a GPU that cannot report XIDs is still checked otherwise",
      Gpu(events=0, ecc=1), [(0, 79)], 1, ["ecc_uncorrectable"]),
+    ("a GPU in MIG mode takes no work: a job would get one of its instances", Gpu(mig=(1, 1)), [], 1,
+     ["mig_enabled"]),
+    ("MIG mode pending until the GPU is reset is not MIG mode yet", Gpu(mig=(0, 1)), [], 1, []),
+    ("a GPU without MIG is checked otherwise", Gpu(mig=NOT_SUPPORTED, ecc=1), [], 1, ["ecc_uncorrectable"]),
     ("faults add up", Gpu(ecc=1, reasons=POWER_BRAKE | HW_THERMAL), [(0, 94)], 3,
      ["ecc_uncorrectable", "power_throttle", "thermal_throttle", "xid:94"]),
 ])
@@ -455,7 +463,7 @@ def test_the_agent_command_explains_itself():
 @pytest.mark.parametrize("fault, kills", [
     ("xid:79", True), ("xid:48", True), ("xid:94", True), ("ecc_uncorrectable", True), ("lost", True),
     ("nvml_error", True), ("xid:63", False), ("xid:92", False), ("thermal_throttle", False),
-    ("power_throttle", False),
+    ("power_throttle", False), ("mig_enabled", False),
 ])
 def test_which_faults_can_have_killed_a_job_on_the_gpu(fault, kills):
     from workers.devices import kills_processes

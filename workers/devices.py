@@ -52,6 +52,10 @@ THERMAL_THROTTLE = "thermal_throttle"
 POWER_THROTTLE = "power_throttle"
 LOST = "lost"
 NVML_ERROR = "nvml_error"
+# In MIG mode a GPU runs processes only in its MIG instances, and CUDA_VISIBLE_DEVICES=<index>
+# does not give a job the whole GPU (at most one instance). Until instances are scheduled as
+# GPUs of their own, such a GPU takes no work, with this fault saying why.
+MIG_ENABLED = "mig_enabled"
 
 
 def xid_fault(code: int) -> str:
@@ -60,7 +64,7 @@ def xid_fault(code: int) -> str:
 
 # Faults that keep a GPU from new work but kill no process on it: throttling slows it down; XID
 # 63 records a row remapping (or page retirement) and 92 a high rate of corrected errors.
-_HARMLESS_TO_PROCESSES = frozenset({THERMAL_THROTTLE, POWER_THROTTLE, xid_fault(63), xid_fault(92)})
+_HARMLESS_TO_PROCESSES = frozenset({THERMAL_THROTTLE, POWER_THROTTLE, MIG_ENABLED, xid_fault(63), xid_fault(92)})
 
 
 def kills_processes(fault: str) -> bool:
@@ -304,9 +308,16 @@ class NvmlDevices:
             if handle is not None and LOST not in self.sticky[i]:
                 current |= self._ecc_faults(i, handle)
                 current |= self._throttle_faults(i, handle)
+                current |= self._mig_faults(i, handle)
             faults = sorted(self.sticky[i] | current)
             out.append(GpuHealth(index=i, healthy=not faults, faults=faults))
         return out
+
+    def _mig_faults(self, i: int, handle: object) -> set[str]:
+        get_mode = getattr(self.nvml, "nvmlDeviceGetMigMode", None)  # absent from old bindings
+        mode = None if get_mode is None else self._query(i, get_mode, handle)  # not supported: no MIG
+        current = mode[0] if isinstance(mode, (list, tuple)) else mode
+        return {MIG_ENABLED} if current == self.nvml.NVML_DEVICE_MIG_ENABLE else set()
 
     def _ecc_faults(self, i: int, handle: object) -> set[str]:
         nvml = self.nvml
