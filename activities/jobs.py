@@ -98,9 +98,13 @@ class JobActivities:
     @activity.defn(name="doubt_unusable_checkpoint")
     async def doubt_unusable_checkpoint(self, report: UnusableReport) -> str | None:
         """Why the machine's word that its resume checkpoint is unusable is doubted (the store
-        holds it as committed, and no other machine said so), or None: believed."""
+        holds it as committed, and nobody said so of it before), or None: believed."""
         if self.s3 is None:
             return None
+        # A retry after the doubt was recorded answers as the first call did, whatever S3 says now.
+        recorded = await self.store.recorded_doubt(report.job_id, report.allocation_id, report.seq)
+        if recorded is not None:
+            return recorded
         committed = await self.store.resumed_checkpoint(report.job_id, report.allocation_id, report.seq)
         if committed is None:
             return None  # not the checkpoint it resumed from, or no longer complete

@@ -444,28 +444,35 @@ class Store:
         return None if row is None else CheckpointReport(seq=row["seq"], key=row["key"], size=row["size"],
                                                           sha256=row["sha256"])
 
-    async def doubt_unusable(self, job_id: str, allocation_id: int, seq: int, machine_id: str,
+    async def recorded_doubt(self, job_id: str, allocation_id: int, seq: int) -> str | None:
+        """Why this allocation's word on checkpoint ``seq`` was doubted, if it was."""
+        doubts = await self.pool.fetch(q.CHECKPOINT_DOUBTS, job_id, seq)
+        return next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
+
+    async def doubt_unusable(self, job_id: str, allocation_id: int, seq: int, machine_id: str | None,
                              said: str) -> str | None:
         """Doubt a machine's word that checkpoint ``seq`` is unusable, when the checkpoint store
         holds it as committed: that machine may be reading another store (its agent's S3
         endpoint, bucket or credentials unlike the control plane's), and believing it throws
         away good work. The machine gets no work for a cool-down, so the next attempt resumes
-        from the same checkpoint elsewhere. A second machine's word is believed (returns None):
-        bytes can rot under metadata that still matches, and one attempt more is the price of
-        not losing work to one misconfigured machine. Returns why the word was doubted; a
-        repeat of the call for the same allocation answers the same."""
+        from the same checkpoint elsewhere if it can. Once per checkpoint: the next word on it is
+        believed (returns None), from whichever machine, since bytes can rot under metadata that
+        still matches and a job on one machine, or a gang, must still fall back. Returns why the
+        word was doubted; a repeat of the call for the same allocation answers the same."""
+        said = said.replace("\0", "\ufffd")  # the job's own words: Postgres refuses a NUL in text
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             doubts = await conn.fetch(q.CHECKPOINT_DOUBTS, job_id, seq)
-            mine = next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
-            if mine is not None or any(d["machine_id"] != machine_id for d in doubts):
-                return mine
-            await conn.execute(q.MARK_UNPICKED, allocation_id, machine_id, UNPICKED_COOL_DOWN)
-            why = (f"machine {machine_id} could not resume from checkpoint {seq}, which the checkpoint store "
-                   "holds as committed (its size and SHA-256): it is kept, and the next attempt resumes from it "
-                   "again, on another machine if one is free (if a second machine cannot use it either, it is "
-                   f"given up); check {machine_id}'s S3 settings (endpoint, bucket, credentials) against the "
-                   f"control plane's. It said: {said}")
+            if doubts:
+                return next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
+            machine = machine_id or "its machine"
+            if machine_id is not None:
+                await conn.execute(q.MARK_UNPICKED, allocation_id, machine_id, UNPICKED_COOL_DOWN)
+            why = (f"{machine} could not resume from checkpoint {seq}, which the checkpoint store holds as "
+                   "committed (its size and SHA-256): it is kept, and the next attempt resumes from it again, on "
+                   "another machine if one is free (should that one fail too, the checkpoint is given up); check "
+                   f"the S3 settings (endpoint, bucket, credentials) of {machine} against the control plane's. "
+                   f"It said: {said}")
             await conn.execute(q.AUDIT, None, job_id, "checkpoint_unusable_doubted", why,
                                json.dumps({"seq": seq, "allocation_id": allocation_id, "machine_id": machine_id}))
             return why

@@ -355,7 +355,7 @@ MACHINE, OTHER_MACHINE = "c1/b0/r0/m0", "c1/b0/r0/m1"
 SAID = "checkpoint s3://bucket/key does not exist"
 
 
-def _doubt(env, seq: int = 2, machine: str = MACHINE, s3="env", allocation: int | None = None) -> str | None:
+def _doubt(env, seq: int = 2, machine: str | None = MACHINE, s3="env", said: str = SAID) -> str | None:
     """The control plane's answer to the attempt's report (None: believed)."""
     from temporalio.testing import ActivityEnvironment
 
@@ -363,8 +363,7 @@ def _doubt(env, seq: int = 2, machine: str = MACHINE, s3="env", allocation: int 
     from workflows.types import UnusableReport
 
     acts = JobActivities(env.store, client=None, bucket=env.bucket, s3=env.s3 if s3 == "env" else s3)
-    report = UnusableReport(job_id=env.job, allocation_id=allocation or env.allocation, seq=seq,
-                            machine_id=machine, said=SAID)
+    report = UnusableReport(job_id=env.job, allocation_id=env.allocation, seq=seq, machine_id=machine, said=said)
     return env.run(ActivityEnvironment().run(acts.doubt_unusable_checkpoint, report))
 
 
@@ -408,17 +407,32 @@ def test_a_checkpoint_the_store_holds_as_committed_is_kept_and_its_machine_coole
     assert all(c.complete for c in env.run(env.store.checkpoints(env.job)))
 
 
-def test_the_same_machine_is_doubted_again_and_a_second_machine_is_believed(env):
+@pytest.mark.parametrize("second_machine", [MACHINE, OTHER_MACHINE])
+def test_a_second_word_on_the_same_checkpoint_is_believed_from_any_machine(env, second_machine):
+    """Bytes can rot under metadata that still matches: a job on one machine, or a gang whose
+    first rank lands on the same machine again, must still fall back."""
     _resumed_twice(env, 1, 2)
     first = env.allocation
     assert _doubt(env) is not None
-    for machine, doubted in [(MACHINE, True), (OTHER_MACHINE, False)]:
-        env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
-                                      "requeued"))
-        env.run(env.store.pool.execute("UPDATE machines SET unpicked_until = NULL"))
-        env.allocation = env.start()
-        assert env.allocation != first and env.resumed["seq"] == 2
-        assert (_doubt(env, machine=machine) is not None) is doubted, machine
+    env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
+                                  "requeued"))
+    env.run(env.store.pool.execute("UPDATE machines SET unpicked_until = NULL"))
+    env.allocation = env.start()
+    assert env.allocation != first and env.resumed["seq"] == 2
+    assert _doubt(env, machine=second_machine) is None
+
+
+def test_a_retry_of_a_recorded_doubt_answers_the_same_even_with_the_store_out_of_reach(env):
+    _resumed_twice(env, 1, 2)
+    why = _doubt(env)
+    assert why is not None
+    assert _doubt(env, s3=s3_client("http://127.0.0.1:1", "key", "secret")) == why
+
+
+def test_the_jobs_words_are_recorded_even_with_a_nul_in_them(env):
+    _resumed_twice(env, 1, 2)
+    why = _doubt(env, machine=None, said="bad\0bytes")
+    assert why is not None and "bad\ufffdbytes" in why and "its machine" in why
 
 
 def test_a_checkpoint_the_attempt_did_not_resume_from_is_not_doubted(env):

@@ -109,6 +109,14 @@ def test_the_embedded_postgres_lets_in_only_clients_with_its_password(tmp_path, 
         pg.stop()
 
 
+def test_a_password_file_that_is_not_one_of_ours_is_replaced_not_put_into_sql(tmp_path):
+    (tmp_path / "pg.password").write_text("it's@mine:really")
+    with pytest.warns(UserWarning, match="does not hold a password gpusched made"):
+        password, made_now = srv.postgres_password(tmp_path / "pg")
+    assert made_now and re.fullmatch(r"[A-Za-z0-9_-]+", password)
+    assert (tmp_path / "pg.password").read_text() == password
+
+
 def test_a_lost_password_file_gets_a_new_password_at_the_next_start(tmp_path):
     pg = srv.start_postgres(tmp_path / "pg", fast=True, log_path=tmp_path / "pg.log")
     old = pg.dsn
@@ -299,10 +307,13 @@ def test_the_status_of_an_external_server_at_an_impossible_port_is_unhealthy_not
     assert [(s.name, s.healthy) for s in devstack.status(tmp_path)] == [("postgres", False), ("temporal", False)]
 
 
-def test_a_server_back_on_another_port_takes_the_running_workers_with_it(tmp_path):
-    """Its own port taken while it was down, the S3 server comes back elsewhere: the workers,
-    still running with the old endpoint, are started again with the new one; the other servers
-    are left alone. (Temporal moved the same way; S3 is the quick one to stop workers from.)"""
+@pytest.mark.parametrize("server, agents_too", [("s3", True), ("postgres", False)],
+                         ids=["S3, which every worker reads", "Postgres, which agents never read"])
+def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_with_it(tmp_path, server, agents_too):
+    """Its own port taken while it was down, a server comes back elsewhere: the workers still
+    running with its old address are started again with the new one (also those an older build
+    started, which recorded no settings); the other servers are left alone. Temporal moves the
+    same way; these two are the quick ones to stop workers from."""
     import socket
 
     data_dir = tmp_path / "stack"
@@ -311,14 +322,15 @@ def test_a_server_back_on_another_port_takes_the_running_workers_with_it(tmp_pat
         assert first.restarted == []
         state = devstack.load_state(data_dir)
         workers = {n: c.pid for n, c in state.components.items() if c.kind == "worker"}
-        temporal, old_port = state.components["temporal"].pid, state.components["s3"].port
+        agents = {n for n, c in state.components.items() if c.machine_id}
+        temporal, old_port = state.components["temporal"].pid, state.components[server].port
         assert devstack.up(data_dir).restarted == []  # nothing changed: nothing started again
         assert {n: c.pid for n, c in devstack.load_state(data_dir).components.items() if n in workers} == workers
         state = devstack.load_state(data_dir)
         for name in workers:  # as an older build recorded them: the stack's settings are taken for theirs
             state.components[name].settings_digest = None
         devstack._save(data_dir, state)
-        devstack.stop_component(data_dir, "s3")
+        devstack.stop_component(data_dir, server)
         assert srv.wait_ports_free({"port": old_port})
         with socket.socket() as squatter:
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -326,10 +338,12 @@ def test_a_server_back_on_another_port_takes_the_running_workers_with_it(tmp_pat
             squatter.listen()
             again = devstack.up(data_dir)
         state = devstack.load_state(data_dir)
-        assert state.components["s3"].port != old_port
-        assert again.settings.s3_endpoint.endswith(f":{state.components['s3'].port}")
-        assert sorted(again.restarted) == sorted(workers)
-        assert all(state.components[n].pid != pid for n, pid in workers.items())
+        assert state.components[server].port != old_port
+        moved = again.settings.s3_endpoint if server == "s3" else again.settings.pg_dsn
+        assert f":{state.components[server].port}" in moved
+        expected = set(workers) if agents_too else set(workers) - agents
+        assert set(again.restarted) == expected
+        assert {n for n, pid in workers.items() if state.components[n].pid != pid} == expected
         assert state.components["temporal"].pid == temporal
         assert all(c.healthy for c in again.components), again.components
     finally:

@@ -320,6 +320,21 @@ def test_a_gpu_that_is_lost_later_stays_lost():
     assert devices.health()[0].faults == ["lost"]
 
 
+class BindingsBeforeMig(FakeNvml):
+    """pynvml from before MIG: neither the mode query nor its constants."""
+
+    nvmlDeviceGetMigMode = None
+
+    def __getattr__(self, name):
+        if "mig" in name.lower():
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+def test_bindings_from_before_mig_read_every_gpu_as_without_it():
+    assert NvmlDevices(BindingsBeforeMig([Gpu(mig=(1, 1))])).health() == [GpuHealth(index=0, healthy=True)]
+
+
 def test_old_drivers_read_the_throttle_reasons_under_their_old_name():
     nvml = FakeNvml([Gpu(reasons=POWER_BRAKE)], new_reason_names=False)
     devices = NvmlDevices(nvml, throttle_after=1)

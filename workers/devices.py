@@ -314,10 +314,12 @@ class NvmlDevices:
         return out
 
     def _mig_faults(self, i: int, handle: object) -> set[str]:
-        get_mode = getattr(self.nvml, "nvmlDeviceGetMigMode", None)  # absent from old bindings
-        mode = None if get_mode is None else self._query(i, get_mode, handle)  # not supported: no MIG
+        get_mode = getattr(self.nvml, "nvmlDeviceGetMigMode", None)
+        if get_mode is None:  # bindings older than MIG (which lack its constants too)
+            return set()
+        mode = self._query(i, get_mode, handle)  # not supported: a GPU without MIG
         current = mode[0] if isinstance(mode, (list, tuple)) else mode
-        return {MIG_ENABLED} if current == self.nvml.NVML_DEVICE_MIG_ENABLE else set()
+        return {MIG_ENABLED} if mode is not None and current == self.nvml.NVML_DEVICE_MIG_ENABLE else set()
 
     def _ecc_faults(self, i: int, handle: object) -> set[str]:
         nvml = self.nvml

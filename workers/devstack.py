@@ -207,7 +207,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
                 state.worker_args[role] = list(extra)
 
         explicit = {**env_overrides(), **{k: v for k, v in (settings or {}).items() if v is not None}}
-        before = _settings_digest(Settings(**state.settings))
+        before = Settings(**state.settings)
         _start_servers(data_dir, state, explicit, ui=ui, standard_ports=standard_ports, timeout=timeout)
         state.settings = {**state.settings, **explicit}
         settings_now = Settings(**state.settings)
@@ -352,12 +352,12 @@ def _nvml_gpu_count() -> int:
         return 0
 
 
-def _start_workers(data_dir: Path, state: StackState, before: str, *, standard_ports: bool,
+def _start_workers(data_dir: Path, state: StackState, before: Settings, *, standard_ports: bool,
                    timeout: float) -> list[str]:
     """Start the workers that do not run, and those that run with other settings or arguments
-    than they would be given now; returns the names of the latter. ``before``: the digest of the
-    stack's settings before this `up`, taken for those of a worker that recorded none (started
-    by an older build)."""
+    than they would be given now; returns the names of the latter. ``before``: the stack's
+    settings before this `up`, taken for those of a worker that recorded none (started by an
+    older build)."""
     api = state.components.get("api")
     if api is not None and api.running():
         api_port = api.port
@@ -377,16 +377,17 @@ def _start_workers(data_dir: Path, state: StackState, before: str, *, standard_p
             _stop(data_dir, name, comp)
             del state.components[name]
     _save(data_dir, state)  # the workers read their settings from here
-    env = _worker_env(data_dir, Settings(**state.settings))
-    digest = _settings_digest(Settings(**state.settings))
+    now = Settings(**state.settings)
+    env = _worker_env(data_dir, now)
     wanted = {name: ([str(c) for c in cmd], machine_id) for name, (cmd, machine_id) in wanted.items()}
     # A server it uses came back on another port (its own was taken), or it was asked for other
     # arguments: left running, a worker would go on with the old ones, and one that cannot reach
     # Temporal or Postgres strands its work while looking alive. Stopped together: each may take
     # its whole grace, its servers gone.
-    restarted = [name for name, (cmd, _) in wanted.items()
+    restarted = [name for name, (cmd, machine_id) in wanted.items()
                  if (comp := state.components.get(name)) is not None and comp.running()
-                 and ((comp.settings_digest or before) != digest or comp.cmd != cmd)]
+                 and ((comp.settings_digest or _settings_digest(before, machine_id)) != _settings_digest(now, machine_id)
+                      or comp.cmd != cmd)]
     with ThreadPoolExecutor(max(1, len(restarted))) as pool:
         list(pool.map(lambda name: _stop(data_dir, name, state.components[name]), restarted))
     for name, (cmd, machine_id) in wanted.items():
@@ -396,7 +397,8 @@ def _start_workers(data_dir: Path, state: StackState, before: str, *, standard_p
         state.components[name] = Component(
             kind="worker", port=api_port if name == "api" else None,
             ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
-            cmd=cmd, log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd), settings_digest=digest)
+            cmd=cmd, log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd),
+            settings_digest=_settings_digest(now, machine_id))
         _launch_worker(data_dir, name, state.components[name], env)
     _save(data_dir, state)
     # All of them, not only those just started: one that runs but hangs is reported too.
@@ -405,9 +407,11 @@ def _start_workers(data_dir: Path, state: StackState, before: str, *, standard_p
     return restarted
 
 
-def _settings_digest(settings: Settings) -> str:
-    """What tells the settings a worker was started with from others, without keeping secrets twice."""
-    return hashlib.sha256(json.dumps(settings_env(settings), sort_keys=True).encode()).hexdigest()[:16]
+def _settings_digest(settings: Settings, machine_id: str | None) -> str:
+    """What tells the settings a worker reads from others, without keeping secrets twice. An
+    agent (a worker with a machine) never reads the database's: a new DSN must not stop its jobs."""
+    env = settings_env(settings.model_copy(update={"pg_dsn": None}) if machine_id is not None else settings)
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stop_grace(cmd: list[str]) -> float:
@@ -631,7 +635,7 @@ def start_component(data_dir: Path | str | None, name: str, timeout: float = 60.
                            timeout=timeout, only=(name,))
         elif not comp.running():
             env = _worker_env(data_dir, Settings(**state.settings))
-            comp.settings_digest = _settings_digest(Settings(**state.settings))
+            comp.settings_digest = _settings_digest(Settings(**state.settings), comp.machine_id)
             _launch_worker(data_dir, name, comp, env)
             _save(data_dir, state)
             _wait_healthy(data_dir, state, [name], timeout, env)

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import secrets
 import shlex
 import shutil
@@ -453,8 +454,10 @@ def postgres_password(data_dir: Path) -> tuple[str, bool]:
     path = data_dir.with_name(data_dir.name + ".password")
     try:
         password = path.read_text().strip()
-        if password:
+        if re.fullmatch(r"[A-Za-z0-9_-]{16,}", password):
             return password, False
+        # Only words of ours go into SQL and the DSN as they are: no quote, @ or colon.
+        warnings.warn(f"{path} does not hold a password gpusched made; making a new Postgres password")
     except FileNotFoundError:
         pass
     except OSError as err:
@@ -467,7 +470,11 @@ def postgres_password(data_dir: Path) -> tuple[str, bool]:
 def _trusts_anyone(data_dir: Path) -> bool:
     """Whether pg_hba.conf lets a client in without a password (initdb's ``trust``, as data
     directories made before passwords have it)."""
-    return any(_method(line) == "trust" for line in (data_dir / "pg_hba.conf").read_text().splitlines())
+    try:
+        rules = (data_dir / "pg_hba.conf").read_text().splitlines()
+    except FileNotFoundError:
+        return False  # Postgres refuses to start without it, and its log says so
+    return any(_method(line) == "trust" for line in rules)
 
 
 def _method(line: str) -> str | None:
@@ -481,14 +488,24 @@ def _require_password(data_dir: Path, user: str | None, password: str) -> None:
     server down, in single-user mode, so no client meets a server without a password: with
     ``trust`` any local user could connect as superuser and rewrite the scheduler's state."""
     result = subprocess.run(
-        [pg_binary("postgres"), "--single", "-D", str(data_dir), "-c", "exit_on_error=true", "postgres"],
+        [pg_binary("postgres"), "--single", "-D", str(data_dir), "-c", "exit_on_error=true",
+         "-c", "log_min_error_statement=panic", "postgres"],  # a failed statement is not logged: it holds the password
         input=f"ALTER ROLE postgres PASSWORD '{password}';\n", capture_output=True, text=True,
         cwd=data_dir, **_as_user(user))
     if result.returncode != 0:
-        raise ServerError(f"setting the Postgres password on {data_dir} failed:\n{result.stderr.strip()[-2000:]}")
+        said = result.stderr.strip()[-2000:].replace(password, "<password>")
+        raise ServerError(f"setting the Postgres password on {data_dir} failed:\n{said}")
     hba = data_dir / "pg_hba.conf"
-    hba.write_text("".join(  # written in place: the file keeps its owner, Postgres's user
-        (_asking_password(line) if _method(line) == "trust" else line) + "\n" for line in hba.read_text().splitlines()))
+    rules = "".join((_asking_password(line) if _method(line) == "trust" else line) + "\n"
+                    for line in hba.read_text().splitlines())
+    # Whole or not at all (a crash midway would leave a file with no trust rule left to repair),
+    # and still Postgres's own.
+    tmp = hba.with_name(hba.name + ".tmp")
+    tmp.write_text(rules)
+    owner = hba.stat()
+    os.chown(tmp, owner.st_uid, owner.st_gid)
+    tmp.chmod(owner.st_mode & 0o777)
+    tmp.replace(hba)
 
 
 def _asking_password(rule: str) -> str:

@@ -441,7 +441,7 @@ class UnusableReport(Model):
     job_id: str
     allocation_id: int
     seq: int
-    machine_id: str
+    machine_id: str | None  # the machine whose job said so (None: not known)
     said: str  # the job's own word on why
 
 
