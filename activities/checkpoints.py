@@ -53,7 +53,7 @@ def object_uri(bucket: str, key: str) -> str:
 
 
 def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | None,
-              region: str = "us-east-1", read_timeout: float = 30, attempts: int = 3):
+              region: str = "us-east-1", read_timeout: float = 30, retries: int = 3):
     """A boto3 S3 client with path-style addressing (what SeaweedFS and most on-premise stores
     want); a short connect timeout, so an unreachable store fails fast."""
     import boto3
@@ -62,7 +62,7 @@ def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | No
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key,
                         aws_secret_access_key=secret_key, region_name=region,
                         config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=read_timeout,
-                                      retries={"max_attempts": attempts}))
+                                      retries={"max_attempts": retries}))  # botocore: retries after the first try
 
 
 class CheckpointCommitter:

@@ -101,10 +101,11 @@ class JobActivities:
         holds it as committed, and nobody said so of it before), or None: believed."""
         if self.s3 is None:
             return None
-        # A retry after the doubt was recorded answers as the first call did, whatever S3 says now.
-        recorded = await self.store.recorded_doubt(report.job_id, report.allocation_id, report.seq)
-        if recorded is not None:
-            return recorded
+        # A retry after the doubt was recorded answers as the first call did, whatever S3 says
+        # now; a word after another's doubt is believed without asking S3.
+        doubted, this_one = await self.store.earlier_doubt(report.job_id, report.allocation_id, report.seq)
+        if doubted:
+            return this_one
         committed = await self.store.resumed_checkpoint(report.job_id, report.allocation_id, report.seq)
         if committed is None:
             return None  # not the checkpoint it resumed from, or no longer complete

@@ -306,10 +306,13 @@ WHERE job_id = $1 AND seq = $3 AND complete
 RESUMED_FROM_CHECKPOINT = """
 SELECT c.seq, c.key, c.size, c.sha256 FROM checkpoints c JOIN allocations a ON a.job_id = c.job_id
 WHERE c.job_id = $1 AND a.id = $2 AND c.seq = $3 AND a.resumed_from = c.seq AND c.complete"""
-# The machines whose word that a checkpoint was unusable the control plane doubted.
+# The words that the checkpoint numbered $2 was unusable the control plane doubted: of this
+# checkpoint, not of an earlier one of that number (a number written again after its first
+# checkpoint was given up).
 CHECKPOINT_DOUBTS = """
 SELECT (data->>'allocation_id')::bigint AS allocation_id, data->>'machine_id' AS machine_id, reason FROM audit
-WHERE job_id = $1 AND event = 'checkpoint_unusable_doubted' AND (data->>'seq')::int = $2"""
+WHERE job_id = $1 AND event = 'checkpoint_unusable_doubted' AND (data->>'seq')::int = $2
+  AND at >= (SELECT created_at FROM checkpoints WHERE job_id = $1 AND seq = $2)"""
 # The work the job holds is what its newest complete checkpoint holds (none: nothing).
 PROGRESS_FROM_CHECKPOINTS = f"""
 UPDATE jobs SET updated_at = {NOW_EPOCH},

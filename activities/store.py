@@ -444,10 +444,11 @@ class Store:
         return None if row is None else CheckpointReport(seq=row["seq"], key=row["key"], size=row["size"],
                                                           sha256=row["sha256"])
 
-    async def recorded_doubt(self, job_id: str, allocation_id: int, seq: int) -> str | None:
-        """Why this allocation's word on checkpoint ``seq`` was doubted, if it was."""
+    async def earlier_doubt(self, job_id: str, allocation_id: int, seq: int) -> tuple[bool, str | None]:
+        """Whether a word on checkpoint ``seq`` was doubted already, and why this allocation's
+        was (None: it was not this one's)."""
         doubts = await self.pool.fetch(q.CHECKPOINT_DOUBTS, job_id, seq)
-        return next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
+        return bool(doubts), next((d["reason"] for d in doubts if d["allocation_id"] == allocation_id), None)
 
     async def doubt_unusable(self, job_id: str, allocation_id: int, seq: int, machine_id: str | None,
                              said: str) -> str | None:

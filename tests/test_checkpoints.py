@@ -422,6 +422,25 @@ def test_a_second_word_on_the_same_checkpoint_is_believed_from_any_machine(env, 
     assert _doubt(env, machine=second_machine) is None
 
 
+def test_a_number_written_again_after_its_checkpoint_was_given_up_is_doubted_afresh(env):
+    _resumed_twice(env, 1, 2)
+    assert _doubt(env) is not None
+    for _ in range(2):  # the first word doubted, the second believed: 2 is given up
+        env.run(env.store.end_attempt(env.job, env.allocation, EndReason.machine_failure, None, JobState.queued,
+                                      "requeued", unusable_checkpoint=2))
+        env.run(env.store.pool.execute("UPDATE machines SET unpicked_until = NULL"))
+        env.allocation = env.start()
+        if env.resumed["seq"] == 2:
+            assert _doubt(env) is None
+    assert env.resumed["seq"] == 1
+    env.s3.delete_object(Bucket=env.bucket, Key=f"{checkpoint_prefix(env.job)}{2:010d}")  # its bytes gone since
+    assert env.commit(env.write(2, b"step=2, again")).committed
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 2
+    assert _doubt(env) is not None
+
+
 def test_a_retry_of_a_recorded_doubt_answers_the_same_even_with_the_store_out_of_reach(env):
     _resumed_twice(env, 1, 2)
     why = _doubt(env)

@@ -89,10 +89,10 @@ def refused(dsn: str) -> bool:
 @pytest.mark.parametrize("before_the_start", [
     lambda pg_dir: None,
     lambda pg_dir: srv._initdb(pg_dir, srv._pg_user()),
-    lambda pg_dir: srv._initdb(pg_dir, srv._pg_user()) or srv.postgres_password(pg_dir),
+    lambda pg_dir: srv._initdb(pg_dir, srv._pg_user()) or srv.write_private(pg_dir.parent / "pg.password", "p" * 32),
 ], ids=["a new data directory",
         "a data directory made before passwords, which trusts anyone",
-        "one whose password was made but never set"])
+        "one whose password was kept but never set"])
 def test_the_embedded_postgres_lets_in_only_clients_with_its_password(tmp_path, before_the_start):
     pg_dir = tmp_path / "pg"
     pg_dir.mkdir()
@@ -114,7 +114,23 @@ def test_a_password_file_that_is_not_one_of_ours_is_replaced_not_put_into_sql(tm
     with pytest.warns(UserWarning, match="does not hold a password gpusched made"):
         password, made_now = srv.postgres_password(tmp_path / "pg")
     assert made_now and re.fullmatch(r"[A-Za-z0-9_-]+", password)
-    assert (tmp_path / "pg.password").read_text() == password
+
+
+def test_the_rules_are_rewritten_without_following_a_link_left_at_the_temporary_name(tmp_path):
+    """The data directory is Postgres's user's: a link it planted must not make root write its target."""
+    pg_dir, target = tmp_path / "pg", tmp_path / "elsewhere"
+    pg_dir.mkdir()
+    if srv._pg_user():
+        srv._hand_over(pg_dir, srv._pg_user())
+    srv._initdb(pg_dir, srv._pg_user())
+    target.write_text("untouched")
+    (pg_dir / "pg_hba.conf.tmp").symlink_to(target)
+    pg = srv.start_postgres(pg_dir, fast=True, log_path=tmp_path / "pg.log")
+    try:
+        assert target.read_text() == "untouched" and fetch(pg.dsn, "SELECT 1")
+        assert not srv._trusts_anyone(pg_dir)
+    finally:
+        pg.stop()
 
 
 def test_a_lost_password_file_gets_a_new_password_at_the_next_start(tmp_path):

@@ -67,9 +67,9 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
         client = await connect_temporal(settings)
         await ensure_search_attributes(client)
         # Its one use is a HEAD that must end within STORE_LOOK_S (its thread is not stopped at
-        # the timeout): (2 s + 5 s) for each of at most two tries (botocore's max_attempts is retries).
+        # the timeout): (2 s + 5 s) for each of at most two tries.
         s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region,
-                       read_timeout=5, attempts=1)
+                       read_timeout=5, retries=1)
         jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket, s3)
         planning = PlanningActivities(store)
         worker = Worker(

@@ -419,6 +419,8 @@ def start_postgres(data_dir: Path, *, port: int | None = None, fast: bool = Fals
     password, made_now = postgres_password(data_dir)
     if made_now or _trusts_anyone(data_dir):
         _require_password(data_dir, user, password)
+    if made_now:  # kept once set: a start cut short before makes and sets another
+        write_private(_password_file(data_dir), password)
 
     def build(ports: dict[str, int]) -> list[str]:
         # -k '': no unix socket; clients use TCP, and socket paths under deep test folders
@@ -448,10 +450,14 @@ def start_postgres(data_dir: Path, *, port: int | None = None, fast: bool = Fals
     )
 
 
+def _password_file(data_dir: Path) -> Path:
+    return data_dir.with_name(data_dir.name + ".password")
+
+
 def postgres_password(data_dir: Path) -> tuple[str, bool]:
-    """The superuser's password of the Postgres on ``data_dir``, and whether it was made just
-    now (first use, or its file unreadable: the next start sets the new one)."""
-    path = data_dir.with_name(data_dir.name + ".password")
+    """The superuser's password of the Postgres on ``data_dir``, and whether it is made now
+    (first use, or its file unreadable): then it is to be set, and only then kept."""
+    path = _password_file(data_dir)
     try:
         password = path.read_text().strip()
         if re.fullmatch(r"[A-Za-z0-9_-]{16,}", password):
@@ -462,9 +468,7 @@ def postgres_password(data_dir: Path) -> tuple[str, bool]:
         pass
     except OSError as err:
         warnings.warn(f"{path} is unreadable ({err}); making a new Postgres password")
-    password = secrets.token_urlsafe(24)  # URL-safe: it goes into the DSN as it is
-    write_private(path, password)
-    return password, True
+    return secrets.token_urlsafe(24), True  # URL-safe: it goes into the DSN as it is
 
 
 def _trusts_anyone(data_dir: Path) -> bool:
@@ -499,12 +503,18 @@ def _require_password(data_dir: Path, user: str | None, password: str) -> None:
     rules = "".join((_asking_password(line) if _method(line) == "trust" else line) + "\n"
                     for line in hba.read_text().splitlines())
     # Whole or not at all (a crash midway would leave a file with no trust rule left to repair),
-    # and still Postgres's own.
+    # and still Postgres's own. The folder is Postgres's user's: a link it left at the temporary
+    # name is removed, not followed (O_EXCL), or root would write, and give away, its target.
     tmp = hba.with_name(hba.name + ".tmp")
-    tmp.write_text(rules)
+    tmp.unlink(missing_ok=True)
     owner = hba.stat()
-    os.chown(tmp, owner.st_uid, owner.st_gid)
-    tmp.chmod(owner.st_mode & 0o777)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+        os.fchmod(fd, owner.st_mode & 0o777)
+        f.write(rules)
+        f.flush()
+        os.fsync(fd)
     tmp.replace(hba)
 
 
