@@ -130,10 +130,15 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
     mover holds its new GPUs for the rest of its run. Nobody else is given them back."""
     now, config, cap = snapshot.now, snapshot.config, state.cap
     walked = cap.clone()
-    for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
-        walked.give_held(cap.masks_of(job))
-    restart = config.expected_restart_s
     promised = {slot: job_id for job_id, earmark in state.earmarks.items() for slot in earmark.gpus}
+    for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
+        if promised and any(slot in promised for slot in job.gpus):
+            # A victim that lost a machine in its grace: its earmarked GPUs are the claimant's,
+            # which the walk gives back when the claimant's run ends, not twice.
+            walked.give([slot for slot in job.gpus if slot not in promised])
+        else:
+            walked.give_held(cap.masks_of(job))
+    restart = config.expected_restart_s
     leave_at: dict[str, float] = {}  # per earmark holder: when the last of its GPUs is left
     releases = []
     for job, end, machines in admission.expected_ends(state):

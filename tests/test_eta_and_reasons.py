@@ -404,3 +404,26 @@ def test_the_walk_keeps_the_cycles_reservations_a_job_behind_one_waits_and_the_h
     assert p["long"].reason == "behind the reservation of job starving"
     assert p["long"].estimated_start == NOW + 3000  # m1, once it is free
     assert p["starving"].estimated_start == hold.expected_start == NOW + 1000
+
+
+def test_a_victim_that_loses_a_machine_in_its_grace_gives_its_claimants_gpus_back_once():
+    """v (8 GPUs over m0 and m1) drains for c, whose earmark is m0; then m1 stops answering. The
+    walk gives v's GPUs back at once, but not c's earmark, which comes back when c's run ends:
+    counted free twice, w and c were both told m0 now, and with more jobs the walk held more free
+    GPUs than m0 has (IndexError, every cycle while v was in the snapshot)."""
+    from builders import unreachable
+
+    from scheduler.models import Earmark
+
+    v = (running(job("v").gpus(8).priority("low").topology("block"))
+         .on(mid(0, 0, 0), range(4)).on(mid(0, 0, 1), range(4)).started(NOW - 5000)
+         .preempted_at(NOW - 60).draining(NOW + 60, for_job="c"))
+    queue = [job("c").gpus(4).priority("high").expected(600).submitted(NOW - 100),
+             job("w").gpus(4).expected(20_000).submitted(NOW - 50),
+             job("x").gpus(4).expected(19_500).submitted(NOW - 40),
+             job("y").gpus(4).expected(3600).submitted(NOW - 30)]
+    earmark = Earmark(job_id="c", gpus=tuple((mid(0, 0, 0), g) for g in range(4)), expires=NOW + 240)
+    result = cycle(snapshot(unreachable(fleet(machines=2, gpus=4), mid(0, 0, 1)), running=[v], queue=queue,
+                            earmarks=[earmark], quotas={"t": {"guaranteed": 0}}))
+    starts = {j: p.estimated_start for j, p in pending(result).items()}
+    assert starts == {"c": NOW, "w": NOW + 600, "x": NOW + 600 + 20_000, "y": NOW + 600 + 20_000 + 19_500}
