@@ -69,6 +69,7 @@ class Layout:
     blocks: list[str]  # distinct, in machine order
     pools: dict[PoolKey, list[int]]
     pool_key: list[PoolKey]
+    shapes: frozenset[PoolKey]  # of every machine, down or not: what a job's default topology reads
     block_of: list[str]
     rack_of: list[str]
     has_inference_partition: bool
@@ -112,6 +113,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         blocks=list(dict.fromkeys(m.block for m in usable)),
         pools=pools,
         pool_key=pool_key,
+        shapes=frozenset(PoolKey(m.partition, m.gpu_type, m.gpu_memory_gb, m.gpus) for m in machines),
         block_of=[m.block for m in usable],
         rack_of=[m.rack for m in usable],
         # Down or not, an inference partition stays one: its jobs wait for it to come back.
@@ -316,8 +318,14 @@ class Capacity:
         if terms is None:
             pools = self.eligible_pools(spec)
             largest = max((p.key.gpus for p in pools), default=self.gpus_per_machine)
-            terms = self._terms[key] = (pools, largest, spec.topology_for(largest))
+            # The default topology is the job's and the cluster's, as never_fits resolves it: an
+            # 8-GPU job is a one-machine job while the 8-GPU machines are down too.
+            terms = self._terms[key] = (pools, largest, spec.topology_for(self.largest_machine(spec) or largest))
         return terms
+
+    def largest_machine(self, spec: JobSpec) -> int:
+        """GPUs of the largest machine of the cluster that could host the job, down or not (0: none)."""
+        return max((k.gpus for k in self.layout.shapes if self._admits(k, spec)), default=0)
 
     def could_fit(self, spec: JobSpec) -> bool:
         """A quick necessary condition for a fit: enough free GPUs in the right places at all."""

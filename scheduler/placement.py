@@ -186,12 +186,17 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
     pools = cap.eligible_pools(spec)
     n = spec.num_gpus
     if not pools:
+        if cap.largest_machine(spec):
+            return f"every machine that matches {_wants(spec)} is unreachable"
         return f"no machine in this cluster matches {_wants(spec)}"
     topology = resolved_topology(cap, spec)
     if topology == Topology.machine:
         largest = max(p.largest_free() for p in pools)
         size = max(p.key.gpus for p in pools)
         if n > size:
+            if cap.largest_machine(spec) >= n:
+                return (f"needs {in_words.gpus(n)} on one machine; the machines with {n} or more GPUs are unreachable, "
+                        f"those that answer have {size}")
             return f"needs {in_words.gpus(n)} on one machine; machines here have {size}"
         return f"needs {in_words.gpus(n)} on one machine; the largest free is {largest}"
     if topology == Topology.block:

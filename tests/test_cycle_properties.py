@@ -277,9 +277,9 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     # The cluster has an inference partition if any of its machines is in one, down or not.
     has_inference = any(m.partition == INFERENCE_PARTITION for m in snap.machines)
 
-    def eligible(spec: JobSpec) -> list[Machine]:
+    def eligible(spec: JobSpec, among=None) -> list[Machine]:
         out = []
-        for m in reachable.values():
+        for m in reachable.values() if among is None else among:
             if spec.kind == JobKind.inference and has_inference:
                 if m.partition != INFERENCE_PARTITION:
                     continue
@@ -293,7 +293,11 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
         where = [machines[m] for m, _ in gpus]
         ok = eligible(spec)
         assert all(m in ok for m in where), f"{spec.job_id} ({spec.kind.value}) on a machine of the wrong partition"
-        largest = max((m.gpus for m in ok), default=0)
+        # The default topology is read off every machine that could host the job, down or not.
+        shaped = [m for m in eligible(spec, snap.machines)
+                  if (spec.gpu_type is None or m.gpu_type == spec.gpu_type)
+                  and (spec.gpu_memory_gb is None or m.gpu_memory_gb >= spec.gpu_memory_gb)]
+        largest = max((m.gpus for m in shaped), default=0)
         topology = spec.topology or (Topology.machine if spec.num_gpus <= largest else Topology.block)
         if topology == Topology.machine:
             assert len({m.id for m in where}) == 1, f"{spec.job_id}: machine topology across machines {gpus}"

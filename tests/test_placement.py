@@ -158,6 +158,16 @@ WAIT_CASES = [
         job("j").gpus(2).gpu_type("B200"),
         "no machine in this cluster matches training jobs, GPU type B200",
     ),
+    (
+        unreachable(fleet(machines=1) + fleet(first_block=1, machines=1, gpu_type="A100"), mid(1, 0, 0)), [],
+        job("j").gpus(2).gpu_type("A100"),
+        "every machine that matches training jobs, GPU type A100 is unreachable",
+    ),
+    (
+        unreachable(fleet(machines=1) + fleet(first_block=1, machines=2, gpus=4), mid(0, 0, 0)), [],
+        job("j").gpus(8),
+        "needs 8 GPUs on one machine; the machines with 8 or more GPUs are unreachable, those that answer have 4",
+    ),
 ]
 WAIT_IDS = [
     "a job that needs 8 GPUs waits when only 6 are free on any machine",
@@ -168,6 +178,8 @@ WAIT_IDS = [
     "a 16-GPU job waits when two blocks have 8 free each but no block has 16",
     "an 'any' job waits when the whole cluster has fewer free GPUs than it needs",
     "a job asking for a GPU type the cluster lacks waits and says so",
+    "a job whose GPU type's machines are all down says they are unreachable, not that the cluster lacks them",
+    "an 8-GPU job whose 8-GPU machine is down says so, not that machines here have 4",
 ]
 
 
@@ -197,6 +209,7 @@ UNUSABLE_CASES = [
     (unhealthy(fleet(machines=1), mid(0, 0, 0), [3]), [], job("j").gpus(7), True),
     (unhealthy(fleet(machines=2), mid(0, 0, 0), [0, 1]), [_busy(mid(0, 0, 1), 8)], job("j").gpus(6), True),
     (unreachable(fleet(machines=3), mid(0, 0, 0), mid(0, 0, 1)), [_busy(mid(0, 0, 2), 8)], job("j").gpus(1).topology("any"), False),
+    (unreachable(fleet(machines=1) + fleet(first_block=1, machines=2, gpus=4), mid(0, 0, 0)), [], job("j").gpus(8), False),
 ]
 UNUSABLE_IDS = [
     "an unreachable machine is never used, even when it is the only one with room",
@@ -205,6 +218,7 @@ UNUSABLE_IDS = [
     "a 7-GPU job starts on the 7 healthy GPUs of a machine with one unhealthy GPU",
     "a job never gets an unhealthy GPU even when it needs all the healthy ones",
     "with only unreachable machines free, even a 1-GPU 'any' job waits",
+    "an 8-GPU job stays a one-machine job while the only 8-GPU machine is down: not split over two 4-GPU machines",
 ]
 
 
