@@ -257,8 +257,8 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) 
     could host it.
 
     A job bigger than a pool's reserve waits for its reservation instead, and one that may not
-    run on the pool (another partition or GPU type) never uses it: keeping machines idle for
-    them would only waste GPUs."""
+    run on the pool (another partition, GPU type, or one machine larger than the pool's) never
+    uses it: keeping machines idle for them would only waste GPUs."""
     fraction = config.reserved_pool_fraction
     if not fraction or cap.gpus_per_machine == 0:
         return NO_RESERVE
@@ -270,13 +270,14 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) 
         spec = job.spec
         if spec.num_gpus < smallest:
             continue
-        shape = (spec.kind, spec.gpu_type, spec.gpu_memory_gb, spec.num_gpus)
+        shape = (spec.kind, spec.gpu_type, spec.gpu_memory_gb, spec.num_gpus, spec.topology)
         if shape in asked:
             continue
         asked.add(shape)
-        for pool in cap.eligible_pools(spec):
+        pools, _, topology = cap.fit_terms(spec)
+        for pool in pools:
             reserve = reserves[pool.key]
-            if reserve_serves(pool.key, reserve, spec.num_gpus):
+            if reserve_serves(pool.key, reserve, spec.num_gpus, topology):
                 kept[pool.key] = reserve
         if len(kept) == len(reserves):
             break

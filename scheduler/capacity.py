@@ -33,10 +33,12 @@ KeepWhole = Mapping[PoolKey, int]
 NO_RESERVE: KeepWhole = MappingProxyType({})
 
 
-def reserve_serves(key: PoolKey, reserve: int, num_gpus: int) -> bool:
-    """Whether a pool's reserve of ``reserve`` whole machines is kept for a job of ``num_gpus``:
-    one that needs whole machines and that the reserve alone could host."""
-    return key.gpus <= num_gpus <= reserve * key.gpus
+def reserve_serves(key: PoolKey, reserve: int, num_gpus: int, topology: Topology) -> bool:
+    """Whether a pool's reserve of ``reserve`` whole machines is kept for a job of ``num_gpus``
+    (its topology resolved): one that needs whole machines and that the reserve alone could
+    host. A one-machine job bigger than the pool's machines never runs on them."""
+    most = key.gpus if topology == Topology.machine else reserve * key.gpus
+    return key.gpus <= num_gpus <= most
 
 
 @dataclass(eq=False)  # a pool is itself: compared by identity, fast in `in` tests

@@ -157,7 +157,7 @@ def estimate_starts(
     served_by: dict[tuple, list] = {}  # shape -> the pool keys it keeps whole machines in
     waiting_in: dict = {}  # pool key -> jobs of the walk it keeps whole machines for
     for shape_key, shape in shapes.items() if keep else ():
-        keys = [p.key for p in shape.pools if p.key in keep and reserve_serves(p.key, keep[p.key], shape.n)]
+        keys = [p.key for p in shape.pools if p.key in keep and reserve_serves(p.key, keep[p.key], shape.n, shape.topology)]
         if keys:
             served_by[shape_key] = keys
             count = sum(len(lane.jobs) for lane in shape.lanes)

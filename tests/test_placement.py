@@ -328,3 +328,14 @@ def test_the_reserved_pool_is_sized_per_pool_not_by_the_whole_cluster():
     queue = [job("big").gpus(24).submitted(NOW), job("small").gpus(2).gpu_type("H100").submitted(NOW + 1)]
     result = cycle(snapshot(h100 + a100, running=run, queue=queue, reserved_pool_fraction=0.01))
     assert "small" in placements(result)
+
+
+def test_a_one_machine_job_bigger_than_a_pools_machines_keeps_none_of_them_whole():
+    """8-GPU `big` (topology machine) can only ever run on the busy 8-GPU machine; the 4-GPU pool
+    (half of it reserved) is no use to it, so the 2-GPU job takes a 4-GPU machine instead of
+    waiting hours beside two idle ones."""
+    run = [_busy(mid(0, 0, 0), 8), _busy(mid(1, 0, 0), 4)]
+    queue = [job("big").gpus(8).topology("machine").submitted(NOW), job("small").gpus(2).submitted(NOW + 1)]
+    machines = fleet(machines=1) + fleet(first_block=1, machines=3, gpus=4)
+    result = cycle(snapshot(machines, running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert machines_of(placements(result)["small"].gpus) <= {mid(1, 0, 1), mid(1, 0, 2)}
