@@ -166,8 +166,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
     if slots is not None:
         cap.take(slots)
         usage.add(spec.team, spec.num_gpus)
-        on_hold = any(cap.index[m] in h.machines for h in state.holds for m, _ in slots)
-        state.placed.append((job, slots, on_hold))
+        state.placed.append((job, slots, _on_hold(state, slots)))
         return
     # d. victims still draining
     if state.draining_for.get(spec.job_id):
@@ -314,6 +313,12 @@ def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
     return slots
 
 
+def _on_hold(state: Admission, slots) -> bool:
+    """Whether a placement lands on machines held for a reservation: backfilled ahead of it."""
+    index = state.cap.index
+    return any(index[m] in h.machines for h in state.holds for m, _ in slots)
+
+
 def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     cap, usage, running, now, config = state.cap, state.usage, state.running, state.now, state.config
     spec = job.spec
@@ -352,7 +357,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # Room the reserved pool kept whole, all free: it starts there now, displacing nobody.
         cap.take(choice.gpus)
         usage.add(spec.team, spec.num_gpus)
-        state.placed.append((job, choice.gpus, False))
+        state.placed.append((job, choice.gpus, _on_hold(state, choice.gpus)))
         return True
     _promise_claimant(state, spec, choice.gpus)
     for victim in choice.victims:

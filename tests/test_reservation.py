@@ -171,3 +171,28 @@ def test_a_job_its_teams_guarantee_covers_still_respects_the_reservation_of_a_st
     assert pending(result)["owner"].reason == (
         "behind the reservation of job starving; "
         "2 jobs it could displace are protected from preemption, the first for 8.3 min more")
+
+
+def test_a_job_started_on_reserved_machines_by_the_preemption_path_with_nobody_displaced_is_backfilled():
+    """m0 is kept whole (the reserved pool, for capped team e's 8-GPU job) and held for `hold`'s
+    reservation; `s` may displace e's borrowed job, and the victims' search finds room on m0 with
+    nobody displaced. It starts there ahead of the reservation, so it is a backfill like any other
+    (it was flagged as not one, and its reason did not say so)."""
+    from builders import filler
+
+    snap = snapshot(
+        fleet(machines=3),
+        running=[filler("crit", mid(0, 0, 1), range(8), expected=20_000, started=NOW - 5000),
+                 filler("e-run", mid(0, 0, 2), range(8), team="e", priority="normal", expected=20_000,
+                        started=NOW - 5000)],
+        queue=[job("hold").gpus(16).team("h").priority("low").submitted(NOW - 3600),
+               job("J").gpus(8).team("e").submitted(NOW - 60),
+               job("s").gpus(2).team("s").priority("high").expected(600).submitted(NOW - 10)],
+        quotas={"e": {"guaranteed": 0, "max": 8}, "h": {"guaranteed": 0}, "s": {"guaranteed": 0},
+                "ops": {"guaranteed": 0}},
+    )
+    result = cycle(snap)
+    assert [r.job_id for r in result.reservations] == ["hold"]
+    [placed] = result.placements
+    assert (placed.job_id, placed.backfilled, not result.preemptions) == ("s", True, True)
+    assert "backfilled" in placed.reason
