@@ -110,6 +110,9 @@ def parse_fleet(text: str, source: str) -> Fleet:
                 source, 1, "clusters", "the file is empty; a fleet needs a `clusters:` list"
             )
         return _FleetReader(source, loader).fleet(root)
+    except RecursionError:  # PyYAML composes and constructs nested collections recursively
+        raise InputError(source, loader.line + 1, None, "nests lists or mappings too deeply to be a fleet; "
+                                             "a fleet is clusters, blocks and quotas, a few levels deep") from None
     finally:
         loader.dispose()
 

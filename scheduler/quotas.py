@@ -131,5 +131,6 @@ def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_g
         return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
                 "ask for fewer or raise the team's max")
     if quota.queue_cap is not None and queued >= quota.queue_cap:
-        return f"team '{team}' already has {queued} jobs queued, its cap is {quota.queue_cap}"
+        return (f"team '{team}' already has {queued} jobs waiting, its queue cap; "
+                "wait for some to start or raise the cap")
     return None

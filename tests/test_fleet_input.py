@@ -221,6 +221,9 @@ BAD_FLEETS = [
      "at most 2147483647 GPUs"),
     (one_block(block(), "quotas:\n  ~: {guaranteed: 8}\n"), 6, "quotas", "a team's name must be plain text"),
     (one_block(block(), "quotas:\n  [a, b]: {guaranteed: 8}\n"), 6, "quotas", "a team's name must be plain text"),
+    ("clusters: " + "[" * 2000 + "]" * 2000 + "\n", 1, None, "nests lists or mappings too deeply"),
+    (one_block(block(), "quotas:\n  vision:\n    guaranteed: " + "[" * 2000 + "]" * 2000 + "\n"), 7, None,
+     "nests lists or mappings too deeply"),
 ]
 
 
@@ -261,6 +264,8 @@ BAD_FLEETS = [
         "a quota beyond what the store holds",
         "a null team name",
         "a list as a team name",
+        "lists nested thousands deep, which the YAML reader would recurse into",
+        "a quota nested thousands deep",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):

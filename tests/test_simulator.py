@@ -164,7 +164,7 @@ def test_a_job_alone_on_an_empty_cluster_runs_from_submit_to_submit_plus_duratio
         ('t: {guaranteed: 8, max: 8}', [tj("big", 0.0, 600.0, gpus=16)],
          "the job asks for 16 GPUs but team 't' may hold at most 8; ask for fewer or raise the team's max"),
         ('t: {guaranteed: 8, max: 16, queue_cap: 1}', [tj("first", 0.0, 600.0, gpus=16), tj("next", 1.0, 600.0), tj("big", 2.0, 600.0)],
-         "team 't' already has 1 jobs queued, its cap is 1"),
+         "team 't' already has 1 jobs waiting, its queue cap; wait for some to start or raise the cap"),
         ('"*": {guaranteed: 0}', [tj("big", 0.0, 600.0, gpus=32)],
          "can never start on cluster c1: needs 32 GPUs in one block; the largest block has 16 (field num_gpus)"),
     ],
@@ -209,7 +209,7 @@ def test_a_run_stopped_by_until_ends_its_running_allocations_and_says_which_jobs
 def test_a_critical_job_preempts_a_low_job_that_checkpoints_and_resumes_from_it(write_s):
     """Low starts at 0 on the only machine; critical arrives at 1,000 (past the minimum runtime)."""
     settings = SimSettings(checkpoint_write_s=write_s)
-    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
     result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
 
     low = allocs(result, "low")
@@ -236,7 +236,7 @@ def test_a_resumed_job_spends_its_restart_time_before_it_progresses_and_the_summ
     """Low is preempted at 1,000 and checkpoints all it has done; its second attempt needs the
     rest of its work plus the restart; its first attempt, a fresh start, pays none."""
     settings = SimSettings(restart_s=restart_s)
-    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
     result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
 
     first, second = allocs(result, "low")
@@ -260,7 +260,7 @@ def test_a_resumed_job_spends_its_restart_time_before_it_progresses_and_the_summ
     "learning without restart times there is nothing to learn",
 ])
 def test_the_scheduler_learns_how_long_restarts_take_from_the_first_one(settings, expected):
-    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
     sim = Simulation(trace, small_fleet(machines=1), "gpusched", settings)
     sim.run()
     assert sim.policy.expected_restart_s == expected
@@ -301,7 +301,7 @@ def test_reclaim_latency_counts_the_jobs_a_guarantee_covers_not_the_teams_backlo
 def test_a_checkpoint_that_cannot_finish_within_the_grace_loses_the_work_since_the_last_interval_checkpoint():
     policy = PolicyConfig(stagger_checkpoints=False)  # checkpoints at start + k × 600: 600, 1200, …
     settings = SimSettings(checkpoint_write_s=policy.grace_period + 80.0, policy=policy)
-    trace = [tj("low", 0.0, 7200.0, priority="low", interval=600.0), tj("crit", 1000.0, 600.0, priority="critical")]
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=600.0), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
     result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
     first, second = allocs(result, "low")
     assert (first.reason, first.end) == ("preempted", 1000.0 + policy.grace_period)
@@ -313,7 +313,7 @@ def test_a_checkpoint_that_cannot_finish_within_the_grace_loses_the_work_since_t
 @pytest.mark.parametrize("exit_s", [5.0, 0.0], ids=["it exits 5 s after SIGTERM", "it exits at once"])
 def test_a_preempted_job_that_never_checkpoints_loses_all_its_progress_and_runs_its_full_duration_again(exit_s):
     settings = SimSettings(sigterm_exit_s=exit_s, policy=PolicyConfig(min_runtime=0, max_unsaved_run=YEAR))
-    trace = [tj("low", 0.0, 7200.0, priority="low"), tj("crit", 1000.0, 600.0, priority="critical")]
+    trace = [tj("low", 0.0, 7200.0, priority="low"), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
     result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
 
     first, second = allocs(result, "low")
@@ -405,17 +405,49 @@ def test_a_machine_that_failed_twice_comes_back_only_once_both_failures_are_repa
     assert (first.end, second.start) == (1000.0, 3800.0)
 
 
-@pytest.mark.parametrize("until, span", [(None, 1000.0), (50.0, 0.0)],
+@pytest.mark.parametrize("until, span", [(None, 1000.0), (50.0, 0.0), (1e8, 1000.0)],
                          ids=["a repair after the last job does not stretch the run",
-                              "a run cut before the first submission spans nothing, not a negative time"])
+                              "a run cut before the first submission spans nothing, not a negative time",
+                              "an --until after the last job's event ends the run no later than without one"])
 def test_the_run_spans_from_the_first_submission_to_the_last_job_event(until, span):
     sim = Simulation([tj("a", 100.0, 1000.0)], small_fleet(machines=1), "gpusched", SimSettings(until=until))
     sim.push(1500.0, engine.GPU_DOWN, ("c1", "c1/b0/r0/m0", 3))
     sim.push(2300.0, engine.GPU_UP, ("c1", "c1/b0/r0/m0", 3))
     summary = summarize(sim.run())
     assert summary["end"] - summary["start"] == span
-    if until is None:
+    if until != 50.0:
         assert summary["utilisation"] == pytest.approx(1.0)
+
+
+def test_a_run_stopped_by_until_in_a_preemptions_grace_counts_the_preemption_and_its_lost_work():
+    """`low` never checkpoints; `crit` displaces it at 1000 s and it exits 5 s later: cut at 1002 s,
+    its allocation still ends as preempted, with the 1,000 s of work it loses (it was closed as
+    cancelled, losing nothing)."""
+    trace = [tj("low", 0.0, 5000.0, priority="low"), tj("crit", 1000.0, 600.0, priority="critical", team="u")]
+    settings = SimSettings(until=1002.0, policy=PolicyConfig(min_runtime=0, max_unsaved_run=YEAR))
+    result = simulate(trace, small_fleet(machines=1), "gpusched", settings)
+    [cut] = allocs(result, "low")
+    assert (cut.end, cut.reason, cut.lost_work) == (1002.0, "preempted", 8 * 1000.0)
+    summary = summarize(result)
+    assert (summary["preemptions"], summary["preempted_allocations"]) == (1, 1)
+
+
+def test_the_queue_cap_counts_a_teams_waiting_jobs_in_every_cluster():
+    """Two one-machine clusters, both full; a queue cap of 1 lets one job of the team wait, in
+    either cluster: the second is refused (each cluster counted only its own queue)."""
+    fleet = parse_fleet("""
+clusters:
+  - name: c1
+    blocks: [{name: b0, racks: 1, machines_per_rack: 1, gpus_per_machine: 8, gpu_type: H100}]
+  - name: c2
+    blocks: [{name: b0, racks: 1, machines_per_rack: 1, gpus_per_machine: 8, gpu_type: H100}]
+quotas:
+  t: {guaranteed: 0, queue_cap: 1}
+""", "fleet.yaml")
+    trace = [tj("r1", 0.0, 5000.0), tj("r2", 1.0, 5000.0), tj("w1", 10.0, 600.0), tj("w2", 20.0, 600.0)]
+    result = simulate(trace, fleet, "gpusched")
+    states = {j.job_id: j.state for j in result.jobs}
+    assert states == {"r1": "completed", "r2": "completed", "w1": "completed", "w2": "rejected"}
 
 
 # --- thrash protection and invariants on a busy trace ---------------------------------------------

@@ -258,12 +258,14 @@ class Simulation:
         life.cluster = cluster.name
         # One pass over the team's queued jobs: how many (for the queue cap), and the GPUs of
         # those of this class or a more important one (ahead of it, for the reclaim count).
+        # The queue cap counts the team's waiting jobs in every cluster, as live admission does.
         queued = ahead = 0
-        for q in cluster.queue.values():
-            if q.spec.team == spec.team:
-                queued += 1
-                if q.spec.priority.rank <= spec.priority.rank:
-                    ahead += q.spec.num_gpus
+        for other in self.clusters.values():
+            for q in other.queue.values():
+                if q.spec.team == spec.team:
+                    queued += 1
+                    if other is cluster and q.spec.priority.rank <= spec.priority.rank:
+                        ahead += q.spec.num_gpus
         refusal = quota_rules.admission_refusal(spec.team, queued, self.quotas, spec.num_gpus)
         if refusal is None:
             refusal = self.never_fits(cluster, life)
@@ -570,12 +572,16 @@ class Simulation:
     # --- the end -----------------------------------------------------------------------------
 
     def result(self, now: float) -> SimResult:
-        if self.settings.until is None and not any(life.state in ("running", "draining") for life in self.jobs.values()):
-            # The run ends with its last job's event: repairs after it change nothing.
+        states = {life.state for life in self.jobs.values()}
+        if not states & {"running", "draining"} and (self.settings.until is None or not states & {"queued", "pending"}):
+            # The run ends with its last job's event: repairs after it change nothing (an --until
+            # later than that ends it no later).
             now = max([self.start] + [a.end for a in self.allocations] + [life.trace.submit_time for life in self.jobs.values()])
         end = max([now, self.start] + [a.end for a in self.allocations])
         for life in self.jobs.values():
-            if life.state in ("running", "draining"):
+            if life.state == "draining":  # stopped already: its allocation ends as it was stopped, work lost and all
+                self.close_allocation(life, now, life.release_reason, life.lost_pending)
+            elif life.state == "running":
                 self.close_allocation(life, now, "cancelled", 0.0)
         jobs = []
         for life in self.jobs.values():

@@ -240,7 +240,7 @@ class _RowReader:
             job_id=job_id,
             team=self.text("team"),
             num_gpus=self.gpu_count(),
-            gpu_type=self.cells.get("gpu_type") or None,
+            gpu_type=self.optional_text("gpu_type"),
             gpu_memory_gb=memory,
             topology=self.choice("topology", Topology, None),
             priority=self.choice("priority", Priority, Priority.normal),
@@ -248,7 +248,7 @@ class _RowReader:
             checkpoint_interval=interval or None,
             expected_duration=duration if expected is None else expected,
             kind=self.choice("kind", JobKind, JobKind.training),
-            cluster=self.cells.get("cluster") or None,
+            cluster=self.optional_text("cluster"),
         )
         return TraceJob(spec=spec, submit_time=submit_time, duration=duration)
 
@@ -259,6 +259,9 @@ class _RowReader:
         if CONTROL_CHARACTER.search(value):
             raise self.error(column, f"holds a control character ({value!r}); give plain text")
         return value
+
+    def optional_text(self, column: str) -> str | None:
+        return self.text(column) if self.cells.get(column) else None
 
     def gpu_count(self) -> int:
         value = self.cells["num_gpus"]
