@@ -65,7 +65,7 @@ def remaining_work(job: QueuedJob, restart: float = 0.0) -> float:
 class _Lane:
     """One team's jobs of one shape, in queue order: interchangeable for fitting."""
 
-    __slots__ = ("jobs", "team", "limit", "covered_up_to", "aside")
+    __slots__ = ("jobs", "team", "limit", "covered_up_to", "aside", "fronted")
 
     def __init__(self, team: str, limit: int | None, guaranteed: int, n: int):
         # (class rank, place in the queue, job, remaining work)
@@ -73,6 +73,7 @@ class _Lane:
         self.team, self.limit = team, limit
         self.covered_up_to = guaranteed - n  # its team's guarantee covers the next job while it holds no more
         self.aside = False  # blocked until GPUs come back
+        self.fronted: set[str] = set()  # reservation holders moved to its head (once each)
 
 
 class _Shape:
@@ -271,6 +272,13 @@ def estimate_starts(
             picks = None
             if room and (shape_key, avoid) not in no_room:
                 picks = picks_for(cap, shape.terms, n, avoid, keep)
+            if picks is None and avoid is not NO_AVOID and _holder_to_front(lane, applying, holds):
+                # Kept out by the reservation of a job behind it in its own lane: admission takes
+                # the holder first (a starving job, in its first pass), so the walk does too; left
+                # behind, neither started in the walk.
+                heapq.heappush(ready, (turn(lane), seq, shape_key))
+                seq += 1
+                continue
             if picks is None:
                 blocked.append(shape_key)
                 planning = may_plan(n)
@@ -388,6 +396,20 @@ def estimate_starts(
     if load is not None:
         raw.update((job_id, at) for job_id, at in load.drain(end) if wanted is None or job_id in wanted)
     return raw
+
+
+def _holder_to_front(lane: _Lane, applying: tuple[int, ...], holds: list[tuple[int, Hold]]) -> bool:
+    """Move the first job of `lane` that holds one of the `applying` holds to its head; False when
+    the lane holds none of them."""
+    holders = {holds[k][1].job_id for k in applying} - lane.fronted
+    for k, entry in enumerate(lane.jobs) if holders else ():
+        job_id = entry[2].spec.job_id
+        if k and job_id in holders:
+            del lane.jobs[k]
+            lane.jobs.appendleft(entry)
+            lane.fronted.add(job_id)  # once: two holders each behind the other's hold end here
+            return True
+    return False
 
 
 def _counts(cap: Capacity, entry: tuple) -> list[tuple[int, int]]:

@@ -219,6 +219,9 @@ REASON_CASES = [
      "needs 9 GPUs; 8 are free"),
     (fleet(machines=2), [filler("f0", M[0], range(4), team="vision")], [job("j").gpus(4).team("vision")],
      {"vision": {"guaranteed": 4, "max": 6}}, "team vision is at its maximum (4 of 6 GPUs held)"),
+    (fleet(machines=2), [], [job("j").gpus(8).team("vision")], {"vision": {"guaranteed": 4, "max": 4}},
+     "asks for 8 GPUs, more than team vision's maximum of 4: it cannot start until the maximum is raised "
+     "(gpusched quota set) or it is cancelled"),
     (fleet(machines=2), [], [job("j").gpus(1).gpu_type("A100")], {},
      "no machine in this cluster matches training jobs, GPU type A100"),
     (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(8).team("capped"), job("j").gpus(2)],
@@ -254,6 +257,7 @@ REASON_IDS = [
     "a block job: how many GPUs are free in the best block",
     "an 'any' job: how many GPUs are free at all",
     "over its maximum: the team, what it holds and its maximum",
+    "bigger than a maximum lowered since it was accepted: not 'at its maximum', but what to do",
     "no matching hardware: what it asked for",
     "kept off the reserved pool: why",
     "a claimant: whom it preempts and the grace period",
@@ -427,3 +431,19 @@ def test_a_victim_that_loses_a_machine_in_its_grace_gives_its_claimants_gpus_bac
                             earmarks=[earmark], quotas={"t": {"guaranteed": 0}}))
     starts = {j: p.estimated_start for j, p in pending(result).items()}
     assert starts == {"c": NOW, "w": NOW + 600, "x": NOW + 600 + 20_000, "y": NOW + 600 + 20_000 + 19_500}
+
+
+def test_a_reservation_holder_behind_a_job_of_its_own_team_and_shape_is_estimated_to_start_on_it():
+    """x (high) and h (low, starving, holding m0's reservation) are one team's jobs of one shape.
+    Admission takes h first (a starving job, in its first pass); the walk kept x at the head of
+    their lane, where h's reservation keeps it out, and never tried h: both were told they cannot
+    start at all."""
+    from builders import filler
+
+    busy = filler("busy", mid(), range(4), started=NOW - 2600, expected=3600)  # ends at NOW+1000
+    queue = [job("x").gpus(4).priority("high").submitted(NOW), job("h").gpus(4).priority("low").submitted(NOW - 3600)]
+    result = cycle(snapshot(fleet(machines=1, gpus=4), running=[busy], queue=queue,
+                            quotas={"t": {"guaranteed": 0}, "ops": {"guaranteed": 0}}))
+    [hold] = result.reservations
+    starts = {j: p.estimated_start for j, p in pending(result).items()}
+    assert (hold.job_id, starts) == ("h", {"h": NOW + 1000, "x": NOW + 1000 + 3600})
