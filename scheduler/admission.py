@@ -131,6 +131,11 @@ def admit(state: Admission, job: QueuedJob) -> None:
     more = 0 if spec.job_id in state.earmarks else spec.num_gpus
     if not usage.within_max(spec.team, more):
         limit = usage.quota(spec.team).max
+        if spec.num_gpus > limit:  # the maximum was lowered below the job after it was accepted
+            state.waiting.append((job, f"asks for {in_words.gpus(spec.num_gpus)}, more than team {spec.team}'s "
+                                       f"maximum of {limit}: it cannot start until the maximum is raised "
+                                       "(gpusched quota set) or it is cancelled"))
+            return
         promised = usage.promised.get(spec.team, 0)
         also = f", {promised} promised to its waiting jobs" if promised else ""
         state.waiting.append(

@@ -292,3 +292,15 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert main(["list", "--state", "failed", "--json", *d]) == 0
     out = capsys.readouterr().out
     assert [v["job_id"] for v in json.loads(out[out.index("["):])] == ["cli-2"]
+    # The same submit again, for a job that has ended: it says how it ended, not "placed".
+    assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0
+    assert capsys.readouterr().out.startswith("cli-2: already failed on c1")
+    # `gpusched list | head`: a reader gone is not a database that did not answer.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "workers.cli", "list", *d], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")

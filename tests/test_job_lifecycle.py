@@ -229,6 +229,10 @@ def test_the_same_submit_sent_again_under_its_id_is_that_job_not_a_refusal_nor_a
     again = s.run(s.client.submit(request))
     assert (again.job_id, again.cluster) == (first.job_id, first.cluster)
     assert s.wait("retried").state == "succeeded" and len(s.status("retried").attempts) == 1
+    # Sent again once the job has ended, it says so: not "placed, starting now".
+    ended = s.run(s.client.submit(request))
+    assert (ended.state, ended.position, ended.estimated_start) == ("succeeded", None, None)
+    assert len(s.status("retried").attempts) == 1
 
 
 def test_the_same_submit_sent_again_after_a_priority_bump_is_still_that_job(stack):

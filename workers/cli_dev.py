@@ -82,6 +82,8 @@ def run_up(args: argparse.Namespace) -> int:
         print("the components that did start keep running: see `gpusched dev status`, "
               "stop them with `gpusched dev down`", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # our reader went away: main stops quietly
+        raise
     except OSError as e:
         print(f"error: {_os_error(e)}", file=sys.stderr)
         return 1

@@ -180,6 +180,8 @@ def _run(args, body) -> int:
                 print(f"error: the database cannot store a value of this request ({e}); give a smaller "
                       "or plainer one", file=sys.stderr)
                 return EXIT_REFUSED
+            except BrokenPipeError:  # our reader went away (`gpusched list | head`): main stops quietly
+                raise
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as e:
                 print(f"error: the database did not answer ({e}); is the stack up? `gpusched dev status` "
                       "shows it", file=sys.stderr)
@@ -234,7 +236,11 @@ def cmd_submit(args) -> int:
             return EXIT_UNREACHABLE
         if args.json:
             print(json.dumps({"job_id": sub.job_id, "position": sub.position,
-                              "estimated_start": sub.estimated_start, "cluster": sub.cluster}))
+                              "estimated_start": sub.estimated_start, "cluster": sub.cluster, "state": sub.state}))
+        elif sub.state not in ("queued", "running"):
+            # The same submit sent again, for a job that has ended: it is that job, not a new run.
+            print(f"{sub.job_id}: already {sub.state} on {sub.cluster} (this submit was sent before; "
+                  f"`gpusched status {sub.job_id}` shows how it ran; run it again under a new --job-id)")
         else:
             where = "placed" if sub.position == 0 else f"position {sub.position} in the queue"
             print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {_when(sub.estimated_start, time.time())}")

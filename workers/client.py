@@ -65,8 +65,12 @@ class Submitted(BaseModel):
     cluster: str | None
     position: int | None  # 1-based place in the queue; 0 when already placed
     estimated_start: str | None  # ISO 8601, or None when it cannot start as the cluster is
+    # The job's state: "queued" or "running" for a new submit; a submit sent again under the id
+    # of a job that has ended (succeeded, failed, cancelled) is that job, and says so.
+    state: str = "queued"
 
 
+ENDED = ("succeeded", "failed", "cancelled")  # a job in one of these states stays in it
 CONNECT_TIMEOUT = 10.0  # seconds for the database and Temporal to answer a new connection
 # What a submit sent again may differ in from the job's stored request: the time it was sent,
 # and the priority, which a bump rewrites there.
@@ -153,8 +157,12 @@ class GpuschedClient:
             # The same request under the same id: a submit tried again (its first answer was
             # lost, or it was not admitted in time), which is that job, not a second one.
         view = await self._admitted(request)
+        if view.state in ENDED:
+            return Submitted(job_id=request.job_id, cluster=view.cluster, position=None, estimated_start=None,
+                             state=view.state)
         position, eta = await self._estimate(view)
-        return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta)
+        return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta,
+                         state="queued" if position else "running")
 
     async def _taken_because(self, job_id: str) -> str:
         """Why an id cannot be used again, in words: an id names one job for good, even one that
@@ -269,7 +277,7 @@ class GpuschedClient:
 
     async def cancel(self, job_id: str, reason: str = "cancelled by request") -> JobView:
         view = await self.status(job_id)
-        if view.state in ("succeeded", "failed", "cancelled"):
+        if view.state in ENDED:
             raise ClientError(f"job {job_id} has already ended ({view.state})")
         try:
             await self._handle(job_id).signal("cancel", reason)
@@ -295,7 +303,7 @@ class GpuschedClient:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobView:
         view = await self.status(job_id)
-        if view.state in ("succeeded", "failed", "cancelled"):
+        if view.state in ENDED:
             return view  # ended: the store says how, even once Temporal no longer keeps the workflow
         try:
             await asyncio.wait_for(self._handle(job_id).result(), timeout)
