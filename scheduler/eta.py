@@ -133,6 +133,10 @@ def estimate_starts(
     shapes: dict[tuple, _Shape] = {}
     of_terms: dict[int, _Shape] = {}  # by the identity of the capacity's remembered fit terms
     total = sum(m.gpus for m in cap.machines)
+    # The lanes that hold a holder of one of the cycle's reservations: only there can a hold keep
+    # out the head of the holder's own lane (the walk's own holds apply to later jobs only).
+    holders = {h.job_id for h in reservations}
+    holder_lanes: list[_Lane] = []
     for order, job in enumerate(pending):
         s = job.spec
         terms = cap.fit_terms(s)
@@ -151,6 +155,8 @@ def estimate_starts(
             lane = shape.by_team[s.team] = _Lane(s.team, limit, quota.guaranteed, s.num_gpus)
             shape.lanes.append(lane)
         lane.jobs.append((s.priority.rank, order, job, remaining_work(job, restart)))
+        if s.job_id in holders:
+            holder_lanes.append(lane)
 
     # The reserved pool, as the cycles to come will keep it: a pool's whole machines are kept
     # only while a waiting job it serves has not started (admission._reserved_pool).
@@ -272,7 +278,7 @@ def estimate_starts(
             picks = None
             if room and (shape_key, avoid) not in no_room:
                 picks = picks_for(cap, shape.terms, n, avoid, keep)
-            if picks is None and avoid is not NO_AVOID and _holder_to_front(lane, applying, holds):
+            if picks is None and avoid is not NO_AVOID and lane in holder_lanes and _holder_to_front(lane, applying, holds):
                 # Kept out by the reservation of a job behind it in its own lane: admission takes
                 # the holder first (a starving job, in its first pass), so the walk does too; left
                 # behind, neither started in the walk.
