@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from pydantic import ValidationError
 
 from scheduler.forecast import expected_arrivals
+from scheduler.quotas import queue_cap_refusal
 from scheduler.models import (
     Earmark,
     JobSpec,
@@ -285,8 +286,7 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
         return refuse("num_gpus", f"the job asks for {request.num_gpus} GPUs but team '{team}' may hold "
                                   f"at most {quota_row['max_gpus']}; ask for fewer or raise the team's max")
     if quota_row["queue_cap"] is not None and waiting >= quota_row["queue_cap"]:
-        return refuse("team", f"team '{team}' already has {waiting} jobs waiting, its queue cap; "
-                              "wait for some to start or raise the cap")
+        return refuse("team", queue_cap_refusal(team, waiting, quota_row["queue_cap"]))
     by_cluster: dict[str, list[Row]] = defaultdict(list)
     for m in capacity:
         by_cluster[m["cluster"]].append(m)

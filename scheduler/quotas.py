@@ -131,6 +131,13 @@ def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_g
         return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
                 "ask for fewer or raise the team's max")
     if quota.queue_cap is not None and queued >= quota.queue_cap:
-        return (f"team '{team}' already has {queued} jobs waiting, its queue cap; "
-                "wait for some to start or raise the cap")
+        return queue_cap_refusal(team, queued, quota.queue_cap)
     return None
+
+
+def queue_cap_refusal(team: str, waiting: int, cap: int) -> str:
+    """Why a job of a team with `waiting` jobs waiting is refused under its queue cap, in live
+    admission's words and the simulator's."""
+    if cap == 0:
+        return f"team '{team}' has a queue cap of 0: none of its jobs may wait; raise the cap to submit"
+    return f"team '{team}' already has {waiting} jobs waiting, its queue cap; wait for some to start or raise the cap"

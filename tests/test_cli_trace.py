@@ -170,3 +170,14 @@ def test_an_input_far_bigger_than_any_trace_is_refused_without_reading_it_all(tm
     (tmp_path / "big.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0,a\n" * 10)
     assert run("trace", "from-philly", "--input", str(tmp_path / "big.csv"), "--out", str(tmp_path / "t.csv")) == 2
     assert "is over 0 MiB; is it the right file?" in capsys.readouterr().err
+
+
+def test_a_fleet_that_cannot_be_written_leaves_no_trace_behind_and_the_command_is_quoted(tmp_path, capsys):
+    out = tmp_path / "t.csv"
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(out),
+               "--fleet-out", str(tmp_path / "no-such-folder" / "f.yaml")) == 2
+    assert not out.exists() and "no-such-folder/f.yaml" in capsys.readouterr().err
+    spaced, fleet = tmp_path / "a trace.csv", tmp_path / "a fleet.yaml"
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(spaced),
+               "--fleet-out", str(fleet)) == 0
+    assert f"--out '{spaced}' --fleet-out '{fleet}'" in fleet.read_text().splitlines()[0]

@@ -165,11 +165,14 @@ def test_a_job_alone_on_an_empty_cluster_runs_from_submit_to_submit_plus_duratio
          "the job asks for 16 GPUs but team 't' may hold at most 8; ask for fewer or raise the team's max"),
         ('t: {guaranteed: 8, max: 16, queue_cap: 1}', [tj("first", 0.0, 600.0, gpus=16), tj("next", 1.0, 600.0), tj("big", 2.0, 600.0)],
          "team 't' already has 1 jobs waiting, its queue cap; wait for some to start or raise the cap"),
+        ('t: {guaranteed: 8}\n  u: {guaranteed: 0, queue_cap: 0}', [tj("big", 2.0, 600.0, team="u")],
+         "team 'u' has a queue cap of 0: none of its jobs may wait; raise the cap to submit"),
         ('"*": {guaranteed: 0}', [tj("big", 0.0, 600.0, gpus=32)],
          "can never start on cluster c1: needs 32 GPUs in one block; the largest block has 16 (field num_gpus)"),
     ],
     ids=["a job bigger than its team's maximum, as live admission refuses it",
          "a job over its team's queue cap",
+         "a job of a team whose queue cap is 0",
          "a job no machine of the cluster can ever host"],
 )
 def test_a_job_refused_at_submit_is_rejected_with_its_reason_and_the_others_still_run(policy, quotas, jobs, words):

@@ -60,7 +60,7 @@ def add_dev_commands(subparsers) -> None:
     kind.add_argument("--ecc", action="store_true", help="volatile uncorrectable ECC errors")
     kind.add_argument("--thermal", action="store_true", help="thermal throttling")
     kind.add_argument("--power", action="store_true", help="hardware power brake")
-    kind.add_argument("--xid", type=int, metavar="CODE", help="a critical XID event, e.g. 79")
+    kind.add_argument("--xid", type=positive_int, metavar="CODE", help="a critical XID event, e.g. 79")
     kind.add_argument("--lost", action="store_true", help="the GPU fell off the bus")
     kind.add_argument("--clear", action="store_true", help="clear this GPU's injected faults")
     gpu.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)

@@ -12,6 +12,7 @@ turns bad input into one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 from pathlib import Path
@@ -97,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     command = (
         f"gpusched trace generate --jobs {args.jobs} --days {args.days} --gpus {args.gpus} "
         f"--load {args.load} --seed {args.seed} --inference-fraction {args.inference_fraction} "
-        f"--out {args.out} --fleet-out {args.fleet_out}"
+        f"--out {shlex.quote(str(args.out))} --fleet-out {shlex.quote(str(args.fleet_out))}"
     )
     return _write(args, make, command)
 
@@ -144,12 +145,31 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
     writing = args.out  # the file a failed write names: a full disk raises no filename
     try:
         jobs, gpus = make()
-        args.out.write_text(format_trace(jobs), encoding="utf-8")
+        files = [(args.out, format_trace(jobs))]
         if args.fleet_out is not None:
             fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
-            writing = args.fleet_out
-            args.fleet_out.write_text(fleet, encoding="utf-8")
+            files.append((args.fleet_out, fleet))
             gpus = _fleet_gpus(fleet)
+        # Every file is opened before any is written: a fleet that cannot be written leaves no
+        # trace behind either. (Opened in place, not renamed over: --out may be a device.)
+        handles = []
+        try:
+            for path, _ in files:
+                writing = path
+                existed = path.exists()
+                handles.append((open(path, "w", encoding="utf-8"), path, existed))
+        except OSError:
+            for handle, path, existed in handles:
+                handle.close()
+                if not existed:
+                    path.unlink(missing_ok=True)
+            raise
+        with contextlib.ExitStack() as closing:
+            for handle, _, _ in handles:
+                closing.enter_context(handle)
+            for (handle, path, _), (_, text) in zip(handles, files):
+                writing = path
+                handle.write(text)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
