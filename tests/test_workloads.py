@@ -275,6 +275,14 @@ def test_the_fleet_fits_the_largest_job_even_when_load_would_say_less():
     assert parse_fleet(fleet_for(jobs, load=1.0, span=DAY), "f").total_gpus == 256
 
 
+def test_a_job_kept_to_one_block_larger_than_eight_racks_gets_a_block_it_fits():
+    """2,000 GPUs (topology left to the default, block) need 16 racks in one block, not two
+    blocks of eight: the job would be refused on the fleet made for it."""
+    fleet = parse_fleet(fleet_for(uniform_jobs(1, 2000, 600.0), load=1.0, span=DAY), "f")
+    blocks = Counter(m.block for m in fleet.clusters[0].machines)
+    assert blocks == {"b0": 256}
+
+
 def test_inference_work_gets_its_own_partition():
     # one rack of training work, three machines of inference work
     jobs = uniform_jobs(64, 8, DAY / 4) + uniform_jobs(24, 1, DAY, team="serve", kind=JobKind.inference)

@@ -43,7 +43,7 @@ from datetime import datetime
 import yaml
 
 from scheduler.errors import InputError
-from scheduler.models import JobKind, JobSpec, Priority
+from scheduler.models import JobKind, JobSpec, Priority, Topology
 from scheduler.sim.trace import TraceJob
 
 DAY = 86400.0
@@ -478,7 +478,8 @@ def fleet_for(
 
     - Training capacity is whole racks of ``machines_per_rack`` machines, the rack count rounded
       to the nearest that gives ``load`` (never fewer than the largest job needs), laid out in
-      blocks ``b0, b1, …`` of up to ``racks_per_block`` racks.
+      blocks ``b0, b1, …`` of up to ``racks_per_block`` racks (more, where a job kept to one block
+      needs more).
     - Inference jobs, if any, get a block ``inf`` with ``partition: inference`` sized the same
       way but in whole machines.
     - Each team's guarantee is its share of the trace's GPU-seconds × ``guarantee_share`` of the
@@ -503,6 +504,10 @@ def fleet_for(
         return max(1, rounded, fits_largest)
 
     training_racks = sized(JobKind.training, rack_gpus)
+    # A training job kept to one block (its default beyond one machine) must fit one block.
+    in_one_block = max((j.spec.num_gpus for j in jobs if j.spec.kind is JobKind.training
+                        and j.spec.topology in (None, Topology.block)), default=0)
+    racks_per_block = max(racks_per_block, math.ceil(in_one_block / rack_gpus))
     inference_machines = sized(JobKind.inference, gpus_per_machine)
     total_gpus = training_racks * rack_gpus + inference_machines * gpus_per_machine
 
