@@ -67,6 +67,8 @@ def test_a_job_that_exits_75_is_queued_again_without_retries_and_five_in_a_row_f
     view, never = s.wait("later"), s.wait("never", timeout=90)
     assert view.state == "succeeded" and [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
     assert never.state == "failed" and len(never.attempts) == 5 and "5 infrastructure failures" in never.reason
+    # It says how the command ended, and no empty line stands for the log it did not write.
+    assert never.exit_code == 75 and never.reason.endswith("(exit code 75) (5 infrastructure failures)")
 
 
 def test_a_queued_job_is_cancelled_without_ever_running(stack):

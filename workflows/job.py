@@ -348,7 +348,8 @@ class JobWorkflow:
                 # The job's way of saying that what it needs is not there now (its checkpoint
                 # store unreachable): queued again, not the job's own failure.
                 return self._count_infra_failure(
-                    EndReason.machine_failure, f"the command could not run for now (exit code 75):\n{lines}")
+                    EndReason.machine_failure, "the command could not run for now (exit code 75)",
+                    exit_code=result.exit_code, lines=lines)
             self.failures += 1
             if self.failures <= self.request.max_retries:
                 # The user asked for retries (a crash in the job's own code or libraries, NCCL
@@ -375,15 +376,18 @@ class JobWorkflow:
             end, why = EndReason.machine_failure, f"the agent failed: {cause}"
         return self._count_infra_failure(end, why)
 
-    def _count_infra_failure(self, end: EndReason, why: str) -> tuple[EndReason, int | None, JobState, str]:
+    def _count_infra_failure(self, end: EndReason, why: str, *, exit_code: int | None = None,
+                             lines: str = "") -> tuple[EndReason, int | None, JobState, str]:
+        """`exit_code`: the command's, where it exited (75); `lines`: its last log lines, if any."""
         if workflow.patched("infra-failures-in-a-row"):
             ran = None if self.attempt_began is None else workflow.now() - self.attempt_began
             self.infra_failures = infra_failures_with(self.infra_failures, ran)
         else:
             self.infra_failures += 1
+        tail = f":\n{lines}" if lines else ""
         if self.infra_failures >= MAX_INFRA_FAILURES:
-            return end, None, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures)"
-        return end, None, JobState.queued, f"requeued: {why}"
+            return end, exit_code, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures){tail}"
+        return end, exit_code, JobState.queued, f"requeued: {why}{tail}"
 
     async def _stop(self, runs) -> None:
         for r in runs:
