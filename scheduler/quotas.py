@@ -121,17 +121,18 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
 
 
 def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_gpus: int) -> str | None:
-    """Why a new job of `team` asking for `num_gpus` must be refused at submit, or None to accept
-    it. A job bigger than its team's maximum could never start: it is refused, as live admission
-    does, instead of waiting for ever."""
+    """Why a new job of `team` asking for `num_gpus` must be refused at submit, naming the
+    request's field at fault as the never-fits reasons do, or None to accept it. A job bigger
+    than its team's maximum could never start: it is refused, as live admission does, instead of
+    waiting for ever."""
     quota = quota_of(quotas, team)
     if quota is None:
-        return f"team '{team}' has no quota; ask an operator to set one (gpusched quota set)"
+        return f"team '{team}' has no quota; ask an operator to set one (gpusched quota set) (field team)"
     if quota.max is not None and num_gpus > quota.max:
         return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
-                "ask for fewer or raise the team's max")
+                "ask for fewer or raise the team's max (field num_gpus)")
     if quota.queue_cap is not None and queued >= quota.queue_cap:
-        return queue_cap_refusal(team, queued, quota.queue_cap)
+        return f"{queue_cap_refusal(team, queued, quota.queue_cap)} (field team)"
     return None
 
 
