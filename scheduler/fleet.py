@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.errors import InputError
-from scheduler.models import QUOTA_LARGEST, Machine, Quota
+from scheduler.models import INFERENCE_PARTITION, QUOTA_LARGEST, Machine, Quota
 
 DEFAULT_QUOTA_KEY = "*"
 """A quotas entry with this name applies to every team without an entry of its own."""
@@ -188,6 +188,11 @@ class _FleetReader:
             if "partition" in keys
             else DEFAULT_PARTITION
         )
+        if partition != INFERENCE_PARTITION and partition.casefold() == INFERENCE_PARTITION:
+            # Any other name is a training partition: a capital letter would quietly turn the
+            # inference machines into training ones.
+            raise self.error(keys["partition"], f"{field}.partition",
+                             f"is {partition!r}; the inference partition is spelt {INFERENCE_PARTITION!r}")
         return [
             Machine(
                 id=f"{cluster}/{name}/r{r}/m{m}",
