@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from pydantic import ValidationError
 
 from scheduler.forecast import expected_arrivals
-from scheduler.quotas import queue_cap_refusal
+from scheduler.quotas import no_quota_refusal, queue_cap_refusal
 from scheduler.models import (
     Earmark,
     JobSpec,
@@ -280,8 +280,7 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
         return refuse(problem[0], problem[1])
     team = request.team
     if quota_row is None:
-        return refuse("team", f"team '{team}' has no quota (and there is no '*' default); an operator sets "
-                              f"one with `gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
+        return refuse("team", no_quota_refusal(team))
     if quota_row["max_gpus"] is not None and request.num_gpus > quota_row["max_gpus"]:
         return refuse("num_gpus", f"the job asks for {request.num_gpus} GPUs but team '{team}' may hold "
                                   f"at most {quota_row['max_gpus']}; ask for fewer or raise the team's max")

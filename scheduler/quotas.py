@@ -127,13 +127,20 @@ def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_g
     waiting for ever."""
     quota = quota_of(quotas, team)
     if quota is None:
-        return f"team '{team}' has no quota; ask an operator to set one (gpusched quota set) (field team)"
+        return f"{no_quota_refusal(team)} (field team)"
     if quota.max is not None and num_gpus > quota.max:
         return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
                 "ask for fewer or raise the team's max (field num_gpus)")
     if quota.queue_cap is not None and queued >= quota.queue_cap:
         return f"{queue_cap_refusal(team, queued, quota.queue_cap)} (field team)"
     return None
+
+
+def no_quota_refusal(team: str) -> str:
+    """Why a job of a team with no quota (and no "*" default) is refused, in live admission's
+    words and the simulator's."""
+    return (f"team '{team}' has no quota (and there is no '*' default); an operator sets one with "
+            f"`gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
 
 
 def queue_cap_refusal(team: str, waiting: int, cap: int) -> str:

@@ -173,10 +173,16 @@ def test_an_input_far_bigger_than_any_trace_is_refused_without_reading_it_all(tm
 
 
 def test_a_fleet_that_cannot_be_written_leaves_no_trace_behind_and_the_command_is_quoted(tmp_path, capsys):
-    out = tmp_path / "t.csv"
+    out, kept = tmp_path / "t.csv", tmp_path / "old.csv"
     assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(out),
                "--fleet-out", str(tmp_path / "no-such-folder" / "f.yaml")) == 2
     assert not out.exists() and "no-such-folder/f.yaml" in capsys.readouterr().err
+    kept.write_text("an old trace\n")  # one already there is neither emptied nor replaced
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(kept),
+               "--fleet-out", str(tmp_path / "no-such-folder" / "f.yaml")) == 2
+    assert kept.read_text() == "an old trace\n"
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(kept)) == 0
+    assert kept.read_text().startswith("job_id,")
     spaced, fleet = tmp_path / "a trace.csv", tmp_path / "a fleet.yaml"
     assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(spaced),
                "--fleet-out", str(fleet)) == 0

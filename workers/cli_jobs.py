@@ -25,7 +25,7 @@ from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
 from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topology
 from workers.arg_types import finite, limit, positive_float, positive_int
-from workers.client import ClientError, GpuschedClient, NotYetAdmitted, new_job_id
+from workers.client import ENDED, ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem, team_problem
 
@@ -237,7 +237,7 @@ def cmd_submit(args) -> int:
         if args.json:
             print(json.dumps({"job_id": sub.job_id, "position": sub.position,
                               "estimated_start": sub.estimated_start, "cluster": sub.cluster, "state": sub.state}))
-        elif sub.state not in ("queued", "running"):
+        elif sub.state in ENDED:
             # The same submit sent again, for a job that has ended: it is that job, not a new run.
             print(f"{sub.job_id}: already {sub.state} on {sub.cluster} (this submit was sent before; "
                   f"`gpusched status {sub.job_id}` shows how it ran; run it again under a new --job-id)")

@@ -150,14 +150,15 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
             fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
             files.append((args.fleet_out, fleet))
             gpus = _fleet_gpus(fleet)
-        # Every file is opened before any is written: a fleet that cannot be written leaves no
-        # trace behind either. (Opened in place, not renamed over: --out may be a device.)
+        # Every file is opened before any is written, and none is emptied before all are open: a
+        # fleet that cannot be written leaves no trace behind, nor an emptied old one. (Opened in
+        # place, not renamed over: --out may be a device.)
         handles = []
         try:
             for path, _ in files:
                 writing = path
                 existed = path.exists()
-                handles.append((open(path, "w", encoding="utf-8"), path, existed))
+                handles.append((open(path, "a", encoding="utf-8"), path, existed))
         except OSError:
             for handle, path, existed in handles:
                 handle.close()
@@ -169,6 +170,9 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
                 closing.enter_context(handle)
             for (handle, path, _), (_, text) in zip(handles, files):
                 writing = path
+                if path.is_file():
+                    handle.seek(0)
+                    handle.truncate()
                 handle.write(text)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -65,8 +65,9 @@ class Submitted(BaseModel):
     cluster: str | None
     position: int | None  # 1-based place in the queue; 0 when already placed
     estimated_start: str | None  # ISO 8601, or None when it cannot start as the cluster is
-    # The job's state: "queued" or "running" for a new submit; a submit sent again under the id
-    # of a job that has ended (succeeded, failed, cancelled) is that job, and says so.
+    # The job's state as the store had it when the submit answered (queued, placed, running, …);
+    # a submit sent again under the id of a job that has ended (succeeded, failed, cancelled) is
+    # that job, and says so, with no position or estimate.
     state: str = "queued"
 
 
@@ -157,12 +158,11 @@ class GpuschedClient:
             # The same request under the same id: a submit tried again (its first answer was
             # lost, or it was not admitted in time), which is that job, not a second one.
         view = await self._admitted(request)
-        if view.state in ENDED:
-            return Submitted(job_id=request.job_id, cluster=view.cluster, position=None, estimated_start=None,
-                             state=view.state)
-        position, eta = await self._estimate(view)
+        position, eta, state = await self._estimate(view)
+        if state in ENDED:  # ended already, or while the estimate looked
+            position = eta = None
         return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta,
-                         state="queued" if position else "running")
+                         state=state)
 
     async def _taken_because(self, job_id: str) -> str:
         """Why an id cannot be used again, in words: an id names one job for good, even one that
@@ -242,7 +242,8 @@ class GpuschedClient:
                                      f"status`); `gpusched status {job_id}` follows it")
             await asyncio.sleep(0.05)
 
-    async def _estimate(self, view: JobView, wait_for_cycle: float = 1.0) -> tuple[int | None, str | None]:
+    async def _estimate(self, view: JobView, wait_for_cycle: float = 1.0) -> tuple[int | None, str | None, str]:
+        """(position, estimated start, the job's state as last read)."""
         # The scheduler's own answer: the job's admission woke its cycle, which writes every queued
         # job's position and estimated start (or places it).
         deadline = asyncio.get_running_loop().time() + wait_for_cycle
@@ -251,15 +252,15 @@ class GpuschedClient:
             view = await self.status(view.job_id)
         if view.state != "queued":  # placed already: it starts as its agent launches it
             started = view.attempts[-1].started_at if view.attempts else None
-            return 0, started or iso(time.time())
+            return 0, started or iso(time.time()), view.state
         if view.position is not None:
-            return view.position, view.estimated_start
+            return view.position, view.estimated_start, view.state
         # No cycle yet (the loop is busy or restarting): the same core on a read-only snapshot.
         snapshot = await self.store.snapshot(view.cluster)
         for p in run_cycle(snapshot).pending:
             if p.job_id == view.job_id:
-                return p.position, iso(p.estimated_start)
-        return 0, iso(snapshot.now)  # the core would place it this cycle
+                return p.position, iso(p.estimated_start), view.state
+        return 0, iso(snapshot.now), view.state  # the core would place it this cycle
 
     # --- reading ----------------------------------------------------------------------------
 
