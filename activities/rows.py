@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from pydantic import ValidationError
 
 from scheduler.forecast import expected_arrivals
-from scheduler.quotas import no_quota_refusal, queue_cap_refusal
+from scheduler.quotas import no_quota_refusal, over_max_refusal, queue_cap_refusal
 from scheduler.models import (
     Earmark,
     JobSpec,
@@ -282,8 +282,7 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
     if quota_row is None:
         return refuse("team", no_quota_refusal(team))
     if quota_row["max_gpus"] is not None and request.num_gpus > quota_row["max_gpus"]:
-        return refuse("num_gpus", f"the job asks for {request.num_gpus} GPUs but team '{team}' may hold "
-                                  f"at most {quota_row['max_gpus']}; ask for fewer or raise the team's max")
+        return refuse("num_gpus", over_max_refusal(team, request.num_gpus, quota_row["max_gpus"]))
     if quota_row["queue_cap"] is not None and waiting >= quota_row["queue_cap"]:
         return refuse("team", queue_cap_refusal(team, waiting, quota_row["queue_cap"]))
     by_cluster: dict[str, list[Row]] = defaultdict(list)

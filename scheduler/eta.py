@@ -136,7 +136,7 @@ def estimate_starts(
     # The lanes that hold a holder of one of the cycle's reservations: only there can a hold keep
     # out the head of the holder's own lane (the walk's own holds apply to later jobs only).
     holders = {h.job_id for h in reservations}
-    holder_lanes: list[_Lane] = []
+    holder_lanes: set[_Lane] = set()
     for order, job in enumerate(pending):
         s = job.spec
         terms = cap.fit_terms(s)
@@ -156,7 +156,7 @@ def estimate_starts(
             shape.lanes.append(lane)
         lane.jobs.append((s.priority.rank, order, job, remaining_work(job, restart)))
         if s.job_id in holders:
-            holder_lanes.append(lane)
+            holder_lanes.add(lane)
 
     # The reserved pool, as the cycles to come will keep it: a pool's whole machines are kept
     # only while a waiting job it serves has not started (admission._reserved_pool).

@@ -129,8 +129,7 @@ def admission_refusal(team: str, queued: int, quotas: Mapping[str, Quota], num_g
     if quota is None:
         return f"{no_quota_refusal(team)} (field team)"
     if quota.max is not None and num_gpus > quota.max:
-        return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {quota.max}; "
-                "ask for fewer or raise the team's max (field num_gpus)")
+        return f"{over_max_refusal(team, num_gpus, quota.max)} (field num_gpus)"
     if quota.queue_cap is not None and queued >= quota.queue_cap:
         return f"{queue_cap_refusal(team, queued, quota.queue_cap)} (field team)"
     return None
@@ -141,6 +140,13 @@ def no_quota_refusal(team: str) -> str:
     words and the simulator's."""
     return (f"team '{team}' has no quota (and there is no '*' default); an operator sets one with "
             f"`gpusched quota set {team} --guaranteed N --max M --queue-cap Q`")
+
+
+def over_max_refusal(team: str, num_gpus: int, most: int) -> str:
+    """Why a job bigger than its team's maximum is refused, in live admission's words and the
+    simulator's."""
+    return (f"the job asks for {num_gpus} GPUs but team '{team}' may hold at most {most}; "
+            "ask for fewer or raise the team's max")
 
 
 def queue_cap_refusal(team: str, waiting: int, cap: int) -> str:

@@ -32,6 +32,7 @@ from workflows.types import (
     JOB_WORKFLOW,
     JobOutcome,
     JobRequest,
+    JobState,
     JobView,
     PriorityBump,
     job_workflow_id,
@@ -71,7 +72,7 @@ class Submitted(BaseModel):
     state: str = "queued"
 
 
-ENDED = ("succeeded", "failed", "cancelled")  # a job in one of these states stays in it
+ENDED = frozenset(state.value for state in JobState if state.terminal)  # a job in one of these stays in it
 CONNECT_TIMEOUT = 10.0  # seconds for the database and Temporal to answer a new connection
 # What a submit sent again may differ in from the job's stored request: the time it was sent,
 # and the priority, which a bump rewrites there.
