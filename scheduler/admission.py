@@ -98,7 +98,7 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
     usage.preemptible = lambda job: preemption.protection(job, now, config) is None
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
-        keep_whole=_reserved_pool(cap, queue, config),
+        keep_whole=_reserved_pool(cap, queue, config, usage),
         draining_for=_draining_for(running), going=set(leaving),
     )
     _hold_earmarks(snapshot, state)
@@ -255,14 +255,15 @@ def _shape(job: QueuedJob) -> tuple:
     return (s.num_gpus, s.topology, s.gpu_type, s.gpu_memory_gb, s.kind)
 
 
-def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) -> KeepWhole:
+def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig, usage: TeamUsage) -> KeepWhole:
     """Per pool, the whole machines small jobs must leave whole: the reserved pool's share of
-    the pool's machines, where some waiting job needs whole machines of it and those alone
-    could host it.
+    the pool's machines, where some waiting job needs whole machines of it, those alone could
+    host it, and its team's maximum lets it start.
 
     A job bigger than a pool's reserve waits for its reservation instead, and one that may not
     run on the pool (another partition, GPU type, or one machine larger than the pool's) never
-    uses it: keeping machines idle for them would only waste GPUs."""
+    uses it, nor one whose team is at its maximum until it gives GPUs back: keeping machines
+    idle for them would only waste GPUs."""
     fraction = config.reserved_pool_fraction
     if not fraction or cap.gpus_per_machine == 0:
         return NO_RESERVE
@@ -275,7 +276,7 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig) 
         if spec.num_gpus < smallest:
             continue
         shape = (spec.kind, spec.gpu_type, spec.gpu_memory_gb, spec.num_gpus, spec.topology)
-        if shape in asked:
+        if shape in asked or not usage.within_max(spec.team, spec.num_gpus):
             continue
         asked.add(shape)
         pools, _, topology = cap.fit_terms(spec)

@@ -25,7 +25,6 @@ from scheduler import in_words
 
 
 M = [mid(0, 0, i) for i in range(4)]
-CAPPED = {"capped": {"guaranteed": 0, "max": 0}}  # a team that cannot start anything
 
 
 def _ends_at(job_id, machine, gpus, end, priority="critical"):
@@ -224,8 +223,8 @@ REASON_CASES = [
      "(gpusched quota set) or it is cancelled"),
     (fleet(machines=2), [], [job("j").gpus(1).gpu_type("A100")], {},
      "no machine in this cluster matches training jobs, GPU type A100"),
-    (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(8).team("capped"), job("j").gpus(2)],
-     {"capped": {"guaranteed": 0, "max": 0}}, "the last whole machines are kept for jobs that need a whole machine"),
+    (fleet(machines=2), [filler("f1", M[1], range(8))], [job("big").gpus(8).priority("low"), job("j").gpus(2)],
+     {}, "the last whole machines are kept for jobs that need a whole machine"),
     (fleet(machines=2), [running(job("low").gpus(8).priority("low")).on(M[0], range(8)), filler("f1", M[1], range(8))],
      [job("j").gpus(8).priority("critical")], {},
      "preempting low; starts when they have checkpointed (grace 120 s)"),
@@ -278,12 +277,13 @@ def test_reason_texts(machines, run, queue, quotas, reason):
 
 
 def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
-    """m0 is the last whole machine, kept for a queued 8-GPU job (its team is at its maximum). A 2-GPU job that has waited past
-    the starvation threshold still cannot have it; its reason must not say 'the largest free is 8'
-    (which would let it fit) but that whole machines are kept."""
+    """m0 is the last whole machine, kept for a queued 16-GPU job that needs two (a reserve of 2
+    of the 3 machines). A 2-GPU job that has waited past the starvation threshold still cannot
+    have it; its reason must not say 'the largest free is 8' (which would let it fit) but that
+    whole machines are kept."""
     run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]
-    queue = [job("big").gpus(8).team("capped").submitted(NOW), job("small").gpus(2).submitted(0)]
-    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, quotas=CAPPED))
+    queue = [job("big").gpus(16).submitted(NOW), job("small").gpus(2).submitted(0)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
     assert "small" not in placements(result)
     reason = pending(result)["small"].reason
     assert "the largest free is 8" not in reason, reason
@@ -291,12 +291,12 @@ def test_a_starving_small_job_kept_off_the_reserved_pool_is_told_so():
 
 
 def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
-    """m0 is the last whole machine, kept for a queued 8-GPU job (its team is at its maximum); m1 and m2 are full until
-    NOW+720. The 2-GPU job cannot start now, so an ETA of 'now' would be wrong: it can start when
-    another machine frees up (then m0 is no longer the last whole one)."""
+    """m0 is the last whole machine, kept for a queued 16-GPU job that needs two (a reserve of 2
+    of the 3 machines); m1 and m2 are full until NOW+720. The 2-GPU job cannot start now, so an
+    ETA of 'now' would be wrong: it can start once the big job has started."""
     run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]  # overdue: expected to end at NOW+720
-    queue = [job("big").gpus(8).team("capped").submitted(NOW), job("small").gpus(2).submitted(NOW)]
-    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, quotas=CAPPED))
+    queue = [job("big").gpus(16).submitted(NOW), job("small").gpus(2).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
     assert "small" not in placements(result)
     p = pending(result)["small"]
     assert p.reason == "the last whole machines are kept for jobs that need a whole machine"
@@ -305,13 +305,14 @@ def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
 
 def test_a_job_kept_off_a_machine_both_reserved_and_kept_whole_is_told_both():
     """m0 is free, and both the reservation of the starving 16-GPU job and the last whole machine
-    the reserved pool keeps for the capped 8-GPU job. Either alone would leave the 2-GPU job no
-    room either; the room in words ("the largest free is 8") would say it fits."""
+    the reserved pool keeps for an 8-GPU job (which the reservation keeps out too: it would not
+    end before it). Either alone would leave the 2-GPU job no room either; the room in words
+    ("the largest free is 8") would say it fits."""
     run = [_ends_at(f"r{i}", M[i], range(8), NOW + 600 * i) for i in (1, 2, 3)]
     queue = [job("big").gpus(16).topology("block").submitted(0),
-             job("capped").gpus(8).team("capped").submitted(NOW), job("j").gpus(2).expected(3600).submitted(NOW)]
-    result = cycle(snapshot(fleet(machines=4), running=run, queue=queue, quotas=CAPPED))
-    assert "j" not in placements(result)
+             job("eight").gpus(8).submitted(NOW), job("j").gpus(2).expected(3600).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=4), running=run, queue=queue))
+    assert "j" not in placements(result) and "eight" not in placements(result)
     assert M[0] in result.reservations[0].machines
     assert pending(result)["j"].reason == ("behind the reservation of job big, and the last whole machines are "
                                            "kept for jobs that need a whole machine")

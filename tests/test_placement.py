@@ -235,49 +235,58 @@ def test_unusable_machines_and_gpus_are_never_used(machines, run, queued, starts
 
 
 # --- the reserved pool of whole machines ----------------------------------------------------------------
-# One whole machine left (m0), the rest full; a job needing a whole machine, which the pool could
-# host but which cannot start now (its team is at its maximum), is queued or not.
+# One whole machine left (m0), the rest full; the small job was submitted first, so it is admitted
+# before the 8-GPU job, which needs a whole machine and which the pool could host, when that is queued.
 
-BIG = job("big").gpus(8).team("capped").submitted(NOW)
-CAPPED = {"capped": {"guaranteed": 0, "max": 0}}
+BIG = job("big").gpus(8).submitted(NOW)
 
 
 def _pool_snapshot(small, *, big=True, machines=3, fraction=0.01, whole=1):
     run = [_busy(mid(0, 0, i), 8) for i in range(whole, machines)]
-    queue = ([BIG] if big else []) + [small.submitted(NOW)]
-    return snapshot(fleet(machines=machines), running=run, queue=queue, quotas=CAPPED,
-                    reserved_pool_fraction=fraction)
+    queue = ([BIG] if big else []) + [small.submitted(NOW - 60)]
+    return snapshot(fleet(machines=machines), running=run, queue=queue, reserved_pool_fraction=fraction)
 
 
 POOL_CASES = [
-    (job("small").gpus(2), {}, False),
-    (job("small").gpus(2), {"big": False}, True),
-    (job("small").gpus(2).topology("machine"), {}, False),
-    (job("small").gpus(2).topology("any"), {}, False),
-    (job("small").gpus(2).topology("block"), {}, False),
-    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 2}, False),
-    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 3}, True),
-    (job("small").gpus(2), {"fraction": 0.0}, True),
+    (job("small").gpus(2), {}, False, True),
+    (job("small").gpus(2), {"big": False}, True, False),
+    (job("small").gpus(2).topology("machine"), {}, False, True),
+    (job("small").gpus(2).topology("any"), {}, False, True),
+    (job("small").gpus(2).topology("block"), {}, False, True),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 2}, False, True),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 3}, True, True),
+    (job("small").gpus(2), {"fraction": 0.0}, True, False),
 ]
 POOL_IDS = [
-    "a 2-GPU job does not break the last whole machine while a job needing whole machines is queued",
+    "a 2-GPU job does not break the last whole machine while a job needing whole machines is queued, which then takes it",
     "with no big job queued, the 2-GPU job takes the whole machine",
     "a small machine-topology job leaves the reserved whole machine alone",
     "a small 'any' job leaves the reserved whole machine alone",
     "a small block-topology job leaves the reserved whole machine alone",
     "the reserved pool is the fraction rounded up: 15% of 10 machines keeps 2 whole",
     "beyond the reserved pool, a third whole machine may be broken",
-    "a reserved pool fraction of 0 keeps nothing whole",
+    "a reserved pool fraction of 0 keeps nothing whole: the small job breaks the last whole machine",
 ]
 
 
-@pytest.mark.parametrize("small,opts,starts", POOL_CASES, ids=POOL_IDS)
-def test_reserved_pool_of_whole_machines(small, opts, starts):
+@pytest.mark.parametrize("small,opts,starts,big_starts", POOL_CASES, ids=POOL_IDS)
+def test_reserved_pool_of_whole_machines(small, opts, starts, big_starts):
     result = cycle(_pool_snapshot(small, **opts))
-    assert "big" not in placements(result)
     assert ("small" in placements(result)) == starts, (result.placements, result.pending)
+    assert ("big" in placements(result)) == big_starts, (result.placements, result.pending)
     if not starts:
         assert pending(result)["small"].reason == "the last whole machines are kept for jobs that need a whole machine"
+
+
+def test_a_job_its_team_maximum_keeps_out_does_not_keep_the_pool_idle():
+    """The 8-GPU job's team holds its maximum (m1): it cannot start until that team gives GPUs
+    back, so keeping the last whole machine for it would only leave GPUs idle."""
+    run = [filler("capped-run", mid(0, 0, 1), range(8), team="capped"), _busy(mid(0, 0, 2), 8)]
+    queue = [job("big").gpus(8).team("capped").submitted(NOW), job("small").gpus(2).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue,
+                            quotas={"capped": {"guaranteed": 0, "max": 8}}))
+    assert "small" in placements(result)
+    assert pending(result)["big"].reason.startswith("team capped is at its maximum"), pending(result)["big"].reason
 
 
 def test_a_job_bigger_than_the_reserved_pool_does_not_keep_it_idle():

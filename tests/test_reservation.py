@@ -174,7 +174,7 @@ def test_a_job_its_teams_guarantee_covers_still_respects_the_reservation_of_a_st
 
 
 def test_a_job_started_on_reserved_machines_by_the_preemption_path_with_nobody_displaced_is_backfilled():
-    """m0 is kept whole (the reserved pool, for capped team e's 8-GPU job) and held for `hold`'s
+    """m0 is kept whole (the reserved pool, for team e's 8-GPU job) and held for `hold`'s
     reservation; `s` may displace e's borrowed job, and the victims' search finds room on m0 with
     nobody displaced. It starts there ahead of the reservation, so it is a backfill like any other
     (it was flagged as not one, and its reason did not say so)."""
@@ -188,7 +188,7 @@ def test_a_job_started_on_reserved_machines_by_the_preemption_path_with_nobody_d
         queue=[job("hold").gpus(16).team("h").priority("low").submitted(NOW - 3600),
                job("J").gpus(8).team("e").submitted(NOW - 60),
                job("s").gpus(2).team("s").priority("high").expected(600).submitted(NOW - 10)],
-        quotas={"e": {"guaranteed": 0, "max": 8}, "h": {"guaranteed": 0}, "s": {"guaranteed": 0},
+        quotas={"e": {"guaranteed": 0, "max": 16}, "h": {"guaranteed": 0}, "s": {"guaranteed": 0},
                 "ops": {"guaranteed": 0}},
     )
     result = cycle(snap)
