@@ -49,6 +49,7 @@ from scheduler.models import (
 from scheduler.quotas import TeamUsage
 
 _LOWEST = max(p.rank for p in Priority)  # a claimant of this class displaces nobody by class
+KEPT_WHOLE = "the last whole machines are kept for jobs that need a whole machine"
 
 
 @dataclass
@@ -116,12 +117,32 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
             admit(state, job)
         else:
             borrowing.append(job)
-    if not borrowing:
-        return
     for job in borrowing:
         admit(state, job)
-    place = {job.spec.job_id: i for i, job in enumerate(queue)}
-    state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
+    if state.keep_whole and state.placed:
+        _after_the_pool_served(state)
+    if borrowing:
+        place = {job.spec.job_id: i for i, job in enumerate(queue)}
+        state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
+
+
+def _after_the_pool_served(state: Admission) -> None:
+    """A job kept off the reserved pool is admitted again when the jobs the pool was kept for
+    have started later in the same cycle: left waiting, it would stand beside free GPUs it fits
+    until the next cycle, told it starts now."""
+    kept_out = [job for job, reason in state.waiting if KEPT_WHOLE in reason]
+    if not kept_out:
+        return
+    keep = _reserved_pool(state.cap, [job for job, _ in state.waiting], state.config, state.usage)
+    if keep == state.keep_whole:
+        return
+    state.keep_whole = keep
+    for answers in (state.settled, state.explained, state.no_fit, state.no_victims, state.no_moves):
+        answers.clear()  # given with the pool kept
+    again = {job.spec.job_id for job in kept_out}
+    state.waiting = [w for w in state.waiting if w[0].spec.job_id not in again]
+    for job in kept_out:
+        admit(state, job)
 
 
 def admit(state: Admission, job: QueuedJob) -> None:
@@ -263,11 +284,21 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig, 
     A job bigger than a pool's reserve waits for its reservation instead, and one that may not
     run on the pool (another partition, GPU type, or one machine larger than the pool's) never
     uses it, nor one whose team is at its maximum until it gives GPUs back: keeping machines
-    idle for them would only waste GPUs."""
+    idle for them would only waste GPUs. Nor is the reserve larger than the pool's machines that
+    can be whole at all (no sick GPU, taking work): a job only more of them could host would
+    never start there."""
     fraction = config.reserved_pool_fraction
     if not fraction or cap.gpus_per_machine == 0:
         return NO_RESERVE
-    reserves = {pool.key: math.ceil(fraction * len(pool.members)) for pool in cap.pools.values()}
+    layout = cap.layout
+    reserves = {}
+    for pool in cap.pools.values():
+        members = pool.members
+        can_be_whole = (len(members) if layout.all_healthy
+                        else sum(1 for i in members if len(layout.healthy[i]) == pool.key.gpus))
+        reserve = min(math.ceil(fraction * len(members)), can_be_whole)
+        if reserve:
+            reserves[pool.key] = reserve
     smallest = min((key.gpus for key in reserves), default=0)
     kept: dict = {}
     asked: set[tuple] = set()
@@ -281,8 +312,8 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig, 
         asked.add(shape)
         pools, _, topology = cap.fit_terms(spec)
         for pool in pools:
-            reserve = reserves[pool.key]
-            if reserve_serves(pool.key, reserve, spec.num_gpus, topology):
+            reserve = reserves.get(pool.key)
+            if reserve and reserve_serves(pool.key, reserve, spec.num_gpus, topology):
                 kept[pool.key] = reserve
         if len(kept) == len(reserves):
             break
@@ -550,10 +581,9 @@ def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
         holders = [h.job_id for h in state.holds if h.machines & avoid]
         return f"behind the reservation of job {holders[0]}"
     if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
-        return "the last whole machines are kept for jobs that need a whole machine"
+        return KEPT_WHOLE
     if avoid and keep_whole and placement.find_gpus(cap, spec) is not None:
         # Each alone leaves room; together they leave none, and the room in words would say it fits.
         holders = [h.job_id for h in state.holds if h.machines & avoid]
-        return (f"behind the reservation of job {holders[0]}, and the last whole machines are kept "
-                "for jobs that need a whole machine")
+        return f"behind the reservation of job {holders[0]}, and {KEPT_WHOLE}"
     return placement.explain_no_fit(cap, spec)

@@ -235,26 +235,25 @@ def test_unusable_machines_and_gpus_are_never_used(machines, run, queued, starts
 
 
 # --- the reserved pool of whole machines ----------------------------------------------------------------
-# One whole machine left (m0), the rest full; the small job was submitted first, so it is admitted
-# before the 8-GPU job, which needs a whole machine and which the pool could host, when that is queued.
-
-BIG = job("big").gpus(8).submitted(NOW)
+# `whole` machines left whole, the rest full; the small job was submitted first, so it is admitted
+# before the big job (8 GPUs unless said), which needs whole machines the pool could host.
 
 
-def _pool_snapshot(small, *, big=True, machines=3, fraction=0.01, whole=1):
+def _pool_snapshot(small, *, big=8, machines=3, fraction=0.01, whole=1):
     run = [_busy(mid(0, 0, i), 8) for i in range(whole, machines)]
-    queue = ([BIG] if big else []) + [small.submitted(NOW - 60)]
+    queue = ([job("big").gpus(big).submitted(NOW)] if big else []) + [small.submitted(NOW - 60)]
     return snapshot(fleet(machines=machines), running=run, queue=queue, reserved_pool_fraction=fraction)
 
 
 POOL_CASES = [
     (job("small").gpus(2), {}, False, True),
-    (job("small").gpus(2), {"big": False}, True, False),
+    (job("small").gpus(2), {"big": None}, True, False),
     (job("small").gpus(2).topology("machine"), {}, False, True),
     (job("small").gpus(2).topology("any"), {}, False, True),
     (job("small").gpus(2).topology("block"), {}, False, True),
-    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 2}, False, True),
-    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 3}, True, True),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "big": 16}, False, False),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "big": 16, "whole": 3}, True, True),
+    (job("small").gpus(2), {"machines": 10, "fraction": 0.15, "whole": 2}, True, True),
     (job("small").gpus(2), {"fraction": 0.0}, True, False),
 ]
 POOL_IDS = [
@@ -263,8 +262,9 @@ POOL_IDS = [
     "a small machine-topology job leaves the reserved whole machine alone",
     "a small 'any' job leaves the reserved whole machine alone",
     "a small block-topology job leaves the reserved whole machine alone",
-    "the reserved pool is the fraction rounded up: 15% of 10 machines keeps 2 whole",
+    "the reserved pool is the fraction rounded up: 15% of 10 machines keeps 2 whole, enough for a 16-GPU job",
     "beyond the reserved pool, a third whole machine may be broken",
+    "once the job the pool is kept for has started, a job kept off it takes what is left in the same cycle",
     "a reserved pool fraction of 0 keeps nothing whole: the small job breaks the last whole machine",
 ]
 
@@ -274,7 +274,7 @@ def test_reserved_pool_of_whole_machines(small, opts, starts, big_starts):
     result = cycle(_pool_snapshot(small, **opts))
     assert ("small" in placements(result)) == starts, (result.placements, result.pending)
     assert ("big" in placements(result)) == big_starts, (result.placements, result.pending)
-    if not starts:
+    if not starts and not big_starts:
         assert pending(result)["small"].reason == "the last whole machines are kept for jobs that need a whole machine"
 
 
@@ -287,6 +287,16 @@ def test_a_job_its_team_maximum_keeps_out_does_not_keep_the_pool_idle():
                             quotas={"capped": {"guaranteed": 0, "max": 8}}))
     assert "small" in placements(result)
     assert pending(result)["big"].reason.startswith("team capped is at its maximum"), pending(result)["big"].reason
+
+
+def test_machines_with_sick_gpus_do_not_count_towards_the_reserve():
+    """Three 2-GPU machines keep a reserve of 2 (fraction 0.5), but two have every GPU sick: only
+    one can ever be whole, so a 4-GPU job the nominal reserve could host would never start there,
+    and keeping the last whole machine for it would leave the small job waiting for good."""
+    machines = unhealthy(unhealthy(fleet(racks=3, machines=1, gpus=2), mid(0, 0, 0), [0, 1]), mid(0, 1, 0), [0, 1])
+    queue = [job("small").gpus(1).priority("high").submitted(NOW), job("big").gpus(4).priority("low").submitted(NOW)]
+    result = cycle(snapshot(machines, queue=queue, reserved_pool_fraction=0.5))
+    assert "small" in placements(result), pending(result)["small"].reason
 
 
 def test_a_job_bigger_than_the_reserved_pool_does_not_keep_it_idle():
@@ -306,7 +316,7 @@ def test_the_reserved_pool_does_not_keep_a_big_job_from_a_whole_machine():
 
 def test_partly_used_machines_still_take_small_jobs_while_the_pool_is_kept():
     run = [_busy(mid(0, 0, 1), 6), _busy(mid(0, 0, 2), 8)]
-    result = cycle(snapshot(fleet(machines=3), running=run, queue=[BIG, job("small").gpus(2).submitted(NOW)]))
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=[job("big").gpus(8).submitted(NOW), job("small").gpus(2).submitted(NOW)]))
     assert machines_of(placements(result)["small"].gpus) == {mid(0, 0, 1)}
 
 
