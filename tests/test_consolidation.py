@@ -16,6 +16,7 @@ from builders import (
     preempted,
     running,
     snapshot,
+    unreachable,
 )
 
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
@@ -101,6 +102,16 @@ def test_while_the_mover_checkpoints_nobody_takes_the_gap_it_will_restart_in():
     assert placements(result)["late"].gpus == ((M1, 7),)
     assert {e.job_id: e.gpus for e in result.earmarks}["m"] == ((M1, 6),)
     assert "gang" in pending(result)
+
+
+def test_a_mover_whose_old_machine_is_lost_while_it_checkpoints_keeps_the_gap_it_restarts_in():
+    """M0 stops answering during the move: the mover is requeued from there, and the GPU it was
+    moving to stays earmarked for it (the gang job's, on M0, lapse with the machine)."""
+    snap = _scattered(_mover())
+    nxt = after_preemption(snap, cycle(snap), now=NOW + 30, victims_gone=False)
+    result = cycle(nxt.model_copy(update={"machines": tuple(unreachable(list(nxt.machines), M0))}))
+    assert "m" in {r.job_id for r in result.requeues}
+    assert {e.job_id: e.gpus for e in result.earmarks} == {"m": ((M1, 6),)}
 
 
 def test_a_block_job_gets_a_block_cleared_by_moving_a_job_to_another_block():

@@ -202,11 +202,6 @@ def remaining(q: QueuedJob, config: PolicyConfig) -> float:
     return max(MIN_RUN, q.spec.expected_duration - q.progress) + restart
 
 
-def lost_now(snap: Snapshot) -> set[str]:
-    reachable = {m.id for m in snap.machines if m.reachable}
-    return {r.spec.job_id for r in snap.running if any(s[0] not in reachable for s in r.gpus)}
-
-
 def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     now, config = snap.now, snap.config
     machines = {m.id: m for m in snap.machines}
@@ -305,8 +300,9 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
             assert len({m.block for m in where}) == 1, f"{spec.job_id}: block topology across blocks {gpus}"
 
     # Earmarks passed in that still hold: their GPUs belong to their claimant.
-    # A job being moved keeps the GPUs it restarts on while it drains.
-    moving = {r.spec.job_id for r in snap.running if r.draining and r.spec.job_id not in lost_now(snap)}
+    # A job being moved keeps the GPUs it restarts on while it drains, and when its old machine
+    # is lost meanwhile: it takes them up once requeued.
+    moving = {r.spec.job_id for r in snap.running if r.draining}
     live_in = {}
     for e in snap.earmarks:
         if e.expires > now and (e.job_id in queued or e.job_id in moving) and all(usable(s) for s in e.gpus):

@@ -131,6 +131,8 @@ IDLE = run(
 IDLE_LATE_QUEUE = IDLE.model_copy(update={"samples": [sample(0, 2), sample(30, 1, queued=2), sample(35, 1)]})
 # A queue that starts exactly when the gap ends does not make it a gap while waiting.
 IDLE_QUEUE_AT_END = IDLE.model_copy(update={"samples": [sample(0, 2), sample(50, 1, queued=2), sample(55, 1)]})
+# An empty allocation (placed at the instant --until cuts the run) is no gap, and makes none.
+IDLE_EMPTY_AT_CUT = IDLE.model_copy(update={"allocations": (*IDLE.allocations, alloc("f", 60, 60, "g1"))})
 
 # Waits: critical 0, 10, 20, 30, 40; high one 100; low one never started, one rejected.
 WAITS = run(jobs=(
@@ -227,6 +229,7 @@ METRIC_CASES = [
     (IDLE, "idle_gap_while_waiting_s.p50", 5.0),
     (IDLE_LATE_QUEUE, "idle_gap_while_waiting_s.p50", 30.0),
     (IDLE_QUEUE_AT_END, "idle_gap_while_waiting_s.count", 0),
+    (IDLE_EMPTY_AT_CUT, "idle_gap_s.count", 3),
     (WAITS, "wait_s.critical.count", 5),
     (WAITS, "wait_s.critical.p50", 20.0),
     (WAITS, "wait_s.critical.p95", 38.0),
@@ -311,6 +314,7 @@ METRIC_IDS = [
     "the idle gap while waiting is that five-second gap",
     "a queue inside a long gap makes the whole gap count",
     "a queue that starts exactly as the gap ends does not count",
+    "an empty allocation where --until cuts the run is no gap and makes none",
     "five critical jobs started",
     "the median critical wait is 20 seconds",
     "the p95 critical wait interpolates to 38 seconds",

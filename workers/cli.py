@@ -18,7 +18,7 @@ from scheduler.errors import InputError
 from scheduler.fleet import Fleet, parse_fleet
 from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
-from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_run
+from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_json, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
 from workers.arg_types import finite, read_input
 from workers.cli_dev import add_dev_commands
@@ -104,7 +104,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         # The chosen policy's files go straight into DIR; compared baselines into DIR/<name>.
         summary = write_run(result, out if name == names[0] else out / name)
         summary["simulation_wall_s"] = round(elapsed, 2)
-        (out if name == names[0] else out / name).joinpath(SUMMARY_JSON).write_text(json.dumps(summary, indent=2))
+        write_json(summary, (out if name == names[0] else out / name) / SUMMARY_JSON)
         summaries[name] = summary
         if not args.json:
             rejected = summary["wait_s"]["all"]["rejected"]

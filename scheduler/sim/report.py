@@ -182,6 +182,8 @@ def _idle_gaps(
     for ivs in by_gpu.values():
         held_until: float | None = None
         for s, e in ivs:
+            if e <= s:
+                continue  # empty (placed as --until cuts the run): it holds nothing
             if held_until is not None and s >= held_until:
                 gap = s - held_until
                 gaps.append(gap)
@@ -644,7 +646,7 @@ def write_plot(result: SimResult, path: str | Path) -> None:
         plt.close(fig)
 
 
-def _write_json(data: Any, path: Path) -> None:
+def write_json(data: Any, path: Path) -> None:
     path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
@@ -660,7 +662,7 @@ def write_run(result: SimResult, out_dir: str | Path) -> dict[str, Any]:
     summary = summarize(result)
     write_allocations_csv(result, out / ALLOCATIONS_CSV)
     write_jobs_csv(result, out / JOBS_CSV)
-    _write_json(summary, out / SUMMARY_JSON)
+    write_json(summary, out / SUMMARY_JSON)
     write_plot(result, out / PLOT_PNG)
     return summary
 
@@ -671,5 +673,5 @@ def write_comparison(summaries: Mapping[str, Mapping[str, Any]], out_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
     table = comparison_table(summaries)
     (out / COMPARISON_MD).write_text(table, encoding="utf-8")
-    _write_json(comparison_values(summaries), out / COMPARISON_JSON)
+    write_json(comparison_values(summaries), out / COMPARISON_JSON)
     return table
