@@ -93,7 +93,8 @@ class JobActivities:
     @activity.defn(name="end_attempt")
     async def end_attempt(self, inp: EndAttempt) -> None:
         await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
-                                     inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint)
+                                     inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint,
+                                     inp.failures_in_a_row)
 
     @activity.defn(name="doubt_unusable_checkpoint")
     async def doubt_unusable_checkpoint(self, report: UnusableReport) -> str | None:

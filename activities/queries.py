@@ -158,11 +158,15 @@ FINISH_JOB = f"""
 UPDATE jobs SET state = $2, reason = $3, exit_code = $4, position = NULL, estimated_start = NULL,
     pending_reason = NULL, updated_at = {NOW_EPOCH}
 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+# $4: seconds the job is held back before it may be placed again (NULL: none), said in $5.
 REQUEUE_JOB = f"""
 UPDATE jobs SET state = 'queued', queued_since = {NOW_EPOCH}, reason = $2,
     preemptions = CASE WHEN $3 THEN preemptions || {NOW_EPOCH} ELSE preemptions END,
+    held_until = {NOW_EPOCH} + $4, position = NULL, estimated_start = NULL, pending_reason = $5,
     updated_at = {NOW_EPOCH}
 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
+# The policy of the cluster a job runs in: how long a requeue holds it back.
+POLICY_OF_JOB = "SELECT c.policy FROM jobs j JOIN clusters c ON c.name = j.cluster WHERE j.id = $1"
 
 # --- allocations --------------------------------------------------------------------------------
 
@@ -207,9 +211,10 @@ SELECT a.id AS allocation_id, a.job_id, a.gpus, a.placed_at, a.started_at, a.pro
 FROM allocations a JOIN jobs j ON j.id = a.job_id
 WHERE a.cluster = $1 AND a.state <> 'ended'
 ORDER BY a.id"""
+# A job held back after infrastructure failures in a row is not in the queue until then.
 SNAPSHOT_QUEUE = """
 SELECT id, request, priority, submit_time, queued_since, progress, preemptions
-FROM jobs WHERE cluster = $1 AND state = 'queued'
+FROM jobs WHERE cluster = $1 AND state = 'queued' AND (held_until IS NULL OR held_until <= $2)
 ORDER BY id"""
 SNAPSHOT_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas"
 # The submissions the estimates' forecast of arrivals is made from (scheduler/forecast.py).

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from activities import queries as q
 from activities import rows
+from scheduler import in_words
 from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
     Admission,
@@ -81,6 +82,16 @@ QUIET_S = 5.0
 # its agent heartbeated (the agent's worker does not poll): long enough for the jobs to go
 # elsewhere, short enough that a passing hiccup costs little capacity.
 UNPICKED_COOL_DOWN = 300.0
+HELD_BACK_MAX = 3600.0  # however many failures in a row: a job is never held back longer
+
+
+def held_back(backoff: float, failures_in_a_row: int) -> float:
+    """How long a job queued again after its `failures_in_a_row`-th infrastructure failure in a
+    row waits before it may be placed: nothing after the first (its machine died: another one
+    will do), then `backoff`, doubled with each failure after (60 s, 2 min, 4 min by default)."""
+    if failures_in_a_row < 2 or backoff <= 0:
+        return 0.0
+    return min(HELD_BACK_MAX, backoff * 2 ** min(failures_in_a_row - 2, 20))
 
 
 class Store:
@@ -396,13 +407,16 @@ class Store:
 
     async def end_attempt(self, job_id: str, allocation_id: int | None, end: EndReason,
                           exit_code: int | None, next_state: JobState, reason: str,
-                          machine_id: str | None = None, unusable_checkpoint: int | None = None) -> None:
+                          machine_id: str | None = None, unusable_checkpoint: int | None = None,
+                          failures_in_a_row: int = 0) -> None:
         """Give the attempt's GPUs back and move the job on: to the queue again (``queued``)
         or to a terminal state. Idempotent; ``allocation_id`` None ends whatever the job holds.
         ``machine_id``: the machine whose agent failed the attempt, when known.
         ``unusable_checkpoint``: the checkpoint the attempt resumed from, which its job found
         unusable (gone, corrupted): no longer complete, so the next attempt resumes from the one
-        before."""
+        before. ``failures_in_a_row``: the job's infrastructure failures in a row, this one
+        included, when it goes back to the queue for one: from the second on it is held back
+        (``held_back``)."""
         # The reason carries the job's last log lines: a NUL there (an older agent's tail of a
         # binary log) would make Postgres refuse this call on every retry, the GPUs held.
         reason = reason.replace("\0", "\ufffd")
@@ -431,7 +445,15 @@ class Store:
                 return
             if next_state is JobState.queued:
                 preempted = end is EndReason.preempted
-                if await conn.execute(q.REQUEUE_JOB, job_id, reason, preempted) == "UPDATE 1":
+                hold = None
+                if failures_in_a_row >= 2:
+                    policy = rows.policy({"policy": await conn.fetchval(q.POLICY_OF_JOB, job_id) or "{}"})
+                    hold = held_back(policy.retry_backoff, failures_in_a_row)
+                said = None if not hold else (
+                    f"held back after {failures_in_a_row} infrastructure failures in a row: it may be placed "
+                    f"again {in_words.duration(hold)} after it was queued (the hold doubles with each failure "
+                    "in a row, so that a passing outage does not spend its retries)")
+                if await conn.execute(q.REQUEUE_JOB, job_id, reason, preempted, hold or None, said) == "UPDATE 1":
                     await conn.execute(q.AUDIT, None, job_id, "requeued", reason, "{}")
             elif next_state.terminal:
                 if await conn.execute(q.FINISH_JOB, job_id, next_state.value, reason, exit_code) == "UPDATE 1":
@@ -558,7 +580,7 @@ class Store:
             config=config,
             machines=await conn.fetch(q.SNAPSHOT_MACHINES, cluster, lock["machine_timeout"], LISTEN_GAP),
             running=await conn.fetch(q.SNAPSHOT_RUNNING, cluster),
-            queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster),
+            queue=await conn.fetch(q.SNAPSHOT_QUEUE, cluster, now),
             quotas=await conn.fetch(q.SNAPSHOT_QUOTAS),
             submissions=await conn.fetch(q.SNAPSHOT_SUBMISSIONS, cluster,
                                          now - config.forecast_window, now),

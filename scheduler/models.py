@@ -23,6 +23,7 @@ def gpu_path(slot: GpuSlot) -> str:
 MIN_CHECKPOINT_INTERVAL = 1.0  # seconds; a shorter interval would checkpoint at every step
 # Bounds of the policy's durations: past them a knob is a typo (a grace period of 1e308 s), and
 # the arithmetic built on it overflows or plans absurd horizons.
+HOUR = 3600.0
 DAY = 86400.0
 WEEK = 7 * DAY
 YEAR = 365 * DAY
@@ -226,6 +227,11 @@ class PolicyConfig(Frozen):
     # its checkpoint loaded): added to the expected end of a resumed job, so that the scheduler
     # neither waits for GPUs that come back later than it thinks nor plans on them too early.
     expected_restart_s: float = Field(default=0.0, ge=0, le=DAY)
+    # The live system only: a job queued again after its second infrastructure failure in a row
+    # (its agent died, its command exited 75) waits this long before it may be placed again,
+    # doubled with each further one (0 turns it off), so that a passing outage of what its
+    # attempts need does not spend the five failures that fail it within seconds.
+    retry_backoff: float = Field(default=60.0, ge=0, le=HOUR)
 
 
 class Earmark(Frozen):

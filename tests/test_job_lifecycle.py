@@ -59,8 +59,9 @@ def test_a_job_with_retries_runs_its_failed_command_again_until_its_retries_are_
 
 def test_a_job_that_exits_75_is_queued_again_without_retries_and_five_in_a_row_fail_it(stack):
     """Exit 75 (jobkit.EXIT_RETRY_LATER): what the job needs is not there now, its checkpoint
-    store say. Not the command's own failure, so no retries are needed; but it is no loop either."""
-    s = stack(machines=1)
+    store say. Not the command's own failure, so no retries are needed; but it is no loop either:
+    from the second failure in a row it is held back, longer each time (1 s, 2 s, 4 s here)."""
+    s = stack(machines=1, policy={"retry_backoff": 1})
     later = "import os, sys; print('store unreachable'); sys.exit(75 if os.environ['GPUSCHED_ATTEMPT'] == '1' else 0)"
     s.submit("later", 1, [sys.executable, "-c", later])
     s.submit("never", 1, [sys.executable, "-c", "import sys; sys.exit(75)"])
@@ -69,6 +70,9 @@ def test_a_job_that_exits_75_is_queued_again_without_retries_and_five_in_a_row_f
     assert never.state == "failed" and len(never.attempts) == 5 and "5 infrastructure failures" in never.reason
     # It says how the command ended, and no empty line stands for the log it did not write.
     assert never.exit_code == 75 and never.reason.endswith("(exit code 75) (5 infrastructure failures)")
+    tries = s.sql("SELECT placed_at, ended_at FROM allocations WHERE job_id = 'never' ORDER BY attempt")
+    held = [later["placed_at"] - earlier["ended_at"] for earlier, later in zip(tries, tries[1:])]
+    assert all(h >= wait - 0.05 for h, wait in zip(held[1:], (1, 2, 4))), held
 
 
 def test_a_queued_job_is_cancelled_without_ever_running(stack):

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from activities.store import UNPICKED_COOL_DOWN, GpuReport, Store
+from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
 _names = itertools.count()
+NOW_SQL = "extract(epoch from clock_timestamp())"
 SHIPPED_MIGRATIONS = len(list((Path(__file__).parents[1] / "activities" / "migrations").glob("*.sql")))
 
 
@@ -262,6 +263,53 @@ def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store
     assert row["state"] == "queued" and len(row["preemptions"]) == 1
     second = run(store.plan_cycle("c1", 2, run_cycle)).placements
     assert second[0].signal.attempt == 2
+
+
+@pytest.mark.parametrize("backoff, failures, held", [
+    (60, 1, 0),  # its machine died: another one will do, at once
+    (60, 2, 60),
+    (60, 3, 120),
+    (60, 4, 240),
+    (60, 40, HELD_BACK_MAX),  # never longer than an hour
+    (0, 4, 0),  # the cluster turned it off
+], ids=["a first failure is not held back", "a second is held back the cluster's backoff",
+        "a third twice that", "a fourth four times", "never longer than the cap", "a backoff of 0 holds none"])
+def test_a_job_queued_again_after_failures_in_a_row_is_held_back_longer_each_time(backoff, failures, held):
+    assert held_back(backoff, failures) == held
+
+
+def test_a_held_back_job_stays_out_of_the_queue_until_its_hold_ends_and_says_why(store_env):
+    """Exit 75 or a dead agent twice in a row: placed again at once, it would spend its five
+    failures within seconds of a passing outage."""
+    run, store = store_env
+    run(store.configure_cluster("c1", policy={"retry_backoff": 30}))
+    alloc = started(run, store)
+    run(store.end_attempt("a", alloc, EndReason.machine_failure, 75, JobState.queued,
+                          "requeued: the command could not run for now (exit code 75)", failures_in_a_row=3))
+    row = run(store.pool.fetchrow(f"SELECT held_until - {NOW_SQL} AS left, pending_reason FROM jobs WHERE id = 'a'"))
+    assert 59 < row["left"] <= 60  # 30 s doubled once, for the third failure in a row
+    assert "held back after 3 infrastructure failures in a row" in row["pending_reason"]
+    assert "placed again 60 s after it was queued" in row["pending_reason"]
+    view = run(store.job_view("a"))
+    assert view.state == "queued" and view.pending_reason == row["pending_reason"]
+    assert [j.spec.job_id for j in run(store.snapshot("c1")).queue] == []
+    assert run(store.plan_cycle("c1", 2, run_cycle)).placements == []
+    run(store.pool.execute("UPDATE jobs SET held_until = held_until - 60 WHERE id = 'a'"))  # its hold has passed
+    placed = run(store.plan_cycle("c1", 3, run_cycle)).placements
+    assert [p.job_id for p in placed] == ["a"] and placed[0].signal.attempt == 2
+
+
+def test_a_job_queued_again_after_a_first_failure_or_a_preemption_is_not_held_back(store_env):
+    run, store = store_env
+    alloc = started(run, store)
+    run(store.end_attempt("a", alloc, EndReason.machine_failure, None, JobState.queued,
+                          "requeued: its machine's agent stopped heartbeating", failures_in_a_row=1))
+    alloc = run(store.plan_cycle("c1", 2, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("a", alloc))
+    run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "preempted: for b"))
+    row = run(store.pool.fetchrow("SELECT held_until, pending_reason FROM jobs WHERE id = 'a'"))
+    assert row["held_until"] is None and row["pending_reason"] is None
+    assert [p.job_id for p in run(store.plan_cycle("c1", 3, run_cycle)).placements] == ["a"]
 
 
 def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_cluster_sets_one(store_env):

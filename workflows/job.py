@@ -111,6 +111,7 @@ class JobWorkflow:
         self.failed_host: str | None = None  # the machine whose agent failed this attempt
         self.resume_seq: int | None = None  # the checkpoint this attempt resumed from
         self.unusable_checkpoint: int | None = None  # that checkpoint, when the job found it unusable
+        self.held_for: int = 0  # infrastructure failures in a row this requeue is for (held back)
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -387,6 +388,8 @@ class JobWorkflow:
         tail = f":\n{lines}" if lines else ""
         if self.infra_failures >= MAX_INFRA_FAILURES:
             return end, exit_code, JobState.failed, f"{why} ({self.infra_failures} infrastructure failures){tail}"
+        if workflow.patched("infra-failures-held-back"):
+            self.held_for = self.infra_failures  # the store holds it back from the second on
         return end, exit_code, JobState.queued, f"requeued: {why}{tail}"
 
     async def _stop(self, runs) -> None:
@@ -402,10 +405,11 @@ class JobWorkflow:
             "end_attempt",
             EndAttempt(job_id=self.job_id, allocation_id=allocation_id, end_reason=end, exit_code=exit_code,
                        next_state=next_state, reason=reason, machine_id=self.failed_host,
-                       unusable_checkpoint=self.unusable_checkpoint),
+                       unusable_checkpoint=self.unusable_checkpoint, failures_in_a_row=self.held_for),
             **STORE_CALL,
         )
         self.unusable_checkpoint = None
+        self.held_for = 0
         self.state = next_state
         self.exit_code = exit_code if next_state.terminal else None
         self.reason = reason

@@ -430,8 +430,12 @@ class EndAttempt(WithNewFields):
     machine_id: str | None = None  # the machine whose agent failed the attempt, when one did
     # The checkpoint the attempt resumed from, when its job found it unusable: no longer complete.
     unusable_checkpoint: int | None = None
+    # Its infrastructure failures in a row, this one included, when it is queued again for one:
+    # from the second on, the store holds it back (PolicyConfig.retry_backoff).
+    failures_in_a_row: int = 0
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint")  # since 2026-12-02
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("machine_id", "unusable_checkpoint",  # since 2026-12-02
+                                             "failures_in_a_row")  # since 2026-12-04
 
 
 class UnusableReport(Model):
