@@ -158,11 +158,12 @@ FINISH_JOB = f"""
 UPDATE jobs SET state = $2, reason = $3, exit_code = $4, position = NULL, estimated_start = NULL,
     pending_reason = NULL, updated_at = {NOW_EPOCH}
 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
-# $4: seconds the job is held back before it may be placed again (NULL: none), said in $5.
+# $4: seconds the job is held back before it may be placed again (NULL: none), said in $5; the
+# end of its hold is the earliest it may start, so that is its estimated start until a cycle has it.
 REQUEUE_JOB = f"""
 UPDATE jobs SET state = 'queued', queued_since = {NOW_EPOCH}, reason = $2,
     preemptions = CASE WHEN $3 THEN preemptions || {NOW_EPOCH} ELSE preemptions END,
-    held_until = {NOW_EPOCH} + $4, position = NULL, estimated_start = NULL, pending_reason = $5,
+    held_until = {NOW_EPOCH} + $4, position = NULL, estimated_start = {NOW_EPOCH} + $4, pending_reason = $5,
     updated_at = {NOW_EPOCH}
 WHERE id = $1 AND state NOT IN ('succeeded', 'failed', 'cancelled')"""
 # The policy of the cluster a job runs in: how long a requeue holds it back.

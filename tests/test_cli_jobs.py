@@ -268,7 +268,7 @@ def test_a_database_no_control_worker_has_migrated_is_one_line_saying_to_start_o
 
 @pytest.mark.live
 def test_the_commands_on_a_live_stack(stack, capsys):
-    s = stack(machines=1, gpus=4)
+    s = stack(machines=1, gpus=4, policy={"retry_backoff": 600})
     d = ["--data-dir", str(s.data_dir)]
     assert main(["submit", "--team", "nobody", "--gpus", "1", *d, "--", "true"]) == 2
     assert "has no quota" in capsys.readouterr().err
@@ -295,6 +295,15 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     # The same submit again, for a job that has ended: it says how it ended, not "placed".
     assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0
     assert capsys.readouterr().out.startswith("cli-2: already failed on c1")
+    # The same submit again, for a job held back after two exits 75 in a row: not "placed".
+    held = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-3", *d, "--", "sh", "-c", "exit 75"]
+    assert main(held) == 0
+    s.until(lambda: "held back after 2 infrastructure failures" in (s.status("cli-3").pending_reason or ""))
+    capsys.readouterr()
+    assert main(held) == 0
+    assert capsys.readouterr().out.startswith("cli-3: queued, held back after infrastructure failures in a row, on c1; "
+                                              "estimated start ")
+    assert main(["cancel", "cli-3", *d]) == 0
     # `gpusched list | head`: a reader gone is not a database that did not answer.
     read, write = os.pipe()
     os.close(read)

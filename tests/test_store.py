@@ -292,6 +292,7 @@ def test_a_held_back_job_stays_out_of_the_queue_until_its_hold_ends_and_says_why
     assert "placed again 60 s after it was queued" in row["pending_reason"]
     view = run(store.job_view("a"))
     assert view.state == "queued" and view.pending_reason == row["pending_reason"]
+    assert view.position is None and view.estimated_start is not None  # the hold's end: the earliest it starts
     assert [j.spec.job_id for j in run(store.snapshot("c1")).queue] == []
     assert run(store.plan_cycle("c1", 2, run_cycle)).placements == []
     run(store.pool.execute("UPDATE jobs SET held_until = held_until - 60 WHERE id = 'a'"))  # its hold has passed

@@ -242,7 +242,8 @@ def cmd_submit(args) -> int:
             print(f"{sub.job_id}: already {sub.state} on {sub.cluster} (this submit was sent before; "
                   f"`gpusched status {sub.job_id}` shows how it ran; run it again under a new --job-id)")
         else:
-            where = "placed" if sub.position == 0 else f"position {sub.position} in the queue"
+            where = ("placed" if sub.position == 0 else f"position {sub.position} in the queue"
+                     if sub.position is not None else "queued, held back after infrastructure failures in a row,")
             print(f"{sub.job_id}: {where} on {sub.cluster}; estimated start {_when(sub.estimated_start, time.time())}")
             if client.history_url(sub.job_id):
                 print(f"  history: {client.history_url(sub.job_id)}")

@@ -254,7 +254,9 @@ class GpuschedClient:
         if view.state != "queued":  # placed already: it starts as its agent launches it
             started = view.attempts[-1].started_at if view.attempts else None
             return 0, started or iso(time.time()), view.state
-        if view.position is not None:
+        if view.position is not None or view.estimated_start is not None:
+            # An estimate without a place: held back after infrastructure failures in a row (its
+            # hold's end), out of the cycle's queue until then.
             return view.position, view.estimated_start, view.state
         # No cycle yet (the loop is busy or restarting): the same core on a read-only snapshot.
         snapshot = await self.store.snapshot(view.cluster)
