@@ -409,7 +409,17 @@ def test_a_submit_no_control_worker_admits_in_time_is_not_refused_and_runs_once_
         code = main(argv)
         err = capsys.readouterr().err
         assert code == 1 and "not admitted within 1 s" in err and "gpusched status patient" in err, err
+    # What the submit said: status follows it (not "no job"), and a cancel sent now is not lost.
+    assert main(["status", "patient", "--data-dir", str(s.data_dir)]) == 1
+    assert "patient is submitted but not admitted yet" in capsys.readouterr().err
+    argv[argv.index("patient")] = "unwanted"
+    assert main(argv) == 1
+    assert main(["cancel", "unwanted", "--data-dir", str(s.data_dir)]) == 0
+    assert "ends cancelled as soon as one admits it" in capsys.readouterr().out
     devstack.start_component(s.data_dir, "control")
     s.until(lambda: s.sql("SELECT 1 FROM jobs WHERE id = 'patient'"), timeout=30)
     assert s.wait("patient", timeout=60).state == "succeeded" and len(s.status("patient").attempts) == 1
+    unwanted = s.wait("unwanted", timeout=60)
+    # Never ran: a cycle may place it between its admission and the cancel, but nothing launches.
+    assert unwanted.state == "cancelled" and all(a.started_at is None for a in unwanted.attempts)
 

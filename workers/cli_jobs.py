@@ -160,6 +160,9 @@ def _run(args, body) -> int:
         async with client:
             try:
                 return await body(client)
+            except NotYetAdmitted as e:  # not refused, and not unknown: nothing has admitted it yet
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_UNREACHABLE
             except ClientError as e:
                 field = f"{e.field}: " if e.field else ""
                 print(f"error: {field}{e}", file=sys.stderr)
@@ -339,8 +342,11 @@ def cmd_list(args) -> int:
 
 def cmd_cancel(args) -> int:
     async def body(client: GpuschedClient) -> int:
-        await client.cancel(args.job_id)
-        print(f"{args.job_id}: cancel requested")
+        if await client.cancel(args.job_id) is None:
+            print(f"{args.job_id}: cancel requested; the job is not admitted yet (no control worker has taken it "
+                  "up), and ends cancelled as soon as one admits it, without running")
+        else:
+            print(f"{args.job_id}: cancel requested")
         return 0
 
     return _run(args, body)

@@ -270,6 +270,11 @@ class GpuschedClient:
     async def status(self, job_id: str) -> JobView:
         view = await self.store.job_view(job_id)
         if view is None:
+            if await self._waiting_with(job_id) is not None:
+                # Its workflow runs but nothing has admitted it (the store has no row until then).
+                raise NotYetAdmitted(f"job {job_id} is submitted but not admitted yet: no control worker has "
+                                     "taken it up (is one running? `gpusched dev status` shows it); it is admitted "
+                                     "and queued once one runs")
             raise UnknownJob(f"no job '{job_id}'; `gpusched list` shows the jobs")
         return view
 
@@ -279,9 +284,14 @@ class GpuschedClient:
 
     # --- changing ---------------------------------------------------------------------------
 
-    async def cancel(self, job_id: str, reason: str = "cancelled by request") -> JobView:
-        view = await self.status(job_id)
-        if view.state in ENDED:
+    async def cancel(self, job_id: str, reason: str = "cancelled by request") -> JobView | None:
+        """The job as it was when the cancel was sent; None for a job not admitted yet, whose
+        workflow takes the cancel and ends it, cancelled, as soon as it is admitted."""
+        try:
+            view = await self.status(job_id)
+        except NotYetAdmitted:
+            view = None
+        if view is not None and view.state in ENDED:
             raise ClientError(f"job {job_id} has already ended ({view.state})")
         try:
             await self._handle(job_id).signal("cancel", reason)
@@ -306,8 +316,11 @@ class GpuschedClient:
             raise ClientError(f"cannot change the priority of {job_id}: it has ended") from None
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobView:
-        view = await self.status(job_id)
-        if view.state in ENDED:
+        try:
+            view = await self.status(job_id)
+        except NotYetAdmitted:
+            view = None  # its workflow runs: waited for like any other
+        if view is not None and view.state in ENDED:
             return view  # ended: the store says how, even once Temporal no longer keeps the workflow
         try:
             await asyncio.wait_for(self._handle(job_id).result(), timeout)
