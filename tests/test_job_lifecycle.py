@@ -52,6 +52,7 @@ def test_a_job_with_retries_runs_its_failed_command_again_until_its_retries_are_
     assert flaky_view.state == "succeeded"
     assert [a.end_reason for a in flaky_view.attempts] == ["failed", "completed"]
     assert broken.state == "failed" and broken.exit_code == 3
+    assert broken.reason == "the command failed with exit code 3 (its retry spent)"  # it wrote no log
     assert [a.end_reason for a in broken.attempts] == ["failed", "failed"]
     requeued = s.sql("SELECT reason FROM audit WHERE job_id = 'broken' AND event = 'requeued'")
     assert len(requeued) == 1 and "exit code 3 (retry 1 of 1)" in requeued[0]["reason"]

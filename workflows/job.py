@@ -352,13 +352,15 @@ class JobWorkflow:
                     EndReason.machine_failure, "the command could not run for now (exit code 75)",
                     exit_code=result.exit_code, lines=lines)
             self.failures += 1
+            tail = f":\n{lines}" if lines else ""  # no empty line for a command that wrote no log
             if self.failures <= self.request.max_retries:
                 # The user asked for retries (a crash in the job's own code or libraries, NCCL
                 # timing out): the next attempt resumes from the newest complete checkpoint.
                 return (EndReason.failed, result.exit_code, JobState.queued,
                         f"requeued: the command failed with {how} (retry {self.failures} of "
-                        f"{self.request.max_retries}):\n{lines}")
-            return EndReason.failed, result.exit_code, JobState.failed, f"the command failed with {how}:\n{lines}"
+                        f"{self.request.max_retries}){tail}")
+            spent = f" (its {_retries(self.request.max_retries)} spent)" if self.request.max_retries else ""
+            return EndReason.failed, result.exit_code, JobState.failed, f"the command failed with {how}{spent}{tail}"
         return EndReason.completed, 0, JobState.succeeded, "completed"
 
     def _infra_failure(self, error: BaseException) -> tuple[EndReason, int | None, JobState, str]:
@@ -435,6 +437,10 @@ class JobWorkflow:
             SearchAttributePair(CLUSTER, self.cluster or ""),
             SearchAttributePair(GPU_COUNT, req.num_gpus),
         ])
+
+
+def _retries(n: int) -> str:
+    return "retry" if n == 1 else f"{n} retries"
 
 
 def _result_of(run) -> RunJobResult | None:
