@@ -212,11 +212,24 @@ def preempt_order(row: Row, now: float) -> PreemptOrder:
     )
 
 
+MAX_NAME_CHARS = 64  # a cluster's, block's, rack's or machine's name, as an agent reports it
+
+
+def _shown(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[:most] + "…"
+
+
 def machine_from_report(machine_id: str, gpus: list) -> Machine:
     """A machine that joins by heartbeat: its id is its topology path."""
     parts = machine_id.split("/")
     if len(parts) != 4 or not all(parts):
-        raise ValueError(f"machine id '{machine_id}' is not a topology path cluster/block/rack/machine")
+        raise ValueError(f"machine id '{_shown(machine_id)}' is not a topology path cluster/block/rack/machine")
+    for what, part in zip(("cluster", "block", "rack", "machine"), parts):
+        # A blank cluster would sort first and take the jobs submitted for any cluster.
+        if not part.isprintable() or any(c.isspace() for c in part) or len(part) > MAX_NAME_CHARS:
+            raise ValueError(f"machine id '{_shown(machine_id)}': its {what} name {_shown(part)!r} is not a name; "
+                             f"each of cluster/block/rack/machine is up to {MAX_NAME_CHARS} printable characters "
+                             "without spaces, as in the fleet file")
     first = gpus[0] if gpus else None
     return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=max(1, len(gpus)),
                    gpu_type=(first.gpu_type if first and first.gpu_type else "unknown"),

@@ -42,6 +42,9 @@ def test_the_api_answers_reads_and_heartbeats_and_refuses_with_clear_codes(stack
     assert api.post("/machines/c1/b0/r0/m0/heartbeat",
                     json={"gpus": [{"index": 0}, {"index": 0}]}).status_code == 422
     assert api.post("/machines/c1/b9/r0/m0/heartbeat", json={"gpus": []}).status_code == 422
+    for joining in ("%20/b0/r0/m0", "c1/b0/r0/" + "x" * 3000):  # a blank cluster; one too long for an index
+        refused = api.post(f"/machines/{joining}/heartbeat", json={"gpus": [{"index": 0}]})
+        assert refused.status_code == 422 and "is not a name" in refused.json()["detail"], refused.text
     report = {"seq": 1, "key": "checkpoints/nope/0000000001", "size": 1, "sha256": "0" * 64}
     assert api.post("/jobs/nope/checkpoints", json={"allocation_id": 1, "report": report}).status_code == 404
     refused = api.post("/jobs/seen/checkpoints",

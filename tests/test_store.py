@@ -486,6 +486,12 @@ def test_a_machine_that_joins_missing_a_gpu_has_that_gpu_out_of_use(store_env):
 @pytest.mark.parametrize("name, machine, gpus, words", [
     ("an unknown machine that reports no GPUs does not join", "c1/b1/r0/m0", [], "reports no GPUs"),
     ("a GPU reported twice", "c1/b0/r0/m0", [GpuReport(index=0), GpuReport(index=0)], "GPU 0 more than once"),
+    # A blank cluster sorts first and would take the jobs submitted for any cluster.
+    ("a blank cluster does not join", " /b0/r0/m9", [GpuReport(index=0)], "its cluster name ' ' is not a name"),
+    ("a machine name with a space", "c1/b0/r0/m 9", [GpuReport(index=0)], "its machine name 'm 9' is not a name"),
+    ("a control character", "c1/b0/r0/m\u202e9", [GpuReport(index=0)], "its machine name"),
+    # Too long for the database's index: it answered with a 500 before.
+    ("a name longer than 64 characters", "c1/b0/r0/" + "m" * 3000, [GpuReport(index=0)], "up to 64 printable"),
 ])
 def test_a_heartbeat_that_cannot_be_so_is_refused_and_changes_nothing(store_env, name, machine, gpus, words):
     run, store = store_env
@@ -493,6 +499,7 @@ def test_a_heartbeat_that_cannot_be_so_is_refused_and_changes_nothing(store_env,
     with pytest.raises(ValueError, match=words):
         run(store.machine_heartbeat(machine, 1, gpus))
     assert run(store.snapshot("c1")).machines == before
+    assert run(store.cluster_names()) == ["c1"]
 
 
 def test_a_negative_gpu_index_is_no_gpu():

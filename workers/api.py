@@ -138,6 +138,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(asyncpg.DataError)  # Postgres refused the value
     @app.exception_handler(asyncpg.exceptions._base.DataError)  # asyncpg could not encode it
+    @app.exception_handler(asyncpg.ProgramLimitExceededError)  # too long for an index
     async def unstorable(request: Request, error: Exception) -> JSONResponse:
         # A value Postgres cannot take (a NUL character, a number out of range): the caller's.
         return JSONResponse(status_code=422, content={"detail": f"a value in the request cannot be stored: {error}"})
