@@ -58,7 +58,7 @@ class GpuReport(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
     index: int = Field(ge=0, le=1023)  # what CUDA_VISIBLE_DEVICES names: never negative
     gpu_type: str | None = None
-    memory_gb: float | None = None
+    memory_gb: float | None = Field(default=None, ge=0)  # 0: NVML could not say
     healthy: bool = True
     faults: list[str] = []
 

@@ -80,6 +80,10 @@ UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps w
     ("a checkpoint number past the column", "post", "/jobs/seen/checkpoints",
      {"allocation_id": 1, "report": {"seq": 2**31, "key": "k", "size": 1, "sha256": "0" * 64}}),
     ("a NaN in a heartbeat", "post", "/machines/c1/b0/r0/m0/heartbeat", '{"gpus": [{"index": 0, "memory_gb": NaN}]}'),
+    ("negative GPU memory", "post", "/machines/c1/b0/r0/m0/heartbeat", {"gpus": [{"index": 0, "memory_gb": -5}]}),
+    ("a process id past the column", "post", "/machines/c1/b0/r0/m0/heartbeat", {"pid": 2**40, "gpus": []}),
+    ("a checkpoint size past 64 bits", "post", "/jobs/seen/checkpoints",
+     {"allocation_id": 1, "report": {"seq": 1, "key": "k", "size": 2**70, "sha256": "0" * 64}}),
     ("a NUL character in a job id", "get", "/jobs/a%00b", None),
     ("a NUL character in a team", "get", "/jobs?team=a%00b", None),
 ]

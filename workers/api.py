@@ -57,7 +57,7 @@ _FINITE = ConfigDict(allow_inf_nan=False)
 
 class Heartbeat(BaseModel):
     model_config = _FINITE
-    pid: int | None = None
+    pid: int | None = Field(default=None, ge=1, le=2**31 - 1)  # the agent's process id (an integer column)
     gpus: list[GpuReport] = Field(default_factory=list)
     running_allocations: list[AllocationId] = Field(default_factory=list)
     # False while the agent cannot take attempts up: starting, shutting down, or cut off from

@@ -315,7 +315,7 @@ class CheckpointReport(Model):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     seq: int = Field(ge=1, le=2**31 - 1)  # an integer column
     key: str = Field(min_length=1)  # the object's key in the checkpoint bucket
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=2**63 - 1)  # a bigint column
     sha256: str
     md5: str | None = None
     progress: float | None = None
