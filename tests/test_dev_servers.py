@@ -335,7 +335,7 @@ def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_wi
     data_dir = tmp_path / "stack"
     first = devstack.up(data_dir, machines=1, gpus_per_machine=1, fast=True, ui=False, fake_devices=True)
     try:
-        assert first.restarted == []
+        assert first.restarted == [] and first.revived == []
         state = devstack.load_state(data_dir)
         workers = {n: c.pid for n, c in state.components.items() if c.kind == "worker"}
         agents = {n for n, c in state.components.items() if c.machine_id}
@@ -359,6 +359,7 @@ def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_wi
         assert f":{state.components[server].port}" in moved
         expected = set(workers) if agents_too else set(workers) - agents
         assert set(again.restarted) == expected
+        assert again.revived == [server]  # named in the summary: it had stopped
         assert {n for n, pid in workers.items() if state.components[n].pid != pid} == expected
         assert state.components["temporal"].pid == temporal
         assert all(c.healthy for c in again.components), again.components

@@ -119,6 +119,7 @@ class UpResult(BaseModel):
     temporal_ui_url: str | None
     components: list[ComponentStatus]
     restarted: list[str] = Field(default_factory=list)  # running workers started again with new settings
+    revived: list[str] = Field(default_factory=list)  # components of the stack that had stopped, started again
 
 
 def fleet_machines(cluster: str, count: int, gpus: int, gpu_type: str) -> list[Machine]:
@@ -195,6 +196,8 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
     data_dir = resolve_data_dir(data_dir)
     with _locked(data_dir):
         state = load_state(data_dir) or StackState()
+        # Named in the summary: a killed agent or worker that comes back is news to whoever ran `up`.
+        stopped = [name for name, comp in state.components.items() if comp.kind != "external" and not comp.running()]
         state.cluster = cluster or state.cluster
         state.gpus_per_machine = gpus_per_machine or state.gpus_per_machine
         state.gpu_type = gpu_type or state.gpu_type
@@ -217,7 +220,8 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
                                    timeout=timeout) if workers else []
         result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
                           temporal_ui_url=state.temporal_ui_url, components=_statuses(data_dir, state),
-                          restarted=restarted)
+                          restarted=restarted,
+                          revived=[name for name in stopped if name in state.components and state.components[name].running()])
     if out is not None:
         _print_summary(result, out)
     return result
@@ -517,6 +521,8 @@ def _print_summary(result: UpResult, out: IO[str]) -> None:
     agents = sum(1 for c in result.components if c.machine_id)
     print(f"gpusched dev stack is up in {result.data_dir}: {', '.join(names)}, {agents} agent(s)",
           file=out)
+    if result.revived:
+        print(f"  started again (they were not running): {', '.join(result.revived)}", file=out)
     if result.restarted:
         print(f"  started again with the stack's new settings: {', '.join(result.restarted)}", file=out)
     if result.temporal_ui_url:
