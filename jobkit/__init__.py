@@ -5,11 +5,14 @@ A job that gpusched may stop (preemption, a sick GPU, a cancel) gets SIGTERM, th
 happens, and on schedule, and resumes from its last *committed* checkpoint when started again::
 
     import sys
-    from jobkit import Checkpointer, EXIT_STOPPED
+    from jobkit import Checkpointer, CheckpointRetryLater, EXIT_RETRY_LATER, EXIT_STOPPED
 
     ck = Checkpointer.from_env()          # reads GPUSCHED_* (all optional)
     ck.handle_sigterm()                   # SIGTERM sets ck.stop_requested; nothing else
-    state = ck.restore()                  # bytes of the checkpoint to resume from, or None
+    try:
+        state = ck.restore()              # bytes of the checkpoint to resume from, or None
+    except CheckpointRetryLater:          # the store is down: gpusched queues the job again
+        sys.exit(EXIT_RETRY_LATER)
     step = 0 if state is None else decode(state)["step"]
     while step < total:
         step = train_one_step(step)
@@ -283,6 +286,15 @@ def _new_md5():
         return hashlib.md5(usedforsecurity=False)
     except TypeError:  # pragma: no cover - builds without the keyword
         return hashlib.md5()
+
+
+def _number(value: Any) -> float:
+    """A number a job passes (an int, a float, a numpy or torch scalar) as a float; NaN for what
+    is none, so that the caller refuses it."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _size_of(source: Source) -> int:
@@ -706,9 +718,15 @@ class Checkpointer:
         self.resume_seq = int(resume_seq or 0) if self.resume_from is not None else 0
         self.resume_sha256 = resume_sha256 if self.resume_from is not None else None
         self.next_seq = self.resume_seq + 1
+        for name, value, least in (("interval", interval, 0.0), ("phase", phase, -math.inf),
+                                   ("grace_period", grace_period, 0.0)):
+            # A job that constructs its own Checkpointer and catches CheckpointError gets one here too.
+            if value is not None and not (math.isfinite(_number(value)) and _number(value) >= least):
+                raise CheckpointError(f"{name} must be a number of seconds{', 0 or more' if least == 0 else ''}, "
+                                      f"not {value!r}")
         self.interval = float(interval) if interval else 0.0
         self.phase = None if phase is None else float(phase)
-        self.grace_period = grace_period
+        self.grace_period = None if grace_period is None else float(grace_period)
         self.report_dir = Path(report_dir) if report_dir else None
         self.launched_at = None if launched_at is None else float(launched_at)
         self.restart_seconds: Optional[float] = None  # launch to state restored, once restored
@@ -854,9 +872,14 @@ class Checkpointer:
         if self._location is None:
             log.info("jobkit: checkpointing is off (GPUSCHED_CHECKPOINT_URI unset); nothing saved")
             return None
-        if progress is not None and not math.isfinite(float(progress)):
+        if not isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)):
+            raise CheckpointError(f"save() takes the checkpoint as bytes (or the path of a file holding it), "
+                                  f"not {type(data).__name__}: serialize it first (pickle.dumps, torch.save "
+                                  "to a file)")
+        if progress is not None and not math.isfinite(_number(progress)):
             # JSON and the control plane take no NaN or infinity: the report could never be sent.
-            raise CheckpointError(f"progress must be a finite number of seconds of work, not {progress!r}")
+            raise CheckpointError(f"progress must be a finite number (the work done: steps or seconds), "
+                                  f"not {progress!r}")
         data = _by_byte(data)
         with self._lock:
             self._reference = self._clock()
@@ -930,15 +953,21 @@ class Checkpointer:
 
         def call(what: str, operation: Callable[..., Any], *args: Any) -> Any:
             pause = 1.0
+            began, again = self._monotonic(), False
             while True:
                 try:
                     return operation(*args)
                 except CheckpointStoreUnreachable as e:
                     left = (deadline() if callable(deadline) else deadline) - self._monotonic()
                     if left <= pause:
-                        raise CheckpointStoreUnreachable(
-                            f"{e} (still unreachable after retrying for {self.s3_retry_for:g} s at most: "
-                            "GPUSCHED_S3_RETRY_S)") from e
+                        asked = self._monotonic() - began
+                        # Say what was done: a scheduled save does not wait, and a save in the
+                        # grace waits only as long as the grace leaves.
+                        why = ("not asked again: no time left to wait (a scheduled save does not wait: the job "
+                               "saves when next due)" if not again else
+                               f"still unreachable after asking again for {asked:.0f} s "
+                               f"(GPUSCHED_S3_RETRY_S: {self.s3_retry_for:g} s at most)")
+                        raise CheckpointStoreUnreachable(f"{e} ({why})") from e
                     log.warning("jobkit: %s: the checkpoint store is unreachable (%s); asking again in "
                                 "%.0f s", what, e, pause)
                     if callable(deadline):
@@ -948,7 +977,7 @@ class Checkpointer:
                             self._sleep(min(1.0, end - now))
                     else:
                         self._sleep(pause)
-                    pause = min(pause * 2, 30.0)
+                    pause, again = min(pause * 2, 30.0), True
 
         return call
 

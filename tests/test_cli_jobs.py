@@ -35,6 +35,9 @@ from workflows.types import JobView
      "env: sets CUDA_VISIBLE_DEVICES, which the agent sets for each attempt"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "GPUSCHED_RESUME_FROM=s3://b/x", "--", "true"],
      "env: sets GPUSCHED_RESUME_FROM, which the agent sets"),
+    # jobkit's settings are the job's (GPUSCHED_S3_RETRY_S): let through to a later check's refusal.
+    (["submit", "--team", "vision", "--gpus", "1", "--env", "GPUSCHED_S3_RETRY_S=900", "--checkpoint-interval",
+      "1e-9", "--", "true"], "at least 1 second (--checkpoint-interval)"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "MY VAR=1", "--", "true"],
      "env: has the variable name 'MY VAR'; a name holds no spaces"),
     (["submit", "--team", "vision", "--gpus", "1", "--", "echo", "a\0b"], "command: holds a NUL"),
@@ -68,6 +71,7 @@ from workflows.types import JobView
     "an environment value with a NUL character",
     "the GPUs a job is pinned to are the agent's to set",
     "the agent's own variables are the agent's to set",
+    "jobkit's own settings are the job's to set",
     "an environment variable name with a space",
     "a command word with a NUL character",
     "more GPUs than any fleet has",

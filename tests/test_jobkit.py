@@ -215,6 +215,28 @@ def test_a_progress_that_is_no_finite_number_is_refused_before_anything_is_writt
     assert not list((tmp_path / "ck").glob("0*"))
 
 
+@pytest.mark.parametrize("data, progress, words", [
+    ({"step": 3}, None, "takes the checkpoint as bytes .* not dict: serialize it first"),
+    (None, None, "not NoneType"),
+    ([1, 2], None, "not list"),
+    (b"data", "x", "progress must be a finite number"),
+    (b"data", [3], "progress must be a finite number"),
+])
+def test_a_save_of_what_is_no_checkpoint_is_a_checkpoint_error_not_a_traceback(tmp_path, data, progress, words):
+    """A job that catches CheckpointError around its saves (as the bundled example does) must not
+    die of a TypeError from deep inside the write."""
+    with pytest.raises(CheckpointError, match=words):
+        local(tmp_path).save(data, progress=progress)
+    assert not list((tmp_path / "ck").glob("0*"))
+
+
+@pytest.mark.parametrize("setting, value", [("interval", "abc"), ("interval", -5), ("grace_period", -1),
+                                            ("phase", "noon")])
+def test_settings_given_in_code_that_are_no_number_of_seconds_are_named(tmp_path, setting, value):
+    with pytest.raises(CheckpointError, match=f"{setting} must be a number of seconds"):
+        local(tmp_path, **{setting: value})
+
+
 def test_a_full_local_disk_is_a_checkpoint_error_to_retry_later_not_a_raw_os_error(tmp_path, monkeypatch):
     import errno as errnos
 
@@ -503,8 +525,11 @@ def test_an_unreachable_store_is_asked_again_where_waiting_is_worth_it(tmp_path,
             ck.request_stop()
         act = lambda: ck.save(b"next")  # noqa: E731
     if outcome == "unreachable":
-        with pytest.raises(CheckpointStoreUnreachable):
+        with pytest.raises(CheckpointStoreUnreachable) as raised:
             act()
+        # It says what it did: asked again for so long, or (a scheduled save) not at all.
+        said = "not asked again" if not pauses else f"after asking again for {sum(pauses):.0f} s"
+        assert said in str(raised.value), str(raised.value)
         # The store's fault, not the checkpoint's: it is not reported unusable.
         assert not (tmp_path / "r" / jobkit.UNUSABLE_REPORT).exists()
     else:

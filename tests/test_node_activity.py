@@ -110,6 +110,9 @@ def test_the_job_sees_its_gpus_and_its_identity(tmp_path, monkeypatch):
      {"gpus": []}, {"CUDA_VISIBLE_DEVICES": "", "GPUSCHED_GPUS": "", "GPUSCHED_NUM_GPUS": "0"}),
     ("the agent's settings do not leak, the rest of its environment does",
      {}, {"GPUSCHED_S3_SECRET_KEY": None, "PATH": "/usr/bin"}),
+    ("jobkit's own settings in the job's env reach it",
+     {"env": {"GPUSCHED_S3_RETRY_S": "900", "GPUSCHED_S3_PART_MB": "128"}},
+     {"GPUSCHED_S3_RETRY_S": "900", "GPUSCHED_S3_PART_MB": "128"}),
 ])
 def test_job_env(name, fields, expected):
     env = job_env(job("pass", **fields), MACHINE, Path("/l/a.log"),

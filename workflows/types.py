@@ -153,6 +153,9 @@ def team_problem(team: str) -> str | None:
 # Set by the agent in every attempt's environment, over anything the request says (with the
 # GPUSCHED_* variables): a request that sets one would be silently overridden, so it is refused.
 AGENT_SET_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+# jobkit's own settings, which the agent never sets: how a job uploads and how long it waits for a
+# store that does not answer are the job's to choose (jobkit's docstring).
+JOB_SET_ENV = frozenset({"GPUSCHED_S3_RETRY_S", "GPUSCHED_S3_PART_MB", "GPUSCHED_S3_UPLOAD_THREADS"})
 
 
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
@@ -181,7 +184,7 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
             return "env", f"has the variable name {name!r}; a name is not empty and holds no '=' or NUL"
         if not name.isprintable() or any(c.isspace() for c in name):
             return "env", f"has the variable name {name!r}; a name holds no spaces or control characters"
-        if name in AGENT_SET_ENV or name.startswith("GPUSCHED_"):
+        if name in AGENT_SET_ENV or name.startswith("GPUSCHED_") and name not in JOB_SET_ENV:
             return "env", (f"sets {name}, which the agent sets for each attempt (the granted GPUs, the "
                            "job's checkpoints: see docs/live.md); leave it out, or name yours otherwise")
         if "\0" in value:
