@@ -117,8 +117,10 @@ reference, the reference being when the last ``save()`` began (or, before any, w
 Checkpointer was made). So saves follow the staggered grid, and a job does not save again moments
 after it started or after an unscheduled save. ``next_due()`` gives that time.
 
-A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1) shares one checkpoint prefix: let one
-process (node rank 0) save, or each save would take its own sequence number and be reported.
+A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1), or a machine running several processes of
+the job (torchrun's local ranks), shares one checkpoint prefix: let one process (node rank 0, the
+launcher's ``RANK`` 0) save, or each save would take its own sequence number and be reported, and
+a restore, which returns the newest only, would give every rank the bytes of whichever saved last.
 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
 ``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
