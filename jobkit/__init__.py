@@ -739,6 +739,9 @@ class Checkpointer:
                     max(1, int(s3_upload_threads)))
         self._stores: Dict[str, Any] = {}
         self.s3_retry_for = float(s3_retry_for)
+        # Whether this attempt took its resume checkpoint back (or said nothing of it yet): a
+        # save before it would commit a state without that progress as the newest.
+        self._restore_pending = self.resume_from is not None
         self.ack_timeout = float(ack_timeout)
         self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
         self.started_at = clock()
@@ -882,6 +885,11 @@ class Checkpointer:
             # JSON and the control plane take no NaN or infinity: the report could never be sent.
             raise CheckpointError(f"progress must be a finite number (the work done: steps or seconds), "
                                   f"not {progress!r}")
+        if self._restore_pending:
+            self._restore_pending = False  # said once
+            log.warning("jobkit: this attempt resumes from checkpoint %d but has not restored it: this save "
+                        "becomes the newest checkpoint without that progress (call restore() first)",
+                        self.resume_seq)
         data = _by_byte(data)
         with self._lock:
             self._reference = self._clock()
@@ -1064,6 +1072,7 @@ class Checkpointer:
         """Tell the agent how long this restart took, launch to state back: the scheduler expects
         resumed jobs to take about as long (its ``expected_restart_s``). Best effort: a report that
         cannot be written loses a measurement, not the job."""
+        self._restore_pending = False
         if self.launched_at is None:
             return
         self.restart_seconds = max(0.0, self._clock() - self.launched_at)

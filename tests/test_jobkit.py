@@ -237,6 +237,19 @@ def test_settings_given_in_code_that_are_no_number_of_seconds_are_named(tmp_path
         local(tmp_path, **{setting: value})
 
 
+@pytest.mark.parametrize("restored, warned", [(False, True), (True, False)],
+                         ids=["a save before the restore of a resumed attempt is warned of", "after it, not"])
+def test_a_resumed_attempt_that_saves_without_restoring_is_warned_once(tmp_path, caplog, restored, warned):
+    local(tmp_path).save(b"step 40")
+    ck = local(tmp_path, resume_from=f"file://{tmp_path}/ck/0000000001", resume_seq=1)
+    if restored:
+        assert ck.restore() == b"step 40"
+    ck.save(b"step 0")
+    ck.save(b"step 1")
+    said = [r for r in caplog.records if "has not restored it" in r.getMessage()]
+    assert len(said) == (1 if warned else 0)
+
+
 def test_a_full_local_disk_is_a_checkpoint_error_to_retry_later_not_a_raw_os_error(tmp_path, monkeypatch):
     import errno as errnos
 
