@@ -130,6 +130,30 @@ def test_a_running_job_is_cancelled_its_process_stopped_and_its_gpus_freed(stack
     assert s.wait("next").state == "succeeded"
 
 
+def test_a_cancellation_asked_of_temporal_cancels_the_job_like_gpusched_cancel(stack):
+    """The Temporal UI's "Request Cancellation" (or `temporal workflow cancel`): the running job is
+    stopped with its grace and the queued one never runs; both end cancelled, in the store and in
+    their search attributes, and the GPUs come back at once (not a minute later, as failed)."""
+    s = stack(machines=1)
+    s.submit("ran", 4, sleeper(60))
+    s.until(lambda: s.status("ran").state == "running")
+    s.submit("queued", 4, sleeper(0))
+    assert s.status("queued").state == "queued"
+    for job_id in ("queued", "ran"):
+        s.run(s.client._handle(job_id).cancel())
+    for job_id in ("queued", "ran"):
+        view = s.wait(job_id, timeout=30)
+        assert view.state == "cancelled" and "cancelled from Temporal" in view.reason, view
+    assert s.status("ran").attempts[0].end_reason == "cancelled" and s.status("queued").attempts == []
+    assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
+
+    async def job_state(job_id: str) -> str:
+        described = await s.client._handle(job_id).describe()
+        return described.search_attributes["JobState"][0]
+
+    assert [s.run(job_state(j)) for j in ("queued", "ran")] == ["cancelled", "cancelled"]
+
+
 def test_a_priority_bump_moves_a_job_ahead_in_the_queue(stack):
     s = stack(machines=2)
     s.submit("short", 4, sleeper(3))

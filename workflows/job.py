@@ -169,6 +169,26 @@ class JobWorkflow:
 
     @workflow.run
     async def run(self, raw: dict[str, Any]) -> JobOutcome:
+        if not workflow.patched("temporal-cancel-cancels-the-job"):
+            return await self._life(raw)
+        # A cancellation asked of Temporal itself (the UI's "Request Cancellation", `temporal
+        # workflow cancel`) is the job's cancel, as `gpusched cancel` sends it: the job's life goes
+        # on, shielded, to stop a running attempt with its grace and give its GPUs back through the
+        # store, where the workflow cut short left the job "running" for good in its search
+        # attributes and its allocation to the reconcile (ended as failed).
+        life = asyncio.create_task(self._life(raw))
+        while True:
+            try:
+                return await asyncio.shield(life)
+            except asyncio.CancelledError:
+                if life.done():
+                    raise
+                current = asyncio.current_task()
+                if current is not None and hasattr(current, "uncancel"):
+                    current.uncancel()  # handled: later waits of this task are not cancelled again
+                self.cancel("cancelled from Temporal (a cancellation of its workflow)")
+
+    async def _life(self, raw: dict[str, Any]) -> JobOutcome:
         # The input is validated here, not by the data converter: a request that does not parse
         # must end the job with the reason, not fail every workflow task forever.
         try:
