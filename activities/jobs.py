@@ -28,6 +28,7 @@ from workflows.types import (
     EndAttempt,
     JobRequest,
     JobStateChange,
+    LoopSettings,
     PriorityChange,
     Reconcile,
     SchedulerInput,
@@ -198,16 +199,20 @@ class JobActivities:
 
 
 async def wake_scheduler(client: Client, cluster: str, prefix: str = "", reason: str = "",
-                         loop: SchedulerInput | None = None) -> None:
+                         loop: SchedulerInput | None = None, signal: str = "wake") -> None:
     """Signal the cluster's scheduler, starting it if it is not running (signal-with-start);
-    ``loop`` gives the tick and continue-as-new settings a newly started loop runs with."""
+    ``loop`` gives the tick and continue-as-new settings a newly started loop runs with.
+    ``signal="configure"`` sends them to a loop that runs already (a control worker starting)."""
     settings = loop or SchedulerInput(cluster=cluster)
+    args = [reason] if signal == "wake" else [LoopSettings(tick_seconds=settings.tick_seconds,
+                                                           cycles_per_run=settings.cycles_per_run,
+                                                           reconcile_seconds=settings.reconcile_seconds)]
     await client.start_workflow(
         SCHEDULER_WORKFLOW,
         settings.model_copy(update={"cluster": cluster, "workflow_id_prefix": prefix}),
         id=prefix + scheduler_workflow_id(cluster),
         task_queue=prefix + CONTROL_TASK_QUEUE,
-        start_signal="wake",
-        start_signal_args=[reason],
+        start_signal=signal,
+        start_signal_args=args,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )

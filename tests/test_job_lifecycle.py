@@ -230,6 +230,26 @@ def test_the_scheduler_loop_continues_as_new_while_jobs_flow(stack):
     assert sum(1 for e in executions if e.status.name == "RUNNING") == 1
 
 
+def test_a_control_worker_started_with_other_flags_gives_them_to_the_loop_that_runs(stack):
+    """--tick and --cycles-per-run reached only a loop the worker started: one that ran already
+    (it outlives the worker) kept the first run's settings for good, through continue-as-new."""
+    s = stack(machines=1, gpus=4)
+    loop = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + scheduler_workflow_id("c1"))
+    assert s.run(loop.query("status"))["cycles_per_run"] == 500
+    devstack.up(s.data_dir, control_args=["--tick", "0.25", "--cycles-per-run", "4"])
+    settled = s.until(lambda: (lambda st: st if st["cycles_per_run"] == 4 else None)(s.run(loop.query("status"))))
+    assert settled["tick_seconds"] == 0.25
+    # Carried on by continue-as-new: run after run is 4 cycles long (at 0.25 s a cycle when idle).
+    scheduler_id = s.up.settings.task_queue_prefix + scheduler_workflow_id("c1")
+
+    async def continued() -> int:
+        return sum([1 async for w in s.client.temporal.list_workflows(f"WorkflowId = '{scheduler_id}'")
+                    if w.status.name == "CONTINUED_AS_NEW"])
+
+    s.until(lambda: s.run(continued()) >= 3, timeout=30)
+    assert s.run(loop.query("status"))["cycles_per_run"] == 4
+
+
 def test_a_submit_for_a_team_without_a_quota_is_refused_and_starts_no_workflow(stack):
     s = stack(machines=1)
     with pytest.raises(SubmitRefused, match="has no quota"):
@@ -380,6 +400,9 @@ def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(
         "JobWorkflow", raw, id=f"{prefix}job-raw-{words}", task_queue=prefix + "gpusched-control"))
     outcome = s.run(asyncio.wait_for(handle.result(), 30))
     assert outcome["state"] == "failed" and words in outcome["reason"]
+    # Named as the input named it, and found by `JobState='failed'` like any refused job.
+    assert outcome["job_id"] == raw.get("job_id", f"{prefix}job-raw-{words}")
+    assert s.run(handle.describe()).search_attributes["JobState"] == ["failed"]
 
 
 def test_a_job_whose_workflow_is_terminated_gives_its_placement_back(stack):

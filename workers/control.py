@@ -84,8 +84,10 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
         )
         async with worker:
             # Each cluster's loop runs even before the first job event (and after a restart).
+            # Its flags reach a loop that runs already (started by another worker, or before a
+            # restart with other flags), not only one it starts.
             for cluster in await store.cluster_names():
-                await wake_scheduler(client, cluster, settings.task_queue_prefix, "control worker started", loop)
+                await wake_scheduler(client, cluster, settings.task_queue_prefix, loop=loop, signal="configure")
             mark_ready(data_dir, "control")
             log.info("control worker serving %s", settings.control_task_queue)
             await stop.wait()

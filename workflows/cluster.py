@@ -26,7 +26,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.types import Abandoned, CycleInput, CycleOutcome, Reconcile, SchedulerInput, job_workflow_id
+    from workflows.types import (Abandoned, CycleInput, CycleOutcome, LoopSettings, Reconcile, SchedulerInput,
+                                 job_workflow_id)
 
 # A cycle takes well under a second; a control worker killed in the middle of one is noticed
 # only at this timeout, and until then the cluster gets no decisions.
@@ -43,20 +44,40 @@ class ClusterSchedulerWorkflow:
         self.cycles = 0
         self.reconciled_at = None
         self.last_outcome: CycleOutcome | None = None
+        self.settings: LoopSettings | None = None  # a control worker's, sent since this run began
+        self._inp: SchedulerInput | None = None
 
     @workflow.signal
     def wake(self, reason: str = "") -> None:
         self.woken = True
 
+    @workflow.signal
+    def configure(self, settings: LoopSettings) -> None:
+        """A control worker that starts sends its flags: they hold from the next sleep on, and
+        are carried on by continue-as-new (the input of the first run would be kept for good)."""
+        self.settings = settings
+        self.woken = True  # a control worker that starts has a cycle run, as its wake did
+
     @workflow.query
     def status(self) -> dict:
-        return {"cycle_seq": self.cycle_seq, "cycles_this_run": self.cycles}
+        inp = self.inp
+        return {"cycle_seq": self.cycle_seq, "cycles_this_run": self.cycles,
+                "tick_seconds": inp.tick_seconds if inp else None, "cycles_per_run": inp.cycles_per_run if inp else None}
+
+    @property
+    def inp(self) -> SchedulerInput | None:
+        """The run's input with the settings a control worker sent since."""
+        if self._inp is None or self.settings is None:
+            return self._inp
+        return self._inp.model_copy(update=self.settings.model_dump())
 
     @workflow.run
     async def run(self, inp: SchedulerInput) -> None:
+        self._inp = inp
         self.cycle_seq = inp.cycle_seq
         prefix = inp.workflow_id_prefix
         while True:
+            inp = self.inp  # a control worker's settings, sent meanwhile, hold from here on
             self.woken = False
             # 1. One cycle.
             outcome: CycleOutcome = await workflow.execute_activity(

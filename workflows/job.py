@@ -112,6 +112,7 @@ class JobWorkflow:
         self.resume_seq: int | None = None  # the checkpoint this attempt resumed from
         self.unusable_checkpoint: int | None = None  # that checkpoint, when the job found it unusable
         self.held_for: int = 0  # infrastructure failures in a row this requeue is for (held back)
+        self.asked_id: str | None = None  # the job id the input named, even when it did not parse
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -151,7 +152,7 @@ class JobWorkflow:
     @workflow.query
     def status(self) -> JobOutcome:
         return JobOutcome(
-            job_id=self.request.job_id if self.request else workflow.info().workflow_id,
+            job_id=self.request.job_id if self.request else self.asked_id or workflow.info().workflow_id,
             state=self.state,
             priority=self.request.priority if self.request else None,
             cluster=self.cluster,
@@ -191,11 +192,16 @@ class JobWorkflow:
     async def _life(self, raw: dict[str, Any]) -> JobOutcome:
         # The input is validated here, not by the data converter: a request that does not parse
         # must end the job with the reason, not fail every workflow task forever.
+        asked = raw.get("job_id") if isinstance(raw, dict) else None
+        self.asked_id = asked if isinstance(asked, str) else None
         try:
             request = JobRequest.model_validate(raw)
         except ValidationError as e:
             field, message = first_error(e)
             self.state, self.reason = JobState.failed, f"refused: {field}: {message}"
+            if workflow.patched("refused-request-published"):
+                # Found by `JobState='failed'` like any other refused job.
+                workflow.upsert_search_attributes([SearchAttributePair(JOB_STATE, self.state.value)])
             return self.status()
         self.request = request
         # 1. Admission.

@@ -377,6 +377,16 @@ class SchedulerInput(Model):
     reconciled_at: float | None = None  # epoch seconds of the last look (continue-as-new carries it)
 
 
+class LoopSettings(Model):
+    """A control worker's settings for its cluster's loop (its --tick, --cycles-per-run,
+    --reconcile-every), sent to the loop as it starts (the `configure` signal): a loop that runs
+    already takes them too, not only one the worker starts."""
+
+    tick_seconds: float = Field(gt=0)
+    cycles_per_run: int = Field(ge=1)
+    reconcile_seconds: float = Field(gt=0)
+
+
 class Reconcile(Model):
     cluster: str
     workflow_id_prefix: str = ""
