@@ -225,8 +225,8 @@ FROM jobs WHERE cluster = $1 AND submit_time > $2 AND submit_time <= $3"""
 NEXT_ATTEMPT = "SELECT coalesce(max(attempt), 0) + 1 FROM allocations WHERE job_id = $1"
 INSERT_ALLOCATION = """
 INSERT INTO allocations (job_id, cluster, attempt, gpus, state, cycle_seq, checkpoint_phase,
-                         progress_at_start, placed_at)
-VALUES ($1, $2, $3, $4, 'placed', $5, $6, $7, $8)
+                         progress_at_start, placed_at, placed_reason)
+VALUES ($1, $2, $3, $4, 'placed', $5, $6, $7, $8, $9)
 RETURNING id"""
 INSERT_HOLD = """
 INSERT INTO gpu_holds (allocation_id, machine_id, idx, held)
@@ -253,7 +253,8 @@ WHERE jobs.id = p.job_id AND jobs.state = 'queued'"""
 FINISH_CYCLE = "UPDATE clusters SET cycle_seq = $2, earmarks = $3, last_cycle_at = $4 WHERE name = $1"
 # Orders that a job has not acted on yet: sent again (jobs take duplicates idempotently).
 UNACKED_PLACEMENTS = """
-SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at, a.orders_sent, a.order_sent_at
+SELECT a.id, a.job_id, a.attempt, a.gpus, a.checkpoint_phase, a.placed_at, a.orders_sent, a.order_sent_at,
+       a.placed_reason
 FROM allocations a WHERE a.cluster = $1 AND a.state = 'placed' AND a.placed_at <= $2"""
 UNACKED_PREEMPTIONS = """
 SELECT a.id, a.job_id, a.draining_until, a.preempt_reason, a.preempt_ordered_at, a.preempt_end,

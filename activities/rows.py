@@ -199,6 +199,7 @@ def placement_order(row: Row, grace_period: float) -> PlacementOrder:
             attempt=row["attempt"],
             grace_period=grace_period,
             checkpoint_phase=row["checkpoint_phase"],
+            reason=row["placed_reason"] or "",  # the history says why it was placed there
         ),
     )
 

@@ -618,7 +618,7 @@ class Store:
             attempt = await conn.fetchval(q.NEXT_ATTEMPT, p.job_id)
             paths = [f"{m}/{i}" for m, i in p.gpus]
             alloc = await conn.fetchval(q.INSERT_ALLOCATION, p.job_id, cluster, attempt, paths, seq,
-                                        p.checkpoint_phase, job.progress, now)
+                                        p.checkpoint_phase, job.progress, now, p.reason)
             await conn.executemany(q.INSERT_HOLD, [(alloc, m, i) for m, i in p.gpus])
             await conn.execute(q.MARK_JOB_PLACED, p.job_id, now)
             events.append((p.job_id, "placed", p.reason, json.dumps({"allocation_id": alloc, "gpus": paths})))

@@ -235,6 +235,9 @@ def test_unacknowledged_placements_are_sent_again_in_later_cycles(store_env):
     run(store.pool.execute("UPDATE allocations SET placed_at = placed_at - 10, order_sent_at = order_sent_at - 10"))
     again = run(store.plan_cycle("c1", 2, run_cycle))
     assert [p.signal.allocation_id for p in again.placements] == [first.placements[0].signal.allocation_id]
+    # Each sending says why the job was placed there, as the job's history in Temporal shows it.
+    for sent in (first, again):
+        assert sent.placements[0].signal.reason.startswith("2 GPU(s) free: c1/b0/r0/m"), sent.placements[0].signal
 
 
 @pytest.mark.parametrize("sent, ago, again", [
