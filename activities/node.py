@@ -100,6 +100,7 @@ FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's la
 LOG_CHECK_EVERY = 5.0  # seconds between looks at a running job's log size
 LOG_KEEP = 16 * 1024 * 1024  # what a log cut back keeps of its end, at most
 MAX_UNUSABLE_REASON = 1000  # characters of a job's word on why its resume checkpoint is unusable
+FORWARD_BEFORE_STOP_S = 3.0  # an earlier agent's process waits this long at most for its reports to go
 
 
 def job_env(req: RunJobInput, machine_id: str, log_path: Path,
@@ -389,6 +390,10 @@ class NodeActivities:
             # A pid now another process's leaves only the processes carrying the run's token.
             left = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
             if left.alive():
+                if info.get("report_dir") and info.get("job_id"):
+                    # What it saved while no agent listened, first: its allocation may still be the
+                    # job's current one now, and not by the time the stop below is done.
+                    await self._forward_before_stop(info["job_id"], alloc, Path(info["report_dir"]))
                 log.warning("allocation %d: stopping process group %d left by an earlier agent",
                             alloc, pgid)
                 left.signal(signal.SIGTERM)
@@ -496,6 +501,17 @@ class NodeActivities:
             return
         sent.touch()
         log.info("allocation %d: restored in %.1f s", allocation_id, float(report["seconds"]))
+
+    async def _forward_before_stop(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
+        """One quick try at forwarding an orphan's reports before it is stopped: a control plane
+        that does not answer at once must not keep a process on GPUs another job may be given."""
+        try:
+            await asyncio.wait_for(self.forward_reports(job_id, allocation_id, report_dir), FORWARD_BEFORE_STOP_S)
+        except asyncio.TimeoutError:
+            log.warning("allocation %d: no answer to its reports in %g s; stopping it first", allocation_id,
+                        FORWARD_BEFORE_STOP_S)
+        except Exception as err:  # noqa: BLE001 - best effort: forwarded again after the stop
+            log.warning("allocation %d: could not forward its reports before stopping it: %s", allocation_id, err)
 
     async def _forward_last(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
         """Forward what is left after the job exited, trying again while the control plane is

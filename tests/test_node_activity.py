@@ -760,6 +760,46 @@ def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
             leftover.kill()
 
 
+@pytest.mark.parametrize("sink_answers, forwarded_while_running", [(True, True), (False, False)],
+                         ids=["what it saved goes to the control plane before it is stopped",
+                              "a control plane that does not answer does not hold the stop up"])
+def test_an_earlier_agents_process_has_its_reports_forwarded_before_it_is_stopped(tmp_path, sink_answers,
+                                                                                  forwarded_while_running):
+    """Its allocation may still be the job's current one as the agent comes back, and not once the
+    stop (with its grace) is done: a checkpoint it saved meanwhile would be refused as a zombie's."""
+    from activities.run_processes import start_ticks
+
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    seen: list[bool] = []
+
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        seen.append(leftover.poll() is None)
+        if not sink_answers:  # the control plane is not back yet: no answer, then no connection
+            if len(seen) == 1:
+                await asyncio.sleep(60)
+            raise ConnectionError("connection refused")
+        return {"committed": True, "reason": "its allocation is current"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink, final_forward_for=0.0)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "checkpoint-0000000003.json").write_text(json.dumps({"seq": 3, "key": "k", "size": 1, "sha256": "0"}))
+    node.pid_dir.mkdir(parents=True)
+    (node.pid_dir / "21.json").write_text(json.dumps(
+        {"pid": leftover.pid, "allocation_id": 21, "job_id": "old", "start_ticks": start_ticks(leftover.pid),
+         "report_dir": str(reports)}))
+    try:
+        began = time.monotonic()
+        assert run(node.reap_leftovers(grace=1)) == [21]
+        assert leftover.wait(timeout=2) == -signal.SIGTERM
+        assert seen[0] is True  # asked while the process still ran
+        assert (reports / "checkpoint-0000000003.ack.json").exists() is forwarded_while_running
+        assert time.monotonic() - began < 10  # a silent control plane held the stop up 3 s at most
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+
+
 # -- orphans, as the agent finds them -----------------------------------------------------------
 
 
