@@ -148,13 +148,15 @@ def test_an_estimated_start_is_said_as_a_date_and_from_now(iso, when):
 def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
     views = [_view(job_id="pretrain-a-183659", state="running", num_gpus=8),
              _view(job_id="j", state="queued", position=1, estimated_start="2026-12-01T00:10:00+00:00"),
-             _view(job_id="k", state="queued", position=2)]
+             _view(job_id="k", state="queued", position=2),
+             _view(job_id="held", state="queued", estimated_start="2026-12-01T00:02:00+00:00")]
     now = datetime.fromisoformat("2026-12-01T00:00:00+00:00").timestamp()
     assert list_table(views, now).splitlines() == [
         "JOB                STATE    TEAM    PRIORITY  GPUS  QUEUED",
         "pretrain-a-183659  running  vision  normal       8",
         "j                  queued   vision  normal       4  #1, starts in 10.0 min",
         "k                  queued   vision  normal       4  #2",
+        "held               queued   vision  normal       4  held back, starts in 2.0 min at the earliest",
     ]
 
 

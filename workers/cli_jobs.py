@@ -319,6 +319,9 @@ def list_table(views: list[JobView], now: float) -> str:
             queued = f"#{v.position}"
             if v.estimated_start is not None:
                 queued += f", starts {_from_now(v.estimated_start, now)}"
+        elif v.state == "queued" and v.estimated_start is not None:
+            # Held back after infrastructure failures in a row: out of the queue until then.
+            queued = f"held back, starts {_from_now(v.estimated_start, now)} at the earliest"
         rows.append((v.job_id, v.state, v.team, v.priority, str(v.num_gpus), queued))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
