@@ -393,7 +393,8 @@ def cmd_quota_set(args) -> int:
 
     async def body(client: GpuschedClient) -> int:
         await client.set_quota(args.team, quota)
-        print(f"{args.team}: guaranteed {quota.guaranteed}, max {quota.max}, queue cap {quota.queue_cap}")
+        print(f"{args.team}: guaranteed {quota.guaranteed}, max {quota.max if quota.max is not None else '-'}, "
+              f"queue cap {quota.queue_cap if quota.queue_cap is not None else '-'}")
         return 0
 
     return _run(args, body)
