@@ -199,20 +199,29 @@ class JobActivities:
 
 
 async def wake_scheduler(client: Client, cluster: str, prefix: str = "", reason: str = "",
-                         loop: SchedulerInput | None = None, signal: str = "wake") -> None:
+                         loop: SchedulerInput | None = None) -> None:
     """Signal the cluster's scheduler, starting it if it is not running (signal-with-start);
-    ``loop`` gives the tick and continue-as-new settings a newly started loop runs with.
-    ``signal="configure"`` sends them to a loop that runs already (a control worker starting)."""
+    ``loop`` gives the tick and continue-as-new settings a newly started loop runs with."""
+    await _signal_with_start(client, cluster, prefix, loop, "wake", reason)
+
+
+async def configure_scheduler(client: Client, cluster: str, prefix: str, loop: SchedulerInput) -> None:
+    """Give the cluster's scheduler a control worker's loop settings, also one that runs already
+    (a control worker starting), starting it if it is not running."""
+    settings = LoopSettings(tick_seconds=loop.tick_seconds, cycles_per_run=loop.cycles_per_run,
+                            reconcile_seconds=loop.reconcile_seconds)
+    await _signal_with_start(client, cluster, prefix, loop, "configure", settings)
+
+
+async def _signal_with_start(client: Client, cluster: str, prefix: str, loop: SchedulerInput | None,
+                             signal: str, arg) -> None:
     settings = loop or SchedulerInput(cluster=cluster)
-    args = [reason] if signal == "wake" else [LoopSettings(tick_seconds=settings.tick_seconds,
-                                                           cycles_per_run=settings.cycles_per_run,
-                                                           reconcile_seconds=settings.reconcile_seconds)]
     await client.start_workflow(
         SCHEDULER_WORKFLOW,
         settings.model_copy(update={"cluster": cluster, "workflow_id_prefix": prefix}),
         id=prefix + scheduler_workflow_id(cluster),
         task_queue=prefix + CONTROL_TASK_QUEUE,
         start_signal=signal,
-        start_signal_args=args,
+        start_signal_args=[arg],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )

@@ -723,7 +723,8 @@ class Checkpointer:
         for name, value, least in (("interval", interval, 0.0), ("phase", phase, -math.inf),
                                    ("grace_period", grace_period, 0.0)):
             # A job that constructs its own Checkpointer and catches CheckpointError gets one here too.
-            if value is not None and not (math.isfinite(_number(value)) and _number(value) >= least):
+            seconds = None if value is None else _number(value)
+            if seconds is not None and not (math.isfinite(seconds) and seconds >= least):
                 raise CheckpointError(f"{name} must be a number of seconds{', 0 or more' if least == 0 else ''}, "
                                       f"not {value!r}")
         self.interval = float(interval) if interval else 0.0

@@ -20,7 +20,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.checkpoints import s3_client
-from activities.jobs import JobActivities, wake_scheduler
+from activities.jobs import JobActivities, configure_scheduler
 from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
@@ -87,7 +87,7 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             # Its flags reach a loop that runs already (started by another worker, or before a
             # restart with other flags), not only one it starts.
             for cluster in await store.cluster_names():
-                await wake_scheduler(client, cluster, settings.task_queue_prefix, loop=loop, signal="configure")
+                await configure_scheduler(client, cluster, settings.task_queue_prefix, loop)
             mark_ready(data_dir, "control")
             log.info("control worker serving %s", settings.control_task_queue)
             await stop.wait()
