@@ -132,7 +132,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
     walked = cap.clone()
     promised = {slot: job_id for job_id, earmark in state.earmarks.items() for slot in earmark.gpus}
     for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
-        if promised and any(slot in promised for slot in job.gpus):
+        if promised and not promised.keys().isdisjoint(job.gpus):
             # A victim that lost a machine in its grace: its earmarked GPUs are the claimant's,
             # which the walk gives back when the claimant's run ends, not twice.
             walked.give([slot for slot in job.gpus if slot not in promised])
@@ -143,7 +143,7 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
-        if promised and any(slot in promised for slot in job.gpus):
+        if promised and not promised.keys().isdisjoint(job.gpus):
             for slot in job.gpus:
                 holder = promised.get(slot)
                 if holder is not None:
