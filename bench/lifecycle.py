@@ -36,7 +36,7 @@ STAMP = "import time; print('RAN', time.time(), flush=True); time.sleep(float(__
 
 
 async def handoffs(client: GpuschedClient, data_dir: Path, count: int) -> dict:
-    ids = [f"handoff-{i:03d}" for i in range(count)]
+    ids = [f"handoff-{i:03d}" for i in range(count + 1)]  # count hand-offs take one job more
     for job_id in ids:
         await client.submit(JobRequest(job_id=job_id, team="bench", num_gpus=4, cluster="c1",
                                        command=[sys.executable, "-c", STAMP, "0.3"]))
