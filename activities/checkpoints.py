@@ -15,14 +15,16 @@ S3 has no rename, so the design's "write under a temporary name, then rename" be
    anyone, after it it is what the next attempt resumes from;
 4. once two newer checkpoints are complete, older ones (and abandoned writes, reported or not)
    are deleted, and unfinished multipart uploads of numbers below a committed one (a writer
-   killed mid-upload) are aborted; both after the job has its answer.
+   killed mid-upload) are aborted; both after the job has its answer;
+5. once the job has ended for good, whatever of it is no complete checkpoint is deleted, and
+   its unfinished uploads aborted (`sweep_ended_job`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from activities.store import Store
 from workflows.types import CheckpointAck, CheckpointReport
@@ -130,27 +132,54 @@ class CheckpointCommitter:
 
     async def _each_below(self, job_id: str, listing: str, entries: str, below: int,
                           act: Callable[[dict, int], object], done: str) -> None:
-        """Run ``act`` on each entry of an S3 listing of the job's checkpoints numbered below
-        ``below`` (``act`` answers None when it leaves one alone), in a thread; logs how many
-        ``done`` says. Best effort: a failure is logged, and a later commit tries again."""
-        prefix = checkpoint_prefix(job_id)
+        """``_each_entry`` of the entries numbered below ``below``."""
+        await _each_entry(self.s3, self.bucket, job_id, listing, entries,
+                          lambda entry, seq: act(entry, seq) if seq < below else None, done)
 
-        def walk() -> int:
-            count = 0
-            for page in self.s3.get_paginator(listing).paginate(Bucket=self.bucket, Prefix=prefix):
-                for entry in page.get(entries) or []:
-                    name = entry["Key"][len(prefix):]
-                    if name.isascii() and name.isdigit() and int(name) < below and act(entry, int(name)) is not None:
-                        count += 1
-            return count
 
-        try:
-            count = await asyncio.to_thread(walk)
-        except Exception as e:
-            log.warning("could not clean up checkpoints under %s (%s): %s", prefix, listing, e)
-            return
-        if count:
-            log.info(done, count, job_id)
+async def sweep_ended_job(s3, bucket: str, job_id: str, complete: Collection[int]) -> None:
+    """Once a job has ended for good, delete every object of it that is no complete checkpoint
+    and abort its unfinished uploads. Nothing of it can be committed any more (its last
+    allocation has ended, and the fence refuses a later report), so these are writes nobody will
+    ever resume from: refused as a zombie's, never reported, or cut off mid-upload (a job
+    cancelled while it saved). Before, they stayed for good, each a whole checkpoint, the
+    uploads' parts billed though unreadable. The complete checkpoints stay: the newest is a
+    finished job's last state. Best effort, logged."""
+    kept = frozenset(complete)
+    await _each_entry(
+        s3, bucket, job_id, "list_objects_v2", "Contents",
+        lambda entry, seq: None if seq in kept else s3.delete_object(Bucket=bucket, Key=entry["Key"]),
+        "deleted %d checkpoint(s) of %s that were never committed, as it ended")
+    await _each_entry(
+        s3, bucket, job_id, "list_multipart_uploads", "Uploads",
+        lambda entry, seq: s3.abort_multipart_upload(Bucket=bucket, Key=entry["Key"], UploadId=entry["UploadId"]),
+        "aborted %d unfinished checkpoint upload(s) of %s, as it ended")
+
+
+async def _each_entry(s3, bucket: str, job_id: str, listing: str, entries: str,
+                      act: Callable[[dict, int], object], done: str) -> None:
+    """Run ``act`` on each entry of an S3 listing of the job's checkpoints (``act`` answers None
+    when it leaves one alone), in a thread; logs how many ``done`` says. Names that are no
+    checkpoint number are left alone. Best effort: a failure is logged, and a later commit tries
+    again."""
+    prefix = checkpoint_prefix(job_id)
+
+    def walk() -> int:
+        count = 0
+        for page in s3.get_paginator(listing).paginate(Bucket=bucket, Prefix=prefix):
+            for entry in page.get(entries) or []:
+                name = entry["Key"][len(prefix):]
+                if name.isascii() and name.isdigit() and act(entry, int(name)) is not None:
+                    count += 1
+        return count
+
+    try:
+        count = await asyncio.to_thread(walk)
+    except Exception as e:
+        log.warning("could not clean up checkpoints under %s (%s): %s", prefix, listing, e)
+        return
+    if count:
+        log.info(done, count, job_id)
 
 
 async def verify_object(s3, bucket: str, job_id: str, report: CheckpointReport) -> str | None:

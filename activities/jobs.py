@@ -15,7 +15,13 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.checkpoints import CheckpointStoreUnavailable, checkpoint_uri, object_uri, verify_object
+from activities.checkpoints import (
+    CheckpointStoreUnavailable,
+    checkpoint_uri,
+    object_uri,
+    sweep_ended_job,
+    verify_object,
+)
 from activities.store import Store
 from workflows.types import (
     CONTROL_TASK_QUEUE,
@@ -59,6 +65,7 @@ class JobActivities:
         self.client = client
         self.prefix = task_queue_prefix
         self.loop = loop or SchedulerInput(cluster="")
+        self._sweeps: set[asyncio.Task] = set()  # references, so the tasks are not collected
 
     @activity.defn(name="admit_job")
     async def admit_job(self, request: JobRequest) -> Admission:
@@ -96,6 +103,24 @@ class JobActivities:
         await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
                                      inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint,
                                      inp.failures_in_a_row)
+        if inp.next_state.terminal and self.s3 is not None:
+            # After the answer, not before: the job's end must not wait for a slow store.
+            task = asyncio.create_task(self._sweep(inp.job_id))
+            self._sweeps.add(task)
+            task.add_done_callback(self._sweeps.discard)
+
+    async def _sweep(self, job_id: str) -> None:
+        try:
+            complete = await self.store.complete_checkpoints(job_id)
+        except Exception as e:  # the job has ended all the same; its leftovers stay
+            activity.logger.warning("cannot sweep the checkpoints of %s: %s", job_id, e)
+            return
+        await sweep_ended_job(self.s3, self.bucket, job_id, complete)
+
+    async def settled(self) -> None:
+        """Wait for the sweeps that ended jobs started (for tests, and before closing)."""
+        while self._sweeps:
+            await asyncio.gather(*self._sweeps, return_exceptions=True)
 
     @activity.defn(name="doubt_unusable_checkpoint")
     async def doubt_unusable_checkpoint(self, report: UnusableReport) -> str | None:

@@ -289,6 +289,9 @@ UPDATE allocations SET last_checkpoint_at = greatest(last_checkpoint_at, $2) WHE
 KEPT_CHECKPOINTS = """
 SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
 ORDER BY seq DESC LIMIT 2"""
+# What a job that has ended keeps: every complete checkpoint not deleted yet.
+COMPLETE_CHECKPOINTS = """
+SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq"""
 # Superseded: every complete checkpoint but the two newest, and incomplete ones older than the
 # older of those (abandoned or refused writes). Their bytes can go.
 SUPERSEDED_CHECKPOINTS = f"""

@@ -399,6 +399,10 @@ class Store:
         """The two newest complete checkpoints, which garbage collection keeps (fewer if fewer)."""
         return [r["seq"] for r in await self.pool.fetch(q.KEPT_CHECKPOINTS, job_id)]
 
+    async def complete_checkpoints(self, job_id: str) -> list[int]:
+        """Every complete checkpoint whose bytes were not deleted as superseded."""
+        return [r["seq"] for r in await self.pool.fetch(q.COMPLETE_CHECKPOINTS, job_id)]
+
     async def mark_checkpoint_deleted(self, job_id: str, seq: int) -> None:
         await self.pool.execute(q.MARK_CHECKPOINT_DELETED, job_id, seq)
 

@@ -269,6 +269,49 @@ def test_a_checkpoint_written_in_parts_commits_and_the_uploads_abandoned_below_i
     assert env.resumed["seq"] == 2
 
 
+# --- what a job leaves in S3 when it ends ------------------------------------------------------
+
+
+def _leftovers(env) -> None:
+    """Checkpoints 1 and 2 committed, 3 refused as a zombie's, 4 never reported, 5 cut off mid-upload."""
+    prefix = checkpoint_prefix(env.job)
+    for seq in (1, 2):
+        assert env.commit(env.write(seq, f"step={seq}".encode())).committed
+    assert not env.commit(env.write(3, b"from a zombie"), allocation=env.allocation + 1000).committed
+    env.write(4, b"never reported")
+    cut = env.s3.create_multipart_upload(Bucket=env.bucket, Key=f"{prefix}0000000005")
+    env.s3.upload_part(Bucket=env.bucket, Key=f"{prefix}0000000005", UploadId=cut["UploadId"],
+                       PartNumber=1, Body=b"x" * 5 * 2**20)
+
+
+def _end_through_the_activity(env, end: EndReason, state: JobState) -> None:
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.jobs import JobActivities
+    from workflows.types import EndAttempt
+
+    jobs = JobActivities(env.store, client=None, bucket=env.bucket, s3=env.s3)
+    env.run(ActivityEnvironment().run(jobs.end_attempt, EndAttempt(
+        job_id=env.job, allocation_id=env.allocation, end_reason=end, exit_code=None, next_state=state,
+        reason="test")))
+    env.run(jobs.settled())
+
+
+@pytest.mark.parametrize("end, state, swept", [
+    (EndReason.completed, JobState.succeeded, True),
+    (EndReason.failed, JobState.failed, True),
+    (EndReason.cancelled, JobState.cancelled, True),
+    (EndReason.preempted, JobState.queued, False),  # it runs again: a later commit clears below it
+], ids=["succeeded", "failed", "cancelled", "queued again"])
+def test_a_job_that_ends_for_good_keeps_only_its_complete_checkpoints_in_the_store(env, end, state, swept):
+    prefix = checkpoint_prefix(env.job)
+    _leftovers(env)
+    _end_through_the_activity(env, end, state)
+    assert [env.exists(f"{prefix}{seq:010d}") for seq in (1, 2)] == [True, True]
+    assert [env.exists(f"{prefix}{seq:010d}") for seq in (3, 4)] == [not swept, not swept]
+    assert env.uploads() == ([] if swept else [f"{prefix}0000000005"])
+
+
 # --- a resume checkpoint its job found unusable ------------------------------------------------
 
 

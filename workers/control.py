@@ -29,6 +29,8 @@ from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
 from workflows.types import SchedulerInput
 
+SWEEPS_AT_EXIT_S = 10.0  # how long a stopping worker waits for ended jobs' sweeps
+
 log = logging.getLogger("gpusched.control")
 
 
@@ -66,8 +68,8 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
         await store.migrate()
         client = await connect_temporal(settings)
         await ensure_search_attributes(client)
-        # Its one use is a HEAD that must end within STORE_LOOK_S (its thread is not stopped at
-        # the timeout): (2 s + 5 s) for each of at most two tries.
+        # A HEAD that must end within STORE_LOOK_S (its thread is not stopped at the timeout):
+        # (2 s + 5 s) for each of at most two tries; also the sweep of an ended job's leftovers.
         s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region,
                        read_timeout=5, retries=1)
         jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket, s3)
@@ -92,6 +94,10 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             log.info("control worker serving %s", settings.control_task_queue)
             await stop.wait()
             log.info("shutting down")
+        try:  # the sweeps of jobs that just ended run after their end was answered
+            await asyncio.wait_for(jobs.settled(), SWEEPS_AT_EXIT_S)
+        except TimeoutError:
+            log.warning("left the sweep of some ended jobs' checkpoints unfinished (%.0f s)", SWEEPS_AT_EXIT_S)
     finally:
         await store.close()
 
