@@ -103,9 +103,14 @@ class JobActivities:
         await self.store.end_attempt(inp.job_id, inp.allocation_id, inp.end_reason, inp.exit_code,
                                      inp.next_state, inp.reason, inp.machine_id, inp.unusable_checkpoint,
                                      inp.failures_in_a_row)
-        if inp.next_state.terminal and self.s3 is not None:
-            # After the answer, not before: the job's end must not wait for a slow store.
-            task = asyncio.create_task(self._sweep(inp.job_id))
+        if inp.next_state.terminal:
+            self._sweep_later(inp.job_id)
+
+    def _sweep_later(self, job_id: str) -> None:
+        """Sweep an ended job's leftovers from the checkpoint store, after the answer, not before:
+        the job's end must not wait for a slow store."""
+        if self.s3 is not None:
+            task = asyncio.create_task(self._sweep(job_id))
             self._sweeps.add(task)
             task.add_done_callback(self._sweeps.discard)
 
@@ -193,6 +198,7 @@ class JobActivities:
         else:
             await self.store.end_attempt(a.job_id, a.allocation_id, EndReason.not_started, None,
                                          JobState.failed, "its workflow ended without taking up its placement")
+        self._sweep_later(a.job_id)
 
     async def _workflows_ended(self, jobs: list[tuple[str, str]]) -> list[bool]:
         """For each (workflow id prefix, job id): whether the server says its workflow is closed

@@ -284,16 +284,33 @@ def _leftovers(env) -> None:
                        PartNumber=1, Body=b"x" * 5 * 2**20)
 
 
-def _end_through_the_activity(env, end: EndReason, state: JobState) -> None:
+class _GoneWorkflows:
+    """A Temporal service that knows no workflow: every job's was terminated long ago."""
+
+    async def describe_workflow_execution(self, request):
+        from temporalio.service import RPCError, RPCStatusCode
+
+        raise RPCError("gone", RPCStatusCode.NOT_FOUND, b"")
+
+
+def _end_through_the_activity(env, end: EndReason | None, state: JobState | None) -> None:
+    """The attempt's end as its workflow records it, or (``end`` None) as the scheduler loop's
+    reconcile records it for a workflow that is gone."""
+    from types import SimpleNamespace
+
     from temporalio.testing import ActivityEnvironment
 
     from activities.jobs import JobActivities
-    from workflows.types import EndAttempt
+    from workflows.types import EndAttempt, Reconcile
 
-    jobs = JobActivities(env.store, client=None, bucket=env.bucket, s3=env.s3)
-    env.run(ActivityEnvironment().run(jobs.end_attempt, EndAttempt(
-        job_id=env.job, allocation_id=env.allocation, end_reason=end, exit_code=None, next_state=state,
-        reason="test")))
+    client = SimpleNamespace(namespace="default", workflow_service=_GoneWorkflows())
+    jobs = JobActivities(env.store, client=client, bucket=env.bucket, s3=env.s3)
+    if end is None:
+        assert env.run(ActivityEnvironment().run(jobs.reconcile_allocations, Reconcile(cluster="c1"))) == 1
+    else:
+        env.run(ActivityEnvironment().run(jobs.end_attempt, EndAttempt(
+            job_id=env.job, allocation_id=env.allocation, end_reason=end, exit_code=None, next_state=state,
+            reason="test")))
     env.run(jobs.settled())
 
 
@@ -301,8 +318,9 @@ def _end_through_the_activity(env, end: EndReason, state: JobState) -> None:
     (EndReason.completed, JobState.succeeded, True),
     (EndReason.failed, JobState.failed, True),
     (EndReason.cancelled, JobState.cancelled, True),
+    (None, None, True),  # its workflow terminated: the reconcile fails the job
     (EndReason.preempted, JobState.queued, False),  # it runs again: a later commit clears below it
-], ids=["succeeded", "failed", "cancelled", "queued again"])
+], ids=["succeeded", "failed", "cancelled", "workflow gone", "queued again"])
 def test_a_job_that_ends_for_good_keeps_only_its_complete_checkpoints_in_the_store(env, end, state, swept):
     prefix = checkpoint_prefix(env.job)
     _leftovers(env)
