@@ -38,7 +38,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     cap = Capacity(snapshot.machines, snapshot.running)
 
     # 3. Quotas
-    usage = quotas.team_usage(snapshot.quotas, running)
+    usage = quotas.team_usage(snapshot.quotas, running, snapshot.cluster)
 
     # 4. Order
     queue = ordering.ordered_queue(snapshot.queue, usage)

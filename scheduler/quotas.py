@@ -8,11 +8,13 @@ most recently started jobs beyond the guarantee, since they lose the least when 
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable, Mapping, Sequence
 
 from scheduler.models import Quota, RunningJob
+from scheduler.since_last_cycle import PerCluster, RunningChanges
 
 NO_QUOTA = Quota()
 _JOB_ID = attrgetter("spec.job_id")
@@ -33,6 +35,7 @@ class TeamUsage:
     # the team is about to hold them, so they count towards its guarantee.
     promised: dict[str, int] = field(default_factory=dict)
     preemptible: Callable[[RunningJob], bool] = lambda job: True  # set by the cycle
+    start_order: "StartOrder | None" = None  # of `running`: who is borrowed, in which order
     _borrowed: set[str] | None = None
 
     def quota(self, team: str) -> Quota:
@@ -71,28 +74,87 @@ class TeamUsage:
     def borrowed(self) -> set[str]:
         """Job ids of the running jobs above their team's guarantee (worked out when first asked)."""
         if self._borrowed is None:
-            self._borrowed = _borrowed_jobs(self, self.running)
+            if self.start_order is None:
+                self.start_order = StartOrder(self.running)
+            self._borrowed = _borrowed_jobs(self, self.start_order)
         return self._borrowed
 
 
-def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob]) -> TeamUsage:
-    used: dict[str, int] = {}
-    for job in running:
-        spec = job.spec
-        used[spec.team] = used.get(spec.team, 0) + spec.num_gpus
-    return TeamUsage(quotas, running, used)
+def team_usage(quotas: Mapping[str, Quota], running: Sequence[RunningJob], cluster: str | None = None) -> TeamUsage:
+    """What each team holds; with `cluster`, the teams' start order is kept for the cluster's
+    next cycle and brought up to date from the jobs that started or ended since."""
+    if cluster is None:
+        order = StartOrder(running)
+    else:
+        if not isinstance(running, (list, tuple)):
+            running = tuple(running)
+        with _kept.lock:
+            order = _kept.get(cluster, lambda kept: kept.update(running), lambda: StartOrder(running)).copy()
+    # What teams hold grows as admission places jobs; the order stays as the running jobs left it.
+    return TeamUsage(quotas, running, dict(order.used), start_order=order)
 
 
-def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
-    held: dict[str, int] = {}
-    by_team: dict[str, list[RunningJob]] = {}
-    for job in running:
-        spec = job.spec
-        held[spec.team] = held.get(spec.team, 0) + spec.num_gpus
-        by_team.setdefault(spec.team, []).append(job)
+def _start_key(job: RunningJob) -> tuple[float, str]:
+    return -job.started_at, job.spec.job_id
+
+
+class StartOrder:
+    """Per team, its running jobs most recently started first, then by id (the order in which
+    borrowed jobs are picked), and the GPUs each team holds. Kept from cycle to cycle per
+    cluster (scheduler/since_last_cycle.py): a cycle inserts the few jobs that started and takes
+    out those that ended, instead of grouping and sorting every running job again."""
+
+    def __init__(self, running: Sequence[RunningJob]):
+        self.changes = RunningChanges(running)
+        self.used: dict[str, int] = {}
+        self.by_team: dict[str, list[RunningJob]] = {}
+        for job in running:
+            spec = job.spec
+            self.used[spec.team] = self.used.get(spec.team, 0) + spec.num_gpus
+            self.by_team.setdefault(spec.team, []).append(job)
+        for jobs in self.by_team.values():
+            # Two sorts on plain keys (the second keeps the first's order among equal starts),
+            # cheaper than one on a built key.
+            jobs.sort(key=_JOB_ID)
+            jobs.sort(key=_STARTED_AT, reverse=True)
+
+    def update(self, running: Sequence[RunningJob]) -> bool:
+        """Follow the jobs that started and ended since; False when too many did (build anew)."""
+        changes = self.changes.since(running)
+        if changes is None:
+            return False
+        ended, started = changes
+        for job in ended:
+            team = job.spec.team
+            jobs = self.by_team[team]
+            k = bisect_left(jobs, _start_key(job), key=_start_key)
+            while jobs[k] is not job:
+                k += 1
+            del jobs[k]
+            self.used[team] -= job.spec.num_gpus
+            if not jobs:
+                del self.by_team[team], self.used[team]
+        for job in started:
+            team = job.spec.team
+            insort(self.by_team.setdefault(team, []), job, key=_start_key)
+            self.used[team] = self.used.get(team, 0) + job.spec.num_gpus
+        return True
+
+    def copy(self) -> "StartOrder":
+        """This order as it is now, for one cycle to read while the kept one follows the next."""
+        twin = object.__new__(StartOrder)
+        twin.used = dict(self.used)
+        twin.by_team = {team: list(jobs) for team, jobs in self.by_team.items()}
+        return twin
+
+
+_kept: PerCluster[StartOrder] = PerCluster()
+
+
+def _borrowed_jobs(usage: TeamUsage, order: StartOrder) -> set[str]:
     borrowed = set()
-    for team, jobs in by_team.items():
-        over = held[team] - usage.quota(team).guaranteed
+    for team, jobs in order.by_team.items():
+        over = order.used[team] - usage.quota(team).guaranteed
         if over <= 0:
             continue
         # First the jobs that can be given back now and fit in what the team holds beyond its
@@ -100,10 +162,6 @@ def _borrowed_jobs(usage: TeamUsage, running: Sequence[RunningJob]) -> set[str]:
         # turn); then the rest. Each group most recently started first. Whether a job is
         # preemptible is asked only of the jobs looked at: most of a team's jobs never are.
         rest = []
-        # Most recently started first, then by id: two sorts on plain keys (the second keeps
-        # the first's order among equal starts), cheaper than one on a built key.
-        jobs.sort(key=_JOB_ID)
-        jobs.sort(key=_STARTED_AT, reverse=True)
         for job in jobs:
             if over <= 0:
                 break

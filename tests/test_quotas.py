@@ -350,3 +350,31 @@ def test_who_a_critical_job_may_preempt_by_guarantees(quotas, victim, team, vict
     result = cycle(snapshot(fleet(machines=2), running=[victim, guard], queue=[claimant],
                             quotas={**quotas, "ops": {"guaranteed": 1000}}))
     assert preempted(result) == victims
+
+
+# --- the start order kept from cycle to cycle -------------------------------------------------------
+
+
+def test_the_start_order_kept_between_cycles_equals_one_made_from_nothing():
+    """Jobs start and end between cycles (some at the same second, some teams emptying): the
+    order and counts carried per cluster must be those built from the running jobs alone."""
+    import random
+
+    from scheduler.quotas import StartOrder
+
+    rng = random.Random(7)
+    pool = [_ran(f"j{k:03d}", rng.choice("abc"), mid(0, 0, k % 4), range(rng.choice((1, 2, 4))),
+                 started=float(rng.choice((0, 50, 100, 100, 150)))).build() for k in range(120)]
+    quotas = {t: Quota(guaranteed=4) for t in "abc"}
+    running = pool[:30]
+    for step in range(40):
+        usage = team_usage(quotas, running, "order-test")
+        fresh = StartOrder(running)
+        assert usage.start_order.by_team == fresh.by_team
+        assert usage.used == fresh.used
+        assert usage.borrowed == team_usage(quotas, running).borrowed
+        ended = set(rng.sample(range(len(running)), rng.randint(0, 4)))
+        running = [j for k, j in enumerate(running) if k not in ended]
+        running += rng.sample([j for j in pool if j not in running], rng.randint(0, 4))
+        if step == 20:
+            running = [j for j in running if j.spec.team != "a"]  # a team's last jobs end
