@@ -9,6 +9,7 @@ expected to finish before the reservation starts — that is backfill that never
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -29,37 +30,35 @@ class ReleaseBook:
 
     def __init__(self, releases: Iterable[tuple[float, Sequence[tuple[int, int]]]]):
         """`releases`: (expected end, (machine, GPU count) of what it frees) per running job.
-        Grouped by machine, or by block, when first asked for: a cycle usually plans for one
-        shape of job and needs only one of the two."""
+        Grouped by machine, or put in time order, when first asked for: a cycle usually plans
+        for one shape of job and needs only one of the two."""
         self.releases = list(releases)
         self._by_machine: dict[int, list[tuple[float, int]]] | None = None
-        self._by_block: dict[str, list[tuple[float, int, int]]] | None = None
+        self._in_time_order: list[tuple[float, int, int]] | None = None
 
     @property
     def by_machine(self) -> dict[int, list[tuple[float, int]]]:
-        """Per machine, its (end, GPU count) releases."""
+        """Per machine, its (end, GPU count) releases, soonest first."""
         if self._by_machine is None:
-            self._by_machine = {}
+            by_machine: dict[int, list[tuple[float, int]]] = {}
             for end, machines in self.releases:
                 for i, count in machines:
-                    self._by_machine.setdefault(i, []).append((end, count))
+                    found = by_machine.get(i)
+                    if found is None:
+                        by_machine[i] = [(end, count)]
+                    else:
+                        found.append((end, count))
+            for entries in by_machine.values():
+                entries.sort()
+            self._by_machine = by_machine
         return self._by_machine
 
-    def in_blocks(self, block_of: Sequence[str]) -> dict[str, list[tuple[float, int, int]]]:
-        """Per block, its (end, GPU count, machine) releases, soonest first."""
-        if self._by_block is None:
-            by_block: dict[str, list[tuple[float, int, int]]] = {}
-            for end, machines in self.releases:
-                for i, count in machines:
-                    found = by_block.get(block_of[i])
-                    if found is None:
-                        by_block[block_of[i]] = [(end, count, i)]
-                    else:
-                        found.append((end, count, i))
-            for entries in by_block.values():
-                entries.sort()
-            self._by_block = by_block
-        return self._by_block
+    @property
+    def in_time_order(self) -> list[tuple[float, int, int]]:
+        """Every (end, GPU count, machine) release, soonest first."""
+        if self._in_time_order is None:
+            self._in_time_order = sorted((end, count, i) for end, machines in self.releases for i, count in machines)
+        return self._in_time_order
 
 
 def plan_hold(
@@ -74,58 +73,95 @@ def plan_hold(
     topology = resolved_topology(cap, spec)
     largest = max(p.key.gpus for p in pools)
     if topology == Topology.machine or (topology == Topology.any and n <= largest):
-        groups = [[i] for i in machines]
-    elif topology == Topology.block:
+        return _soonest_machine(cap, machines, n, book, now, spec.job_id)
+    if topology == Topology.block:
         return _soonest_in_a_block(cap, machines, n, book, now, spec.job_id)
-    else:
-        groups = [machines]
-    best: Hold | None = None
-    for group in groups:
-        hold = _soonest_fit(cap, group, n, book, now, spec.job_id)
-        if hold is not None and (best is None or hold.expected_start < best.expected_start):
-            best = hold
-    return best
+    return _soonest_anywhere(cap, machines, n, book, now, spec.job_id)
+
+
+def _soonest_machine(
+    cap: Capacity, machines: list[int], n: int, book: ReleaseBook, now: float, job_id: str
+) -> Hold | None:
+    """`plan_hold` for a job on one machine: the machine where it fits soonest, the first of
+    `machines` among equals."""
+    free, by_machine = cap.free, book.by_machine
+    best_at, best = math.inf, None
+    for i in machines:
+        have = len(free[i])
+        if have >= n:
+            at = now
+        else:
+            at = None
+            for end, count in by_machine.get(i, ()):
+                if best is not None and end >= best_at:
+                    break  # it could only tie with a machine met before it, which wins ties
+                have += count
+                if have >= n:
+                    at = end
+                    break
+            if at is None:
+                continue
+        if best is None or at < best_at:
+            best_at, best = at, i
+    return None if best is None else Hold(job_id, frozenset((best,)), best_at)
 
 
 def _soonest_in_a_block(
     cap: Capacity, machines: list[int], n: int, book: ReleaseBook, now: float, job_id: str
 ) -> Hold | None:
-    """`plan_hold` for a job that must stay in one block: the block where it fits soonest."""
-    by_block: dict[str, list[int]] = {}
+    """`plan_hold` for a job that must stay in one block: the block where it fits soonest, the
+    first met in `machines` among equals. One pass over the releases in time order serves every
+    block, and stops once no block could fit sooner than the best found."""
+    free, block_of = cap.free, cap.block_of
+    have: dict[str, int] = {}
+    used: dict[str, list[int]] = {}  # per block, its machines the hold would take, in order
     for i in machines:
-        by_block.setdefault(cap.block_of[i], []).append(i)
-    in_block = book.in_blocks(cap.block_of)
-    best: Hold | None = None
-    for block, group in by_block.items():
-        # The block's releases are put in time order once per book; this group's are among them.
-        members = set(group)
-        releases = [entry for entry in in_block.get(block, ()) if entry[2] in members]
-        hold = _fit_by(cap, group, n, releases, now, job_id)
-        if hold is not None and (best is None or hold.expected_start < best.expected_start):
-            best = hold
-    return best
+        block = block_of[i]
+        if block not in have:
+            have[block], used[block] = 0, []
+        if free[i]:
+            have[block] += len(free[i])
+            used[block].append(i)
+    place = {block: k for k, block in enumerate(have)}
+    best_at, best = math.inf, None
+    for block, count in have.items():
+        if count >= n:
+            best_at, best = now, block
+            break
+    eligible = set(machines)
+    for end, count, i in book.in_time_order:
+        if best is not None and end > best_at:
+            break
+        if i not in eligible:
+            continue
+        block = block_of[i]
+        before = have[block]
+        if before >= n:
+            continue  # this block fitted already, at an earlier release
+        have[block] = before + count
+        used[block].append(i)
+        if before + count >= n and (best is None or end < best_at or place[block] < place[best]):
+            best_at, best = end, block
+    if best is None:
+        return None
+    return Hold(job_id, frozenset(used[best]), best_at)
 
 
-def _soonest_fit(
-    cap: Capacity, group: list[int], n: int, book: ReleaseBook, now: float, job_id: str
+def _soonest_anywhere(
+    cap: Capacity, machines: list[int], n: int, book: ReleaseBook, now: float, job_id: str
 ) -> Hold | None:
-    by_machine = book.by_machine
-    releases = sorted((end, count, i) for i in group for end, count in by_machine.get(i, ()))
-    return _fit_by(cap, group, n, releases, now, job_id)
-
-
-def _fit_by(
-    cap: Capacity, group: list[int], n: int, releases: list[tuple[float, int, int]], now: float, job_id: str
-) -> Hold | None:
-    """The group's GPUs free now, then its `releases` (end, count, machine) in time order, until
-    n are free: the machines used and when."""
-    have = sum(len(cap.free[i]) for i in group)
-    used = {i for i in group if cap.free[i]}
+    """`plan_hold` for a job that may spread over the cluster: the soonest time enough GPUs of
+    `machines` are free, and the machines that free them."""
+    free = cap.free
+    have = sum(len(free[i]) for i in machines)
+    used = {i for i in machines if free[i]}
     if have >= n:
         return Hold(job_id, frozenset(used), now)
-    for end, count, i in releases:
-        have += count
-        used.add(i)
-        if have >= n:
-            return Hold(job_id, frozenset(used), end)
+    eligible = set(machines)
+    for end, count, i in book.in_time_order:
+        if i in eligible:
+            have += count
+            used.add(i)
+            if have >= n:
+                return Hold(job_id, frozenset(used), end)
     return None

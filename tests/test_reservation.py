@@ -196,3 +196,68 @@ def test_a_job_started_on_reserved_machines_by_the_preemption_path_with_nobody_d
     [placed] = result.placements
     assert (placed.job_id, placed.backfilled, not result.preemptions) == ("s", True, True)
     assert "backfilled" in placed.reason
+
+
+# --- the plan equals the plain search over every place -----------------------------------------------
+
+
+def _plain_plan(cap, spec, book, now, held):
+    """plan_hold written plainly: every place the job may take (each machine, each block, or the
+    cluster) filled from its free GPUs, then its releases in time order; the soonest, the first
+    place met among equals."""
+    from scheduler.placement import resolved_topology
+    from scheduler.reservation import Hold
+    from scheduler.models import Topology
+
+    pools = cap.eligible_pools(spec)
+    n = spec.num_gpus
+    machines = [i for p in pools for i in p.members if i not in held]
+    topology = resolved_topology(cap, spec)
+    if topology == Topology.machine or (topology == Topology.any and n <= max(p.key.gpus for p in pools)):
+        groups = [[i] for i in machines]
+    elif topology == Topology.block:
+        groups = {}
+        for i in machines:
+            groups.setdefault(cap.block_of[i], []).append(i)
+        groups = list(groups.values())
+    else:
+        groups = [machines]
+    best = None
+    for group in groups:
+        releases = sorted((end, count, i) for end, counts in book.releases for i, count in counts if i in group)
+        have = sum(len(cap.free[i]) for i in group)
+        used = {i for i in group if cap.free[i]}
+        hold = Hold(spec.job_id, frozenset(used), now) if have >= n else None
+        for end, count, i in releases if hold is None else ():
+            have += count
+            used.add(i)
+            if have >= n:
+                hold = Hold(spec.job_id, frozenset(used), end)
+                break
+        if hold is not None and (best is None or hold.expected_start < best.expected_start):
+            best = hold
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_soonest_place_is_the_one_the_plain_search_finds(seed):
+    import random
+
+    from scheduler.capacity import Capacity
+    from scheduler.reservation import ReleaseBook, plan_hold
+
+    rng = random.Random(seed)
+    machines = fleet(blocks=3, racks=2, machines=3)
+    jobs, releases = [], []
+    for k, m in enumerate(machines):
+        held = sorted(rng.sample(range(8), rng.choice((8, 8, 6, 4, 0))))
+        if held:
+            jobs.append(running(job(f"r{k}").gpus(len(held))).on(m.id, held).build())
+            # ends on a coarse grid, so that places often tie
+            releases.append((NOW + 100 * rng.randint(0, 6), [(k, len(held))]))
+    cap = Capacity(machines, jobs)
+    book = ReleaseBook(releases)
+    held = frozenset(rng.sample(range(len(machines)), rng.randint(0, 4)))
+    for n, topology in ((4, None), (8, None), (8, "machine"), (16, "block"), (24, "block"), (40, "any"), (16, "any")):
+        spec = job(f"q{n}").gpus(n).topology(topology).spec()
+        assert plan_hold(cap, spec, book, NOW, held) == _plain_plan(cap, spec, book, NOW, held), (n, topology)
