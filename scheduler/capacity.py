@@ -150,7 +150,7 @@ class Grouping(NamedTuple):
 _job_gpus: dict[int, Grouping] = {}
 
 
-def _grouped(layout: Layout, job: RunningJob) -> Grouping:
+def grouped(layout: Layout, job: RunningJob) -> Grouping:
     """A running job's GPUs grouped by machine index; remembered per job object and layout.
 
     Running jobs are immutable and live for many cycles; grouping their GPUs once instead of
@@ -201,7 +201,7 @@ class _Held:
         self.base._fill(layout, {i: _mask_of(on) for i, on in self.on.items()})
 
     def _add(self, job: RunningJob) -> Iterable[int]:
-        grouping = _grouped(self.layout, job)
+        grouping = grouped(self.layout, job)
         self.incomplete += not grouping.complete
         key = id(job)
         for i, mask in grouping.masks:
@@ -209,7 +209,7 @@ class _Held:
         return (i for i, _ in grouping.masks)
 
     def _remove(self, job: RunningJob) -> Iterable[int]:
-        grouping = _grouped(self.layout, job)
+        grouping = grouped(self.layout, job)
         self.incomplete -= not grouping.complete
         key = id(job)
         for i, _ in grouping.masks:
@@ -386,7 +386,7 @@ class Capacity:
 
     def machines_of(self, job: RunningJob) -> list[tuple[int, int]]:
         """(machine, GPU count) of the GPUs a running job gives back to use when it ends."""
-        return _grouped(self.layout, job).counts
+        return grouped(self.layout, job).counts
 
     def counts_of(self, slots: Iterable[GpuSlot]) -> list[tuple[int, int]]:
         """(machine, GPU count) of `slots`, on the machines this capacity knows."""
@@ -446,7 +446,7 @@ class Capacity:
 
     def masks_of(self, job: RunningJob) -> list[tuple[int, int]]:
         """(machine, its GPUs held, as a bit mask) of a running job's usable GPUs."""
-        return _grouped(self.layout, job).masks
+        return grouped(self.layout, job).masks
 
     def take_picks(self, picks: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         """Take the lowest free GPUs of each picked machine; returns what was taken, for give_back."""

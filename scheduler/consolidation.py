@@ -29,8 +29,9 @@ from typing import Sequence
 
 from scheduler import placement
 from scheduler.preemption import placement_without
-from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole
+from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, Layout, grouped
 from scheduler.models import GpuSlot, JobSpec, RunningJob, Topology
+from scheduler.since_last_cycle import PerJob
 
 
 @dataclass(frozen=True)
@@ -59,22 +60,37 @@ def domain_kind(cap: Capacity, claimant: JobSpec) -> Topology | None:
 def movable_by_domain(cap: Capacity, kind: Topology, exposed: Sequence[RunningJob]) -> dict[object, list[RunningJob]]:
     """Unprotected running jobs that could move, by the one machine (or block) holding them."""
     out: dict[object, list[RunningJob]] = {}
-    domain_of = cap.domains(kind)
+    which = 0 if kind == Topology.machine else 1
+    layout = cap.layout
+    domains_of = _domains.get
     for job in exposed:
-        if not job.spec.checkpoint_interval:  # JobSpec.checkpoints, without a call per job
-            continue
-        machines = cap.machines_of(job)
-        if len(machines) == 1:  # most jobs: one machine, so one domain of any kind
-            (i, count), = machines
-            if count == job.spec.num_gpus:
-                out.setdefault(domain_of[i], []).append(job)
-            continue
-        if sum(count for _, count in machines) != job.spec.num_gpus:
-            continue  # partly on a machine that is down: health requeues it instead
-        domains = {domain_of[i] for i, _ in machines}
-        if len(domains) == 1:
-            out.setdefault(domains.pop(), []).append(job)
+        domain = domains_of(job, layout)[which]
+        if domain is not None:
+            found = out.get(domain)
+            if found is None:
+                out[domain] = [job]
+            else:
+                found.append(job)
     return out
+
+
+def _domains_of(job: RunningJob, layout: Layout) -> tuple[int | None, str | None]:
+    """(machine, block) holding all of a job that can checkpoint, or None where it spans more
+    than one, has no checkpoints, or is partly on a machine that is down (health requeues it)."""
+    if not job.spec.checkpoint_interval:  # JobSpec.checkpoints, without a call per job
+        return None, None
+    counts = grouped(layout, job).counts
+    if len(counts) == 1:  # most jobs: one machine, so one domain of any kind
+        (i, count), = counts
+        return (i, layout.block_of[i]) if count == job.spec.num_gpus else (None, None)
+    if sum(count for _, count in counts) != job.spec.num_gpus:
+        return None, None
+    blocks = {layout.block_of[i] for i, _ in counts}
+    return None, (blocks.pop() if len(blocks) == 1 else None)
+
+
+# Where a running job could be moved from, worked out once per job object and layout.
+_domains: PerJob[tuple[int | None, str | None]] = PerJob(_domains_of)
 
 
 def plan_move(

@@ -62,3 +62,25 @@ class PerCluster(Generic[Kept]):
                 self._kept.clear()
             kept = self._kept[cluster] = make()
         return kept
+
+
+class PerJob(Generic[Kept]):
+    """Work that depends only on one running job and on what it is read against (the fleet's
+    layout, a setting), kept while the job object lives: a running job is immutable and lasts
+    many cycles, and most cycles ask the same of each. Found and checked by identity, so a
+    changed job (a new object) or a new layout is worked out afresh."""
+
+    def __init__(self, work: Callable[[RunningJob, object], Kept], most: int = 100_000):
+        self._work = work
+        self._most = most  # jobs long gone are dropped all at once past this many
+        self._kept: dict[int, tuple[RunningJob, object, Kept]] = {}
+
+    def get(self, job: RunningJob, against: object) -> Kept:
+        found = self._kept.get(id(job))
+        if found is not None and found[0] is job and found[1] is against:
+            return found[2]
+        if len(self._kept) > self._most:
+            self._kept.clear()
+        kept = self._work(job, against)
+        self._kept[id(job)] = (job, against, kept)
+        return kept
