@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 from scheduler import consolidation, eta, in_words, placement, preemption, reservation
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
+from scheduler.expected_ends import Ends
+from scheduler.expected_ends import expected_ends as ends_of_running
 from scheduler.models import (
     Earmark,
     GpuSlot,
@@ -83,7 +85,7 @@ class Admission:
     exposed: preemption.Exposed | None = None  # running jobs not protected from preemption
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
-    ends: list[tuple[RunningJob, float, list[tuple[int, int]]]] | None = None  # see expected_ends
+    ends: Ends | None = None  # see expected_ends
     ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
@@ -243,6 +245,8 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
 
 def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
+    if not snapshot.earmarks:  # most cycles: nothing promised
+        return
     cap = state.cap
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
     waiting = {job.spec.job_id: job.spec for job in snapshot.queue}
@@ -428,38 +432,14 @@ def _preemption_key(job: QueuedJob, avoid: frozenset[int]) -> tuple:
     return (_shape(job), job.spec.priority, job.spec.team, avoid)
 
 
-def expected_ends(state: Admission) -> list[tuple[RunningJob, float, list[tuple[int, int]]]]:
+def expected_ends(state: Admission) -> Ends:
     """(job, expected end, (machine, GPU count) of its GPUs) for every running job, in order.
 
     Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
     once per cycle instead of once by each."""
     if state.ends is None:
-        now, layout, restart = state.now, state.cap.layout, state.config.expected_restart_s
-        ends = state.ends = []
-        for job in state.running:
-            found = _planned.get(id(job))
-            if found is None or found[0] is not job or found[1] is not layout or found[4] != restart:
-                found = _planned[id(job)] = (job, layout, _plain_end(job, restart), state.cap.machines_of(job), restart)
-                if len(_planned) > 100_000:
-                    _planned.clear()
-            end = found[2]
-            ends.append((job, end if end > now else job.expected_end(now), found[3]))
+        state.ends = ends_of_running(state.cap.layout, state.running, state.now, state.config.expected_restart_s)
     return state.ends
-
-
-# (job, layout, plain end or -inf, its machines, the restart allowed for) per running job object: a running job is immutable
-# and lives for many cycles, and every cycle that plans asks for its end (remembered by identity,
-# as capacity.py remembers its GPUs by machine, so a changed job is always worked out afresh).
-_planned: dict[int, tuple[RunningJob, object, float, list[tuple[int, int]], float]] = {}
-
-
-def _plain_end(job: RunningJob, restart: float) -> float:
-    """When the job ends by its user's estimate (and, if it resumed, the restart it was expected
-    to need), or -inf for a draining job (its end is the end of its grace):
-    `RunningJob.expected_end` gives either whenever it is later than now."""
-    if job.draining:
-        return -math.inf
-    return job.estimated_end + restart if restart and job.resumed else job.estimated_end
 
 
 def _exposed(state: Admission) -> preemption.Exposed:
