@@ -126,12 +126,22 @@ class Exposed:
 
     def below(self, rank: int) -> list[RunningJob]:
         """Those of a class less important than `rank`. Remembered: most claimants are of the
-        lowest classes, for whom this is a short list or none, and a cycle asks many times."""
+        lowest classes, for whom this is a short list or none, and a cycle asks many times.
+        Taken from a list already found that holds them all, where there is one (the same jobs
+        in the same order, without asking protection again), else from the running jobs."""
         found = self._below.get(rank)
         if found is None:
-            preemptible = self.preemptible
-            found = self._below[rank] = [j for j in self.running
-                                         if j.spec.priority.rank > rank and j.draining_until is None and preemptible(j)]
+            wider = self._jobs
+            for other, jobs in self._below.items():
+                if other < rank and (wider is None or len(jobs) < len(wider)):
+                    wider = jobs
+            if wider is not None:
+                found = [j for j in wider if j.spec.priority.rank > rank]
+            else:
+                preemptible = self.preemptible
+                found = [j for j in self.running
+                         if j.spec.priority.rank > rank and j.draining_until is None and preemptible(j)]
+            self._below[rank] = found
         return found
 
 

@@ -367,3 +367,28 @@ def test_a_claimant_waiting_for_jobs_expected_to_end_is_looked_at_again_as_that_
     assert not preempted(result) and result.next_wake == NOW + 60 + 1
     later = cycle(snapshot(fleet(machines=2), running=[_ENDING, _guard(M1)], queue=[CRIT], now=NOW + 61))
     assert preempted(later) == ["ending"]
+
+
+# --- the jobs exposed to claimants of each class ------------------------------------------------------
+
+
+@pytest.mark.parametrize("asked", [(3, 2, 1, 0), (0, 1, 2, 3), ("all", 2, 0, 3), (1, "all", 3, 0, 2)])
+def test_the_jobs_below_a_class_are_the_same_in_whatever_order_the_classes_are_asked(asked):
+    """Exposed.below takes a class's list from a wider one already found: it must hold the same
+    jobs in the same order as a plain look at every running job."""
+    import random
+
+    from scheduler.preemption import Exposed
+
+    rng = random.Random(len(asked))
+    classes = ("critical", "high", "normal", "low")
+    jobs = [running(job(f"j{k}").priority(rng.choice(classes))).on(mid(0, 0, k % 4), [k // 4]).build()
+            for k in range(24)]
+    protected = {j.spec.job_id for j in jobs if rng.random() < 0.3}
+    exposed = Exposed(jobs, lambda j: j.spec.job_id not in protected)
+    for rank in asked:
+        if rank == "all":
+            assert exposed.jobs == [j for j in jobs if j.spec.job_id not in protected]
+        else:
+            assert exposed.below(rank) == [j for j in jobs if j.spec.priority.rank > rank
+                                           and j.spec.job_id not in protected]
