@@ -208,29 +208,37 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
     smallest: dict[str, int] = {}
     big, threshold = cap.gpus_per_machine, config.starvation_threshold
     moves, wait = config.max_consolidations > 0, config.consolidation_wait
+    free_for: dict[tuple, int] = {}  # idle GPUs a job could use, per kind of machine it needs
     for job, _ in state.waiting:
         spec = job.spec
         n = spec.num_gpus
         if n >= big:
             times.append(job.queued_since + threshold)
-        if moves and n > 1 and job.queued_since + wait > now and cap.total_free(cap.eligible_pools(spec)) >= n:
-            times.append(job.queued_since + wait)  # idle GPUs enough, but scattered: a move may help
+        if moves and n > 1 and job.queued_since + wait > now:
+            kind = (spec.kind, spec.gpu_type, spec.gpu_memory_gb)
+            free = free_for.get(kind)
+            if free is None:
+                free = free_for[kind] = cap.total_free(cap.eligible_pools(spec))
+            if free >= n:
+                times.append(job.queued_since + wait)  # idle GPUs enough, but scattered: a move may help
         classes.add(spec.priority)
         if n < smallest.get(spec.team, n + 1):
             smallest[spec.team] = n
     most_important = min(priority.rank for priority in classes)
     reclaiming = any(usage.under_guarantee_with(team, n) for team, n in smallest.items())
+    borrowed = usage.borrowed if reclaiming else ()
+    min_runtime, window, most = config.min_runtime, config.thrash_window, config.thrash_max_preemptions
     for job in state.running:
         if job.draining_until is not None:
             times.append(job.draining_until)
             continue
-        if job.spec.priority.rank <= most_important and not (reclaiming and job.spec.job_id in usage.borrowed):
+        if job.spec.priority.rank <= most_important and job.spec.job_id not in borrowed:
             continue  # nobody waiting may displace it, protected or not
-        times.append(job.started_at + config.min_runtime)
+        times.append(job.started_at + min_runtime)
         if not job.preemptions:
             continue
-        recent = sorted(t for t in job.preemptions if now - t <= config.thrash_window)
-        if len(recent) >= config.thrash_max_preemptions:
-            times.append(recent[-config.thrash_max_preemptions] + config.thrash_window + 1.0)
+        recent = sorted(t for t in job.preemptions if now - t <= window)
+        if len(recent) >= most:
+            times.append(recent[-most] + window + 1.0)
     future = [t for t in times if t > now]
     return min(future) if future else None
