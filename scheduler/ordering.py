@@ -24,4 +24,15 @@ def queue_key(job: QueuedJob, usage: TeamUsage) -> tuple:
 
 
 def ordered_queue(queue: Sequence[QueuedJob], usage: TeamUsage) -> list[QueuedJob]:
-    return sorted(queue, key=lambda job: queue_key(job, usage))
+    # queue_key, with each team's share worked out once: thousands of jobs, a handful of teams.
+    shares: dict[str, float] = {}
+
+    def key(job: QueuedJob) -> tuple:
+        spec = job.spec
+        share = shares.get(spec.team)
+        if share is None:
+            share = shares[spec.team] = usage.share(spec.team)
+        deadline = spec.deadline if spec.deadline is not None else NO_DEADLINE
+        return (spec.priority.rank, share, deadline, job.submit_time, spec.job_id)
+
+    return sorted(queue, key=key)
