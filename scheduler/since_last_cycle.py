@@ -11,6 +11,7 @@ never by equality: a changed job is a new object, so here it ends and starts aga
 from __future__ import annotations
 
 import threading
+from collections import deque
 from operator import is_
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -27,19 +28,42 @@ class RunningChanges:
 
     def since(self, running: Sequence[RunningJob]) -> tuple[list[RunningJob], list[RunningJob]] | None:
         """(ended, started) since the last call, or None when most of the jobs changed: then
-        starting again from every job costs no more."""
+        starting again from every job costs no more. The lists may be shared with other callers
+        that followed the same jobs: read them, do not change them."""
         last = self.last
         if len(last) == len(running) and all(map(is_, last, running)):
             return [], []  # the same jobs as the last call (in one cycle, several stages ask)
-        self.last = tuple(running)
-        now = dict(zip(map(id, running), running))
+        with _recent_lock:
+            recent = tuple(_recent)
+        seen = None
+        for before, after, jobs, ended, started in recent:
+            if len(after) == len(running) and all(map(is_, after, running)):
+                if before is last:
+                    # Another follower went from the same jobs to these already: its answer is ours.
+                    self.last, self.jobs = after, jobs
+                    return ended, started
+                seen = after, jobs  # these jobs, from other jobs than ours: only their record is ours
+                break
+        now_seen, now = seen if seen is not None else (tuple(running), dict(zip(map(id, running), running)))
+        self.last = now_seen
         gone = self.jobs.keys() - now.keys()
         new = now.keys() - self.jobs.keys()
         if 2 * (len(gone) + len(new)) > len(now):
             return None
         ended = [self.jobs[key] for key in gone]
+        started = [now[key] for key in new]
+        with _recent_lock:
+            _recent.append((last, now_seen, now, ended, started))
         self.jobs = now
-        return ended, [now[key] for key in new]
+        return ended, started
+
+
+# The last changes worked out, for the other followers of the same jobs: in one cycle several
+# stages (capacity, quotas, expected ends, staggering) each follow the running jobs from the
+# last cycle, and the first to ask works out the changes for all of them. Nothing in an entry
+# is changed after it is made: a follower adopts its jobs as its own last seen.
+_recent: deque[tuple[tuple, tuple, dict[int, RunningJob], list[RunningJob], list[RunningJob]]] = deque(maxlen=4)
+_recent_lock = threading.Lock()
 
 
 Kept = TypeVar("Kept")
