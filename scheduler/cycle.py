@@ -234,7 +234,9 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
             continue
         if job.spec.priority.rank <= most_important and job.spec.job_id not in borrowed:
             continue  # nobody waiting may displace it, protected or not
-        times.append(job.started_at + min_runtime)
+        protected_until = job.started_at + min_runtime
+        if protected_until > now:  # most ran longer long ago: only the future counts
+            times.append(protected_until)
         if not job.preemptions:
             continue
         recent = sorted(t for t in job.preemptions if now - t <= window)
