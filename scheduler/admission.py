@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler import consolidation, eta, in_words, placement, preemption, reservation
+from scheduler import consolidation, eta, in_words, placement, preemptible, preemption, reservation
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.expected_ends import Ends
 from scheduler.expected_ends import expected_ends as ends_of_running
@@ -65,6 +65,7 @@ class Admission:
     config: PolicyConfig
     keep_whole: KeepWhole  # the reserved pool: whole machines kept per pool for the large jobs waiting
     draining_for: dict[str, list[RunningJob]]  # claimant -> its victims still draining
+    exposed: preemption.Exposed  # running jobs not protected from preemption (or a move), found when asked
     # decisions
     placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
@@ -82,7 +83,6 @@ class Admission:
     consolidations: int = 0
     movable: dict[object, dict] = field(default_factory=dict)  # per domain kind: jobs a move may take, by domain
     victim_keys: dict[str, tuple] = field(default_factory=dict)
-    exposed: preemption.Exposed | None = None  # running jobs not protected from preemption
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
@@ -98,11 +98,13 @@ class Admission:
 def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[RunningJob],
           leaving: set[str], queue: list[QueuedJob]) -> Admission:
     now, config = snapshot.now, snapshot.config
-    usage.preemptible = lambda job: preemption.protection(job, now, config) is None
+    exposed_now = preemptible.exposed_now(snapshot.cluster, running, now, config)
+    usage.preemptible = exposed_now
     state = Admission(
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
         keep_whole=_reserved_pool(cap, queue, config, usage),
-        draining_for=_draining_for(running), going=set(leaving),
+        draining_for=_draining_for(running),
+        exposed=preemption.Exposed(running, exposed_now, exposed_now.unprotected), going=set(leaving),
     )
     _hold_earmarks(snapshot, state)
     return state
@@ -372,7 +374,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # If they have not by then (estimates are wrong both ways), the claimant preempts.
         state.wake_at.append(now + config.grace_period / 2 + 1.0)
         return True
-    exposed = _exposed(state)
+    exposed = state.exposed
     reclaim = usage.under_guarantee_with(spec.team, spec.num_gpus)
     rights = (spec.priority.rank, spec.team, reclaim)
     ranked = state.candidates.get(rights)
@@ -442,13 +444,6 @@ def expected_ends(state: Admission) -> Ends:
     return state.ends
 
 
-def _exposed(state: Admission) -> preemption.Exposed:
-    """Running jobs not protected from preemption (or a move), found once per cycle."""
-    if state.exposed is None:
-        state.exposed = preemption.Exposed(state.running, state.usage.preemptible)
-    return state.exposed
-
-
 def _promise(state: Admission, job_id: str, gpus: tuple[GpuSlot, ...]) -> None:
     """Earmark `gpus` for `job_id`: those free now leave the capacity, the rest follow as the
     jobs on them leave. A promise not taken up within twice the grace and a minute lapses."""
@@ -483,7 +478,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
         return False
     movable = state.movable.get(kind)
     if movable is None:
-        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, _exposed(state).jobs)
+        movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, state.exposed.jobs)
     state.consolidations += 1
     reserved = frozenset().union(*(h.machines for h in state.holds)) if state.holds else placement.NO_AVOID
     plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole,

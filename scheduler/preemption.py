@@ -111,17 +111,22 @@ class Exposed:
     order given; and, asked for by class, those below a class. Each list is found when first
     asked for and kept for the cycle; protection is asked only of the jobs a list could hold."""
 
-    def __init__(self, running: Sequence[RunningJob], preemptible: Callable[[RunningJob], bool]):
-        self.running, self.preemptible = running, preemptible
+    def __init__(self, running: Sequence[RunningJob], preemptible: Callable[[RunningJob], bool],
+                 unprotected: Callable[[], list[RunningJob]] | None = None):
+        """`unprotected`, if given, finds `jobs` at once (preemptible.ExposedNow.unprotected)."""
+        self.running, self.preemptible, self._unprotected = running, preemptible, unprotected
         self._jobs: list[RunningJob] | None = None
         self._below: dict[int, list[RunningJob]] = {}
 
     @property
     def jobs(self) -> list[RunningJob]:
         if self._jobs is None:
-            preemptible = self.preemptible
-            # draining_until rather than the `draining` property: this is asked of every running job
-            self._jobs = [j for j in self.running if j.draining_until is None and preemptible(j)]
+            if self._unprotected is not None:
+                self._jobs = self._unprotected()
+            else:
+                preemptible = self.preemptible
+                # draining_until rather than the `draining` property: this is asked of every running job
+                self._jobs = [j for j in self.running if j.draining_until is None and preemptible(j)]
         return self._jobs
 
     def below(self, rank: int) -> list[RunningJob]:
