@@ -31,6 +31,7 @@ searched again in the same cycle.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from scheduler import consolidation, eta, in_words, placement, preemptible, preemption, reservation
@@ -71,6 +72,10 @@ class Admission:
     preemptions: list[Preemption] = field(default_factory=list)
     going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
     holds: list[reservation.Hold] = field(default_factory=list)
+    held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
+    # The holds' starts, soonest first, and held_before[k]: the machines of the k soonest holds.
+    hold_starts: list[float] = field(default_factory=list)
+    held_before: list[frozenset[int]] = field(default_factory=lambda: [placement.NO_AVOID])
     earmarks: dict[str, Earmark] = field(default_factory=dict)
     earmark_free: dict[str, list[GpuSlot]] = field(default_factory=dict)  # taken out of capacity
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)  # in queue order
@@ -179,7 +184,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
             state.waiting.append((job, _waiting_for_victims(state.draining_for.get(spec.job_id, []), state.now)))
         return
     # c. free GPUs
-    avoid = _held_against(job, state.holds, state.now, state.config.expected_restart_s)
+    avoid = _held_against(state, job)
     # A job just like one that already came out at step h, with nothing decided since, fares the
     # same: it waits for the same reason. This keeps a long queue of blocked jobs cheap.
     # (How long it has waited counts: past the consolidation wait a job may have others moved
@@ -234,11 +239,10 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
         return False
     if state.book is None:
         state.book = reservation.ReleaseBook((end, machines) for _, end, machines in expected_ends(state))
-    taken = frozenset(i for h in state.holds for i in h.machines)
-    hold = reservation.plan_hold(cap, spec, state.book, state.now, taken)
+    hold = reservation.plan_hold(cap, spec, state.book, state.now, state.held_machines)
     if hold is None:
         return False
-    state.holds.append(hold)
+    _add_hold(state, hold)
     why = _why_waiting(state, job, placement.NO_AVOID)
     state.waiting.append((job, f"{why}; holds a reservation, expected to start "
                                 f"{in_words.from_now(hold.expected_start, state.now)}"))
@@ -334,16 +338,26 @@ def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
     return out
 
 
-def _held_against(job: QueuedJob, holds: list[reservation.Hold], now: float, restart: float) -> frozenset[int]:
-    """Machines held for a starving job that this job would still occupy when it starts."""
-    if not holds:
+def _held_against(state: Admission, job: QueuedJob) -> frozenset[int]:
+    """Machines held for a starving job that this job would still occupy when it starts: those
+    of the holds that start before it would end, the soonest holds."""
+    if not state.holds:
         return placement.NO_AVOID
-    ends = now + eta.remaining_work(job, restart)
-    applying = [h.machines for h in holds if ends > h.expected_start]
-    if not applying:
-        return placement.NO_AVOID
-    # One hold (the usual case) is its own answer: the same frozenset, its hash already known.
-    return applying[0] if len(applying) == 1 else frozenset().union(*applying)
+    ends = state.now + eta.remaining_work(job, state.config.expected_restart_s)
+    return state.held_before[bisect_left(state.hold_starts, ends)]
+
+
+def _add_hold(state: Admission, hold: reservation.Hold) -> None:
+    state.holds.append(hold)
+    state.held_machines = state.held_machines | hold.machines
+    # Each job asks which holds it would run into: a union per count of holds, made here once,
+    # instead of one per job. One hold (the usual case) is its own answer: the same frozenset,
+    # its hash already known.
+    soonest = sorted(state.holds, key=lambda h: h.expected_start)
+    state.hold_starts = [h.expected_start for h in soonest]
+    state.held_before = [placement.NO_AVOID, soonest[0].machines]
+    for h in soonest[1:]:
+        state.held_before.append(state.held_before[-1] | h.machines)
 
 
 def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
@@ -480,9 +494,8 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     if movable is None:
         movable = state.movable[kind] = consolidation.movable_by_domain(cap, kind, state.exposed.jobs)
     state.consolidations += 1
-    reserved = frozenset().union(*(h.machines for h in state.holds)) if state.holds else placement.NO_AVOID
     plan = consolidation.plan_move(cap, spec, kind, movable, now, avoid, state.going, state.keep_whole,
-                                   reserved=reserved)
+                                   reserved=state.held_machines)
     if plan is None:
         state.no_moves.add(key)
         return False
