@@ -57,7 +57,9 @@ class ReleaseBook:
     def in_time_order(self) -> list[tuple[float, int, int]]:
         """Every (end, GPU count, machine) release, soonest first."""
         if self._in_time_order is None:
-            self._in_time_order = sorted((end, count, i) for end, machines in self.releases for i, count in machines)
+            entries = [(end, count, i) for end, machines in self.releases for i, count in machines]
+            entries.sort()
+            self._in_time_order = entries
         return self._in_time_order
 
 
