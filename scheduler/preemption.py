@@ -132,14 +132,17 @@ class Exposed:
     def below(self, rank: int) -> list[RunningJob]:
         """Those of a class less important than `rank`. Remembered: most claimants are of the
         lowest classes, for whom this is a short list or none, and a cycle asks many times.
-        Taken from a list already found that holds them all, where there is one (the same jobs
-        in the same order, without asking protection again), else from the running jobs."""
+        Taken from a list that holds them all (the same jobs in the same order, without asking
+        protection again): one already found, or every unprotected job when those are found at
+        once; else from the running jobs."""
         found = self._below.get(rank)
         if found is None:
             wider = self._jobs
             for other, jobs in self._below.items():
                 if other < rank and (wider is None or len(jobs) < len(wider)):
                     wider = jobs
+            if wider is None and self._unprotected is not None:
+                wider = self.jobs  # all at once is cheaper than asking of each job
             if wider is not None:
                 found = [j for j in wider if j.spec.priority.rank > rank]
             else:
