@@ -41,7 +41,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     usage = quotas.team_usage(snapshot.quotas, running, snapshot.cluster)
 
     # 4. Order
-    queue = ordering.ordered_queue(snapshot.queue, usage)
+    queue = ordering.ordered_queue(snapshot.queue, usage, snapshot.cluster)
 
     # 5. Admit
     state = admission.begin(snapshot, cap, usage, running, leaving, queue)

@@ -31,13 +31,13 @@ from typing import Collection, Iterable, Sequence
 
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.forecast import ArrivalLoad
-from scheduler.models import GpuSlot, QueuedJob, Topology
+from scheduler.models import GpuSlot, Priority, QueuedJob, Topology
 from scheduler.placement import NO_AVOID, picks_for
 from scheduler.quotas import TeamUsage
 from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
 _INF = float("inf")  # the share of a team without a guarantee: after every team with one
-_NEVER = (9, 9, _INF, 0)  # later than any lane's turn
+_CLASSES = len(Priority)
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
 STEP_FLOOR = 60.0
 STEP_SHARE = 0.02
@@ -68,8 +68,8 @@ class _Lane:
     __slots__ = ("jobs", "team", "limit", "covered_up_to", "aside", "fronted")
 
     def __init__(self, team: str, limit: int | None, guaranteed: int, n: int):
-        # (class rank, place in the queue, job, remaining work)
-        self.jobs: deque[tuple[int, int, QueuedJob, float]] = deque()
+        # (class rank, place in the queue, job, remaining work, the job's part of its lane's turn)
+        self.jobs: deque[tuple[int, int, QueuedJob, float, int]] = deque()
         self.team, self.limit = team, limit
         self.covered_up_to = guaranteed - n  # its team's guarantee covers the next job while it holds no more
         self.aside = False  # blocked until GPUs come back
@@ -87,7 +87,7 @@ class _Shape:
         self.lanes: list[_Lane] = []
         self.by_team: dict[str, _Lane] = {}
         self.offered: _Lane | None = None  # the lane whose turn the shape's offer carries
-        self.second = _NEVER  # the next lane's turn when the offer was made: it can only be later
+        self.second = 0  # the next lane's turn when the offer was made (it can only be later); set by each offer
 
 
 def estimate_starts(
@@ -137,6 +137,15 @@ def estimate_starts(
     # out the head of the holder's own lane (the walk's own holds apply to later jobs only).
     holders = {h.job_id for h in reservations}
     holder_lanes: set[_Lane] = set()
+    # A lane's turn (see `turn`) is packed into one integer, so that turns compare as numbers do,
+    # not as tuples: the walk compares them tens of thousands of times. Each part is below its
+    # bound: the place in the queue below len(pending), the team's standing by share below the
+    # number of teams, the class below the number of classes.
+    teams = {job.spec.team for job in pending}
+    by_share = len(pending)  # one step of a team's standing by share
+    by_class = by_share * len(teams)
+    borrower = by_class * _CLASSES  # any job its team's guarantee covers goes first
+    never = 2 * borrower  # later than any lane's turn
     for order, job in enumerate(pending):
         s = job.spec
         terms = cap.fit_terms(s)
@@ -154,7 +163,8 @@ def estimate_starts(
             limit = quota.max if quota.max is not None and quota.max < total else None
             lane = shape.by_team[s.team] = _Lane(s.team, limit, quota.guaranteed, s.num_gpus)
             shape.lanes.append(lane)
-        lane.jobs.append((s.priority.rank, order, job, remaining_work(job, restart)))
+        class_rank = s.priority.rank
+        lane.jobs.append((class_rank, order, job, remaining_work(job, restart), class_rank * by_class + order))
         if s.job_id in holders:
             holder_lanes.add(lane)
 
@@ -174,30 +184,34 @@ def estimate_starts(
         del keep[key]
 
     held_of = held.get
-    guaranteed = {team: usage.quota(team).guaranteed for team in {job.spec.team for job in pending}}
-    share: dict[str, float] = {}
+    guaranteed = {team: usage.quota(team).guaranteed for team in teams}
+    standing: dict[str, int] = {}  # per team, its part of a lane's turn
 
     def take_shares() -> None:
-        """How far each team is below its guarantee, as a cycle at this time would order the queue."""
-        for team, g in guaranteed.items():
-            share[team] = held_of(team, 0) / g if g else _INF
+        """How far each team is below its guarantee, as a cycle at this time would order the
+        queue: as the team's standing among the teams (equal shares, equal standing)."""
+        shares = {team: held_of(team, 0) / g if g else _INF for team, g in guaranteed.items()}
+        level = {share: k * by_share for k, share in enumerate(sorted(set(shares.values())))}
+        for team, share in shares.items():
+            standing[team] = level[share]
 
-    def turn(lane: _Lane) -> tuple[int, int, float, int]:
+    def turn(lane: _Lane) -> int:
         """Admission's order as the walk's starts change what teams hold: the jobs a team's
         guarantee covers first, then the borrowers; each by class, then by how far the team is
         below its guarantee (as of the last release: a cycle orders its queue once), then by
-        place in the queue."""
-        head = lane.jobs[0]
-        return (0 if held_of(lane.team, 0) <= lane.covered_up_to else 1, head[0], share[lane.team], head[1])
+        place in the queue. Packed into one integer (see `by_share`); turns computed between
+        the same two releases compare as the tuples (covered, class, share, place) would."""
+        team = lane.team
+        return lane.jobs[0][4] + standing[team] + (0 if held_of(team, 0) <= lane.covered_up_to else borrower)
 
-    def best(shape: _Shape) -> tuple[tuple, _Lane] | None:
+    def best(shape: _Shape) -> tuple[int, _Lane] | None:
         """The shape's lane whose turn comes first; remembers the runner-up's turn."""
         found = None
-        first = second = _NEVER
+        first = second = never
         for lane in shape.lanes:
             if lane.jobs and not lane.aside:
-                head, team = lane.jobs[0], lane.team  # turn(lane), written out: the walk's most run loop
-                rank = (0 if held_of(team, 0) <= lane.covered_up_to else 1, head[0], share[team], head[1])
+                team = lane.team  # turn(lane), written out: the walk's most run loop
+                rank = lane.jobs[0][4] + standing[team] + (0 if held_of(team, 0) <= lane.covered_up_to else borrower)
                 if rank < first:
                     second, first, found = first, rank, lane
                 elif rank < second:
@@ -206,7 +220,7 @@ def estimate_starts(
         shape.second = second
         return None if found is None else (first, found)
 
-    ready: list[tuple] = []  # (turn of the shape's best lane, seq, shape)
+    ready: list[tuple[int, int, tuple]] = []  # (turn of the shape's best lane, seq, shape)
 
     def offer(shape_key: tuple) -> None:
         nonlocal seq
@@ -246,9 +260,9 @@ def estimate_starts(
             # Between releases turns only get later (teams take GPUs, heads start), so the lane
             # offered is still the shape's best while its turn is no later than the runner-up's
             # was; only then is the shape looked at again.
-            now_rank = turn(lane) if lane is not None and lane.jobs and not lane.aside else _NEVER
+            now_rank = turn(lane) if lane is not None and lane.jobs and not lane.aside else never
             if now_rank != rank:
-                if now_rank > shape.second or now_rank == _NEVER:
+                if now_rank > shape.second or now_rank == never:
                     found = best(shape)
                     if found is None:
                         continue
@@ -257,7 +271,7 @@ def estimate_starts(
                     heapq.heappush(ready, (now_rank, seq, shape_key))
                     seq += 1
                     continue
-            _, order, job, duration = lane.jobs[0]
+            _, order, job, duration, _ = lane.jobs[0]
             spec = job.spec
             n = shape.n
             if lane.limit is not None and held.get(lane.team, 0) + n > lane.limit:

@@ -132,3 +132,20 @@ def test_the_first_in_order_gets_the_only_free_machine():
     ))
     assert [p.job_id for p in result.placements] == ["late-high"]
     assert pending_order(result) == ["early-normal"]
+
+
+def test_the_order_kept_from_the_last_cycle_follows_the_shares_and_the_jobs():
+    """A cluster's order is given again only for the very same jobs with the same shares."""
+    quotas, busy_a = _usage({"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, {"a": 4})
+    _, busy_b = _usage({"a": {"guaranteed": 8}, "b": {"guaranteed": 8}}, {"b": 4})
+    queued = [job("of-a").team("a").submitted(0).queued(), job("of-b").team("b").submitted(50).queued()]
+
+    def order(queue, usage):
+        return [q.spec.job_id for q in ordered_queue(queue, usage, cluster="kept")]
+
+    assert order(queued, busy_a) == ["of-b", "of-a"]
+    assert order(queued, busy_a) == ["of-b", "of-a"]
+    assert order(queued, busy_b) == ["of-a", "of-b"]  # the same jobs, other shares
+    sooner = job("of-b").team("b").submitted(50).deadline(NOW + 60).queued()  # a new object for a changed job
+    assert order([queued[0], sooner], busy_a) == ["of-b", "of-a"]
+    assert order([queued[0], sooner, job("of-c").priority("critical").queued()], busy_b) == ["of-c", "of-a", "of-b"]
