@@ -15,7 +15,7 @@ from typing import Sequence
 
 from scheduler.capacity import Layout, grouped
 from scheduler.models import RunningJob
-from scheduler.since_last_cycle import PerCluster, RunningChanges
+from scheduler.since_last_cycle import PerCluster, PerRunningJob
 
 Ends = list[tuple[RunningJob, float, list[tuple[int, int]]]]
 
@@ -41,33 +41,16 @@ def plain_end(job: RunningJob, restart: float) -> float:
     return job.estimated_end + restart if restart and job.resumed else job.estimated_end
 
 
-class _Plans:
+class _Plans(PerRunningJob):
     """Per running job (by identity): the job, its plain end and the machines it frees."""
 
     def __init__(self, layout: Layout, restart: float, running: Sequence[RunningJob]):
         self.layout, self.restart = layout, restart
-        self.changes = RunningChanges(running)
-        self.by_job: dict[int, tuple[RunningJob, float, list[tuple[int, int]]]] = {}
-        for job in running:
-            self._add(job)
-
-    def _add(self, job: RunningJob) -> None:
-        self.by_job[id(job)] = (job, plain_end(job, self.restart), grouped(self.layout, job).counts)
+        super().__init__(lambda job: (plain_end(job, restart), grouped(layout, job).counts), running)
 
     def update(self, layout: Layout, restart: float, running: Sequence[RunningJob]) -> bool:
-        """Follow the jobs that started and ended since; False when the layout or the restart
-        changed, or most jobs did (build anew)."""
-        if layout is not self.layout or restart != self.restart:
-            return False
-        changes = self.changes.since(running)
-        if changes is None:
-            return False
-        ended, started = changes
-        for job in ended:
-            del self.by_job[id(job)]
-        for job in started:
-            self._add(job)
-        return True
+        """False when the layout or the restart changed, or most jobs did (build anew)."""
+        return layout is self.layout and restart == self.restart and self.follow(running)
 
 
 _kept: PerCluster[_Plans] = PerCluster()

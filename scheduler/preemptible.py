@@ -18,7 +18,7 @@ import math
 from typing import Sequence
 
 from scheduler.models import PolicyConfig, RunningJob
-from scheduler.since_last_cycle import PerCluster, RunningChanges
+from scheduler.since_last_cycle import PerCluster, PerRunningJob
 
 
 def exposed_span(job: RunningJob, config: PolicyConfig) -> tuple[float, float]:
@@ -77,36 +77,16 @@ def exposed_now(cluster: str, running: Sequence[RunningJob], now: float, config:
         return ExposedNow(spans.by_job, running, now)
 
 
-class _Spans:
+class _Spans(PerRunningJob):
     """Per running job (by identity): the job and its exposed span under one set of rules."""
 
     def __init__(self, rules: tuple, config: PolicyConfig, running: Sequence[RunningJob]):
-        self.rules, self.config = rules, config
-        self.changes = RunningChanges(running)
-        self.by_job: dict[int, tuple[RunningJob, float, float]] = {}
-        self._follow([], running)
-
-    def _follow(self, ended: Sequence[RunningJob], started: Sequence[RunningJob]) -> None:
-        # A new dict: a cycle still reading the last one (another thread) keeps it as it was.
-        by_job = dict(self.by_job)
-        for job in ended:
-            del by_job[id(job)]
-        for job in started:
-            by_job[id(job)] = (job, *exposed_span(job, self.config))
-        self.by_job = by_job
+        self.rules = rules
+        super().__init__(lambda job: exposed_span(job, config), running)
 
     def update(self, rules: tuple, running: Sequence[RunningJob]) -> bool:
-        """Follow the jobs that started and ended since; False when the rules changed or most
-        jobs did (build anew)."""
-        if rules != self.rules:
-            return False
-        changes = self.changes.since(running)
-        if changes is None:
-            return False
-        ended, started = changes
-        if ended or started:
-            self._follow(ended, started)
-        return True
+        """False when the rules changed or most jobs did (build anew)."""
+        return rules == self.rules and self.follow(running)
 
 
 _kept: PerCluster[_Spans] = PerCluster()

@@ -88,6 +88,36 @@ class PerCluster(Generic[Kept]):
         return kept
 
 
+class PerRunningJob:
+    """`(job, *work(job))` per running job, by identity, for the jobs running: made for them once,
+    then brought up to date from the jobs that started and ended since (`follow`)."""
+
+    def __init__(self, work: Callable[[RunningJob], tuple], running: Sequence[RunningJob]):
+        self._work = work
+        self._changes = RunningChanges(running)
+        self.by_job: dict[int, tuple] = {}
+        self._apply([], running)
+
+    def follow(self, running: Sequence[RunningJob]) -> bool:
+        """Up to date with `running`; False when most jobs changed (make a new one)."""
+        changes = self._changes.since(running)
+        if changes is None:
+            return False
+        ended, started = changes
+        if ended or started:
+            self._apply(ended, started)
+        return True
+
+    def _apply(self, ended: Sequence[RunningJob], started: Sequence[RunningJob]) -> None:
+        # A new dict: a cycle still reading the last one (another thread) keeps it as it was.
+        by_job = dict(self.by_job)
+        for job in ended:
+            del by_job[id(job)]
+        for job in started:
+            by_job[id(job)] = (job, *self._work(job))
+        self.by_job = by_job
+
+
 class PerJob(Generic[Kept]):
     """Work that depends only on one running job and on what it is read against (the fleet's
     layout, a setting), kept while the job object lives: a running job is immutable and lasts
