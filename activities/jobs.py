@@ -4,6 +4,7 @@ its cluster's scheduler. Each is one store call (or one Temporal call), idempote
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from temporalio import activity
@@ -51,6 +52,9 @@ STORE_LOOK_S = 20.0  # the longest the control plane looks for a checkpoint in i
 # The statuses of a workflow that has ended, read from the server's raw answer: the SDK's enum
 # lacks the newer ones (PAUSED: alive, only held), and one it cannot decode must not stop a
 # cluster's loop nor count a living job as gone.
+# A cluster name that goes into a visibility query as it is (others are left out of the query:
+# the store's queue of the cluster narrows the answer all the same).
+_QUOTABLE = re.compile(r"[A-Za-z0-9._-]+")
 ENDED = frozenset({Status.WORKFLOW_EXECUTION_STATUS_COMPLETED, Status.WORKFLOW_EXECUTION_STATUS_FAILED,
                    Status.WORKFLOW_EXECUTION_STATUS_CANCELED, Status.WORKFLOW_EXECUTION_STATUS_TERMINATED,
                    Status.WORKFLOW_EXECUTION_STATUS_TIMED_OUT})
@@ -188,7 +192,44 @@ class JobActivities:
             if ended:
                 await self._abandon(Abandoned(job_id=a["job_id"], allocation_id=a["id"],
                                               started=a["state"] != "placed"))
+        return sum(verdicts) + await self._end_orphaned_queue(inp)
+
+    async def _end_orphaned_queue(self, inp: Reconcile) -> int:
+        """Fail the cluster's queued jobs whose workflow has ended (terminated while the job
+        waited); returns how many. Left queued, such a job would be placed (perhaps preempting
+        work for it) only to have its placement refused. Temporal's visibility names the
+        candidates in one question (closed job workflows whose last published state is not an
+        end), instead of one question per queued job; the server's word on each, as for the
+        allocations, condemns it."""
+        queued = await self.store.queued_jobs(inp.cluster)
+        if not queued:
+            return 0
+        closed = await self._closed_unfinished_job_workflows(inp.cluster)
+        orphans = [j for j in queued if inp.workflow_id_prefix + job_workflow_id(j) in closed]
+        verdicts = await self._workflows_ended([(inp.workflow_id_prefix, j) for j in orphans])
+        for job_id, ended in zip(orphans, verdicts):
+            if ended:
+                activity.logger.warning("job %s's workflow is gone: it leaves the queue", job_id)
+                # No allocation to give back, unless a cycle placed it since the queue was read:
+                # then that placement, which no workflow will take up, is given back with it.
+                await self.store.end_attempt(job_id, None, EndReason.not_started, None, JobState.failed,
+                                             "its workflow ended while the job was queued")
+                self._sweep_later(job_id)
         return sum(verdicts)
+
+    async def _closed_unfinished_job_workflows(self, cluster: str) -> set[str]:
+        """Ids of closed job workflows (of this cluster, where its name can be quoted) whose
+        last published state is not an end: terminated or timed out while the job lived. Empty
+        when visibility cannot be asked now: the next reconcile asks again."""
+        unfinished = ", ".join(f"'{s.value}'" for s in JobState if not s.terminal)
+        query = f"WorkflowType = 'JobWorkflow' AND ExecutionStatus != 'Running' AND JobState IN ({unfinished})"
+        if _QUOTABLE.fullmatch(cluster):
+            query += f" AND Cluster = '{cluster}'"
+        try:
+            return {w.id async for w in self.client.list_workflows(query)}
+        except RPCError as e:
+            activity.logger.warning("cannot list the closed job workflows of %s: %s", cluster, e)
+            return set()
 
     async def _abandon(self, a: Abandoned) -> None:
         activity.logger.warning("job %s's workflow is gone: releasing allocation %d", a.job_id, a.allocation_id)

@@ -82,6 +82,8 @@ UPDATE gpus SET healthy = false, faults = ARRAY['missing']
 WHERE machine_id = $1 AND NOT (idx = ANY($2::int[])) AND (healthy OR faults <> ARRAY['missing'])"""
 LIVE_ALLOCATIONS_OF_CLUSTER = """
 SELECT id, job_id, state FROM allocations WHERE cluster = $1 AND state <> 'ended' ORDER BY id"""
+QUEUED_JOBS_OF_CLUSTER = """
+SELECT id FROM jobs WHERE cluster = $1 AND state = 'queued' ORDER BY id"""
 HELD_GPUS_OF_CLUSTER = """
 SELECT h.machine_id, h.idx FROM gpu_holds h JOIN allocations a ON a.id = h.allocation_id
 WHERE a.cluster = $1 AND upper_inf(h.held)"""

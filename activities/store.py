@@ -186,6 +186,10 @@ class Store:
         """The cluster's allocations not yet ended: id, job id, state."""
         return [dict(r) for r in await self.pool.fetch(q.LIVE_ALLOCATIONS_OF_CLUSTER, cluster)]
 
+    async def queued_jobs(self, cluster: str) -> list[str]:
+        """The ids of the cluster's queued jobs."""
+        return [r[0] for r in await self.pool.fetch(q.QUEUED_JOBS_OF_CLUSTER, cluster)]
+
     async def configure_cluster(self, cluster: str, policy: dict | None = None,
                                 machine_timeout: float | None = None) -> None:
         await self.pool.execute(q.UPSERT_CLUSTER, cluster)

@@ -444,6 +444,21 @@ def test_a_job_whose_workflow_is_terminated_while_it_runs_has_its_gpus_back_thou
     assert s.wait("next", timeout=60).state == "succeeded"
 
 
+def test_a_queued_job_whose_workflow_is_terminated_leaves_the_queue_though_it_is_never_placed(stack):
+    s = stack(machines=1, gpus=4, control_args=["--reconcile-every", "1"])
+    s.submit("blocker", 4, sleeper(120))
+    s.until(lambda: s.status("blocker").state == "running")
+    s.submit("forgotten", 4, sleeper(0), priority="critical")  # would preempt the blocker, were it placed
+    s.until(lambda: s.status("forgotten").state == "queued")
+    handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("forgotten"))
+    s.run(handle.terminate("an operator terminated it"))
+    s.until(lambda: s.status("forgotten").state == "failed", timeout=30)
+    view = s.status("forgotten")
+    assert "workflow ended while the job was queued" in view.reason and view.attempts == []
+    blocker = s.status("blocker")
+    assert blocker.state == "running" and len(blocker.attempts) == 1
+
+
 def test_a_submit_no_control_worker_admits_in_time_is_not_refused_and_runs_once_one_does(stack, monkeypatch, capsys):
     s = stack(machines=1)
     from workers.cli import main
