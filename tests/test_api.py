@@ -4,6 +4,7 @@ and clear status codes for what it refuses."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -72,6 +73,21 @@ def test_the_api_answers_only_those_who_have_its_token(stack):
     assert api.get("/machines", headers=api_headers(s.up.settings)).status_code == 200
     assert api.get("/jobs", headers={"Authorization": f"bearer {s.up.settings.api_token}"}).status_code == 200
     assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # no forged report took
+
+
+def test_a_request_body_over_a_mebibyte_is_refused_before_it_is_read_whole(stack):
+    s = stack(machines=1, gpus=4)
+    api = httpx.Client(base_url=s.up.settings.api_url, timeout=30, headers=api_headers(s.up.settings))
+    faults = ["x" * 1000] * 1100  # a heartbeat of over a MiB, in one piece and in chunks
+    beat = json.dumps({"gpus": [{"index": 0, "healthy": False, "faults": faults}]}).encode()
+    path = "/machines/c1/b0/r0/m0/heartbeat"
+    whole = api.post(path, content=beat, headers={"content-type": "application/json"})
+    chunked = api.post(path, content=(beat[i:i + 65536] for i in range(0, len(beat), 65536)),
+                       headers={"content-type": "application/json"})
+    assert (whole.status_code, chunked.status_code) == (413, 413)
+    assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # neither took
+    small = api.post(path, json={"gpus": [{"index": i, "faults": ["x" * 1000] * 100} for i in range(4)]})
+    assert small.status_code == 200  # 400 kB: a big heartbeat, not a refused one
 
 
 UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps would not write)

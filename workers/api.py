@@ -21,7 +21,8 @@ Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the
 With a token (``GPUSCHED_API_TOKEN``; ``gpusched dev up`` makes one), every request but
 ``/healthz`` must carry ``Authorization: Bearer <token>``, or is answered 401: a heartbeat decides
 which GPUs jobs go to and a checkpoint report which state a job resumes from, so only agents (and
-operators) may send them. Without one, the API warns at start that it answers anyone.
+operators) may send them. Without one, the API warns at start that it answers anyone. A request
+body over 1 MiB is refused with 413.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class RestartReport(BaseModel):
     seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json)
 
 
+# The largest request body taken: a heartbeat of 1,024 GPUs with their faults is a few dozen
+# kB. FastAPI answers a larger one 413 without reading it whole, so no caller can fill the API's
+# memory.
+MAX_BODY = 1 << 20
+
+
 async def _listen(store: Store) -> None:
     """Say, every second, that this API hears heartbeats: while nobody says it (every API down,
     or the database), machines are not taken for dead for being silent."""
@@ -113,7 +120,7 @@ def create_app(settings: Settings) -> FastAPI:
         await ctx["checkpoints"].settled()
         await ctx["store"].close()
 
-    app = FastAPI(title="gpusched", lifespan=lifespan)
+    app = FastAPI(title="gpusched", lifespan=lifespan, max_body_size=MAX_BODY)
     expected = settings.api_token.encode() if settings.api_token else None
     if expected is None:
         log.warning("the API has no token (GPUSCHED_API_TOKEN): it answers anyone who can reach it")
