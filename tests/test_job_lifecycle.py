@@ -10,13 +10,15 @@ import sys
 import time
 
 import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 
 from live.jobs import sleeper
 from scheduler.models import Priority
 from workers import devstack
 from workers.client import SubmitRefused
 from workers.settings import machine_component
-from workflows.types import JobRequest, job_workflow_id, scheduler_workflow_id
+from workflows.types import JOB_FAILED, JobRequest, job_workflow_id, scheduler_workflow_id
 
 pytestmark = pytest.mark.live
 
@@ -41,6 +43,30 @@ def test_a_command_that_exits_3_fails_the_job_with_code_3_and_its_last_log_lines
     view = s.wait("three")
     assert view.state == "failed" and view.exit_code == 3
     assert "exit code 3" in view.reason and "loss went NaN" in view.reason
+
+
+def test_each_job_workflow_ends_as_its_job_did_so_the_temporal_ui_lists_how_jobs_ended(stack):
+    s = stack(machines=1)
+    s.submit("fine", 1, sleeper(0))
+    s.submit("broken", 1, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    s.submit("dropped", 1, sleeper(60))
+    s.submit("dropped-early", 4, sleeper(0), priority="low")  # waits behind the others: never runs
+    s.until(lambda: s.status("dropped").state == "running")
+    for job_id in ("dropped", "dropped-early"):
+        s.run(s.client.cancel(job_id, "not needed any more"))
+    ends = {j: s.wait(j, timeout=60) for j in ("fine", "broken", "dropped", "dropped-early")}
+
+    async def workflow_status(job_id: str) -> str:
+        return (await s.client._handle(job_id).describe()).status.name
+
+    assert {j: (v.state, s.run(workflow_status(j))) for j, v in ends.items()} == {
+        "fine": ("succeeded", "COMPLETED"), "broken": ("failed", "FAILED"),
+        "dropped": ("cancelled", "CANCELED"), "dropped-early": ("cancelled", "CANCELED")}
+    # The failure carries the job's reason, and the cancels the reason `gpusched cancel` gave.
+    outcome = failed_outcome(s, s.client.temporal.get_workflow_handle(
+        s.up.settings.task_queue_prefix + job_workflow_id("broken")))
+    assert outcome["state"] == "failed" and "exit code 3" in outcome["reason"] == ends["broken"].reason
+    assert ends["dropped"].reason == ends["dropped-early"].reason == "not needed any more"
 
 
 def test_a_job_with_retries_runs_its_failed_command_again_until_its_retries_are_spent(stack):
@@ -327,13 +353,24 @@ def _gone(s, job_id: str) -> bool:
     return False
 
 
+def failed_outcome(s, handle) -> dict:
+    """The outcome of a job workflow that failed because its job did: the failure's details."""
+    with pytest.raises(WorkflowFailureError) as ended:
+        s.run(asyncio.wait_for(handle.result(), 30))
+    cause = ended.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == JOB_FAILED and cause.non_retryable
+    [outcome] = cause.details
+    assert outcome["reason"] == cause.message
+    return outcome
+
+
 def test_a_job_workflow_started_directly_with_a_bad_spec_ends_at_once_with_the_reason(stack):
     s = stack(machines=1)
     prefix = s.up.settings.task_queue_prefix
     bad = JobRequest(job_id="direct", team="vision", num_gpus=64, command=["true"])  # 64 > 4 per machine
     handle = s.run(s.client.temporal.start_workflow(
         "JobWorkflow", bad, id=prefix + job_workflow_id("direct"), task_queue=prefix + "gpusched-control"))
-    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    outcome = failed_outcome(s, handle)
     assert outcome["state"] == "failed" and "refused" in outcome["reason"]
     # The id stays taken (an id names one job for good), and a later submit is told why.
     with pytest.raises(SubmitRefused, match="was used by a submit that was refused .*num_gpus|GPUs") as again:
@@ -382,7 +419,7 @@ def test_a_job_workflow_started_under_an_id_of_its_own_is_refused_naming_the_id_
     request = JobRequest(job_id="mine", team="vision", num_gpus=1, command=["true"])
     handle = s.run(s.client.temporal.start_workflow(
         "JobWorkflow", request, id=prefix + "pipeline-step-7", task_queue=prefix + "gpusched-control"))
-    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    outcome = failed_outcome(s, handle)
     assert outcome["state"] == "failed" and prefix + job_workflow_id("mine") in outcome["reason"]
     s.submit("mine", 1, sleeper(0))  # the id was not taken: the refused start left no job
     assert s.wait("mine").state == "succeeded"
@@ -398,7 +435,7 @@ def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(
     prefix = s.up.settings.task_queue_prefix
     handle = s.run(s.client.temporal.start_workflow(
         "JobWorkflow", raw, id=f"{prefix}job-raw-{words}", task_queue=prefix + "gpusched-control"))
-    outcome = s.run(asyncio.wait_for(handle.result(), 30))
+    outcome = failed_outcome(s, handle)
     assert outcome["state"] == "failed" and words in outcome["reason"]
     # Named as the input named it, and found by `JobState='failed'` like any refused job.
     assert outcome["job_id"] == raw.get("job_id", f"{prefix}job-raw-{words}")

@@ -18,7 +18,7 @@ import uuid
 from pydantic import BaseModel
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.rows import admission_verdict, iso
@@ -29,6 +29,7 @@ from scheduler.quotas import quota_of
 from workers.settings import Settings, connect_temporal, load_settings
 from workflows.types import (
     CONTROL_TASK_QUEUE,
+    JOB_FAILED,
     JOB_WORKFLOW,
     JobOutcome,
     JobRequest,
@@ -174,10 +175,7 @@ class GpuschedClient:
             except RPCError:
                 desc = None
             if desc is not None and desc.status != WorkflowExecutionStatus.RUNNING:
-                try:
-                    why = (await self._handle(job_id).result()).reason
-                except WorkflowFailureError as e:  # terminated or timed out before its admission
-                    why = f"its workflow ended {desc.status.name.lower()}: {e.cause}"
+                why = await _why_it_ended(self._handle(job_id), desc.status)
                 return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
         return f"a job with id '{job_id}' already exists; choose another id"
 
@@ -232,11 +230,7 @@ class GpuschedClient:
                     return view
             desc = await handle.describe()
             if desc.status != WorkflowExecutionStatus.RUNNING:
-                try:
-                    outcome = await handle.result()
-                except WorkflowFailureError as e:  # terminated or timed out before its admission
-                    raise SubmitRefused(f"its workflow ended {desc.status.name.lower()}: {e.cause}") from None
-                raise SubmitRefused(outcome.reason or "refused")
+                raise SubmitRefused(await _why_it_ended(handle, desc.status))
             if asyncio.get_running_loop().time() > deadline:
                 raise NotYetAdmitted(f"job {job_id} was submitted but not admitted within {timeout:.0f} s; "
                                      "it will be once a control worker runs (is one running? `gpusched dev "
@@ -300,6 +294,13 @@ class GpuschedClient:
                 raise
             # It ended between the look and the signal (or Temporal no longer keeps it).
             raise ClientError(f"job {job_id} has already ended ({(await self.status(job_id)).state})") from None
+        try:
+            # After the signal, which names the reason: so the workflow ends Canceled, not Completed,
+            # in the Temporal UI's list. The signal alone cancels the job.
+            await self._handle(job_id).cancel()
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:  # ended meanwhile: nothing left to mark
+                raise
         return view
 
     async def bump(self, job_id: str, priority: Priority) -> JobOutcome:
@@ -341,3 +342,14 @@ class GpuschedClient:
     async def quotas(self) -> dict[str, Quota]:
         return await self.store.list_quotas()
 
+
+async def _why_it_ended(handle, status: WorkflowExecutionStatus) -> str:
+    """Why a job workflow that has ended before its job was stored ended: the reason it was
+    refused, or how it was cut short (terminated, timed out) before its admission."""
+    try:
+        outcome = await handle.result()
+    except WorkflowFailureError as e:
+        if isinstance(e.cause, ApplicationError) and e.cause.type == JOB_FAILED:
+            return e.cause.message  # refused: the job's reason
+        return f"its workflow ended {status.name.lower()}: {e.cause}"
+    return outcome.reason or "refused"  # a workflow from before the job's end was its status

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         AGENT_SHUTDOWN,
         EXIT_RETRY_LATER,
+        JOB_FAILED,
         Admission,
         AttemptGrant,
         EndAttempt,
@@ -105,6 +106,7 @@ class JobWorkflow:
         self.seen_allocations: set[int] = set()
         self.preempts: dict[int, PreemptSignal] = {}
         self.cancel_reason: str | None = None
+        self.cancel_asked_of_temporal = False  # a cancellation of the workflow itself was requested
         self.infra_failures = 0
         self.failures = 0  # attempts the command itself failed (its own non-zero exit)
         self.attempt_began = None  # when this attempt's processes were asked to start
@@ -180,14 +182,28 @@ class JobWorkflow:
         life = asyncio.create_task(self._life(raw))
         while True:
             try:
-                return await asyncio.shield(life)
+                outcome = await asyncio.shield(life)
+                break
             except asyncio.CancelledError:
                 if life.done():
                     raise
                 current = asyncio.current_task()
                 if current is not None and hasattr(current, "uncancel"):
                     current.uncancel()  # handled: later waits of this task are not cancelled again
+                self.cancel_asked_of_temporal = True
                 self.cancel("cancelled from Temporal (a cancellation of its workflow)")
+        if not workflow.patched("job-end-is-the-workflow-status"):
+            return outcome
+        # The job's end is its workflow's, so the Temporal UI's list says how each job ended: a
+        # failed job (refused included) fails its workflow, with the outcome as the failure's
+        # details; a cancelled one is Canceled (`gpusched cancel` asks Temporal to cancel too,
+        # after its signal names the reason).
+        if outcome.state is JobState.failed:
+            raise ApplicationError(outcome.reason or "failed", outcome.model_dump(mode="json"),
+                                   type=JOB_FAILED, non_retryable=True)
+        if outcome.state is JobState.cancelled and self.cancel_asked_of_temporal:
+            raise asyncio.CancelledError(outcome.reason)
+        return outcome
 
     async def _life(self, raw: dict[str, Any]) -> JobOutcome:
         # The input is validated here, not by the data converter: a request that does not parse

@@ -24,6 +24,11 @@ def agent_task_queue(machine_id: str) -> str:
     return f"gpusched-agent-{machine_id}"
 
 
+# The type of the failure a job workflow ends with when its job failed (refused included): its
+# message is the job's reason, its details the job's outcome (JobOutcome).
+JOB_FAILED = "JobFailed"
+
+
 def job_workflow_id(job_id: str) -> str:
     return f"job-{job_id}"
 
@@ -478,7 +483,8 @@ class Wake(Model):
 
 
 class JobOutcome(Model):
-    """JobWorkflow's result, and what its ``status`` query answers."""
+    """JobWorkflow's result (for a failed job, its failure's details; see JOB_FAILED), and what
+    its ``status`` query answers."""
 
     job_id: str
     state: JobState
