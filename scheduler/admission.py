@@ -128,23 +128,24 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
             borrowing.append(job)
     for job in borrowing:
         admit(state, job)
-    if state.keep_whole and state.placed:
-        _after_the_pool_served(state)
-    if borrowing:
+    # Both passes after the first, and the jobs admitted again once the pool is served, append to
+    # `waiting` out of queue order.
+    served_again = bool(state.keep_whole and state.placed and _after_the_pool_served(state))
+    if borrowing or served_again:
         place = {job.spec.job_id: i for i, job in enumerate(queue)}
         state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
 
 
-def _after_the_pool_served(state: Admission) -> None:
+def _after_the_pool_served(state: Admission) -> bool:
     """A job kept off the reserved pool is admitted again when the jobs the pool was kept for
     have started later in the same cycle: left waiting, it would stand beside free GPUs it fits
-    until the next cycle, told it starts now."""
+    until the next cycle, told it starts now. Whether any was."""
     kept_out = [job for job, reason in state.waiting if KEPT_WHOLE in reason]
     if not kept_out:
-        return
+        return False
     keep = _reserved_pool(state.cap, [job for job, _ in state.waiting], state.config, state.usage)
     if keep == state.keep_whole:
-        return
+        return False
     state.keep_whole = keep
     for answers in (state.settled, state.explained, state.no_fit, state.no_victims, state.no_moves):
         answers.clear()  # given with the pool kept
@@ -152,6 +153,7 @@ def _after_the_pool_served(state: Admission) -> None:
     state.waiting = [w for w in state.waiting if w[0].spec.job_id not in again]
     for job in kept_out:
         admit(state, job)
+    return True
 
 
 def admit(state: Admission, job: QueuedJob) -> None:

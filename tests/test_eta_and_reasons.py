@@ -300,6 +300,22 @@ def test_a_job_kept_off_the_reserved_pool_is_not_told_it_starts_now():
     assert p.estimated_start is not None and p.estimated_start > NOW, p.estimated_start
 
 
+def test_a_job_admitted_again_once_the_reserved_pool_is_served_keeps_its_place_in_the_queue():
+    """m0, the last whole machine, is kept for the 8-GPU job, so the 1-GPU job ahead of it is kept
+    off; once the big job has taken m0, the small one is admitted again (the pool is served), after
+    the job queued behind it. Both wait, and are told so in queue order (found by the property
+    test: the one admitted again came last)."""
+    run = [filler("f1", M[1], range(8)), filler("f2", M[2], range(8))]
+    queue = [job("ahead").gpus(1).submitted(NOW - 2), job("big").gpus(8).submitted(NOW - 1),
+             job("behind").gpus(1).submitted(NOW)]
+    # Both teams within their guarantees: all admitted in the first pass (nobody borrows, so
+    # nobody is admitted in a second one), and nobody may be displaced.
+    quotas = {"t": {"guaranteed": 64}, "ops": {"guaranteed": 64}}
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, quotas=quotas, reserved_pool_fraction=0.5))
+    assert list(placements(result)) == ["big"]
+    assert [p.job_id for p in sorted(result.pending, key=lambda p: p.position)] == ["ahead", "behind"]
+
+
 def test_a_job_kept_off_a_machine_both_reserved_and_kept_whole_is_told_both():
     """m0 is free, and both the reservation of the starving 16-GPU job and the last whole machine
     the reserved pool keeps for an 8-GPU job (which the reservation keeps out too: it would not
