@@ -3,16 +3,21 @@ an unreachable stack is one line with exit code 1; never a traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from datetime import datetime
+from types import SimpleNamespace
 
 import pytest
+from temporalio.client import WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
+from workers.client import GpuschedClient
 from scheduler.models import Quota
 from workflows.types import JobView
 
@@ -319,3 +324,49 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (1, "")
+
+
+class CancelledHandle:
+    """A job workflow's handle: takes the cancel signal, answers (or fails) the question whether
+    a cancellation asked of Temporal is the job's cancel, and records such a cancellation."""
+
+    def __init__(self, answer):
+        self.answer, self.signals, self.cancelled = answer, [], False
+
+    async def signal(self, name, reason):
+        self.signals.append((name, reason))
+
+    async def query(self, name, result_type=None):
+        assert name == "cancels_gracefully"
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.answer == "never":
+            await asyncio.sleep(3600)
+        return self.answer
+
+    async def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("name, answer, asked_of_temporal", [
+    ("a workflow that takes a Temporal cancellation as the job's cancel is asked one too", True, True),
+    ("one begun before that (it would be cut short) is only signalled", False, False),
+    ("a worker that does not know the question: only signalled",
+     WorkflowQueryFailedError("unknown queryType cancels_gracefully"), False),
+    ("no worker answers in time: only signalled", "never", False),
+    ("the workflow ended meanwhile: only signalled", RPCError("gone", RPCStatusCode.NOT_FOUND, b""), False),
+])
+def test_gpusched_cancel_signals_the_reason_and_asks_temporal_only_a_workflow_that_ends_gracefully(
+        monkeypatch, name, answer, asked_of_temporal):
+    handle = CancelledHandle(answer)
+    store = SimpleNamespace(job_view=lambda job_id: _running(job_id))
+    client = GpuschedClient(settings=SimpleNamespace(), temporal=None, store=store)
+    monkeypatch.setattr(client, "_handle", lambda job_id: handle)
+    monkeypatch.setattr(GpuschedClient, "MARK_WAIT", 0.05)
+    view = asyncio.run(client.cancel("j", "not needed"))
+    assert view.state == "running" and handle.signals == [("cancel", "not needed")]
+    assert handle.cancelled is asked_of_temporal
+
+
+async def _running(job_id):
+    return SimpleNamespace(job_id=job_id, state="running")

@@ -16,7 +16,8 @@ import time
 import uuid
 
 from pydantic import BaseModel
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import (Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError,
+                              WorkflowUpdateFailedError)
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -211,6 +212,9 @@ class GpuschedClient:
         capacity = await self.store.capacity()
         return admission_verdict(request, quota_row, capacity, waiting)
 
+    # Seconds `cancel` waits for a job workflow to say whether it may be asked to cancel by Temporal
+    # too (a query needs a worker): without an answer, the signal alone cancels the job.
+    MARK_WAIT = 5.0
     ADMIT_WAIT = 30.0  # seconds a submit waits for its admission before saying it is not yet
 
     async def _admitted(self, request: JobRequest, timeout: float | None = None) -> JobView:
@@ -294,13 +298,16 @@ class GpuschedClient:
                 raise
             # It ended between the look and the signal (or Temporal no longer keeps it).
             raise ClientError(f"job {job_id} has already ended ({(await self.status(job_id)).state})") from None
+        # After the signal, which names the reason: so the workflow ends Canceled, not Completed,
+        # in the Temporal UI's list. The signal alone cancels the job; a workflow that would be cut
+        # short by a cancellation of Temporal's (one begun before those were the job's cancel, or a
+        # worker of then, which does not know the question) is not asked one.
+        handle = self._handle(job_id)
         try:
-            # After the signal, which names the reason: so the workflow ends Canceled, not Completed,
-            # in the Temporal UI's list. The signal alone cancels the job.
-            await self._handle(job_id).cancel()
-        except RPCError as e:
-            if e.status != RPCStatusCode.NOT_FOUND:  # ended meanwhile: nothing left to mark
-                raise
+            if await asyncio.wait_for(handle.query("cancels_gracefully", result_type=bool), self.MARK_WAIT):
+                await handle.cancel()
+        except (WorkflowQueryFailedError, RPCError, asyncio.TimeoutError):
+            pass  # ended meanwhile, or no worker answers now: the signal is the cancel all the same
         return view
 
     async def bump(self, job_id: str, priority: Priority) -> JobOutcome:

@@ -107,6 +107,7 @@ class JobWorkflow:
         self.preempts: dict[int, PreemptSignal] = {}
         self.cancel_reason: str | None = None
         self.cancel_asked_of_temporal = False  # a cancellation of the workflow itself was requested
+        self.takes_temporal_cancel = False  # such a cancellation is the job's cancel (not a cut)
         self.infra_failures = 0
         self.failures = 0  # attempts the command itself failed (its own non-zero exit)
         self.attempt_began = None  # when this attempt's processes were asked to start
@@ -152,6 +153,13 @@ class JobWorkflow:
             raise ValueError(f"the job is already {self.state.value}")
 
     @workflow.query
+    def cancels_gracefully(self) -> bool:
+        """Whether a cancellation asked of Temporal is the job's cancel here, as the cancel
+        signal is (a workflow begun before that would be cut short by one): `gpusched cancel`
+        asks it after its signal only then."""
+        return self.takes_temporal_cancel
+
+    @workflow.query
     def status(self) -> JobOutcome:
         return JobOutcome(
             job_id=self.request.job_id if self.request else self.asked_id or workflow.info().workflow_id,
@@ -172,7 +180,8 @@ class JobWorkflow:
 
     @workflow.run
     async def run(self, raw: dict[str, Any]) -> JobOutcome:
-        if not workflow.patched("temporal-cancel-cancels-the-job"):
+        self.takes_temporal_cancel = workflow.patched("temporal-cancel-cancels-the-job")
+        if not self.takes_temporal_cancel:
             return await self._life(raw)
         # A cancellation asked of Temporal itself (the UI's "Request Cancellation", `temporal
         # workflow cancel`) is the job's cancel, as `gpusched cancel` sends it: the job's life goes
