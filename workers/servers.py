@@ -725,7 +725,9 @@ def start_s3(data_dir: Path, *, ports: dict[str, int] | None = None, bucket: str
     def build(p: dict[str, int]) -> list[str]:
         g = {k: v + GRPC_OFFSET for k, v in p.items()}
         return [
-            find_binary("weed"), "server", f"-ip={HOST}", f"-ip.bind={HOST}", f"-dir={store}",
+            # Its log to stderr (our log file) only: by default it also writes files into /tmp,
+            # a few per start, never removed.
+            find_binary("weed"), "-logtostderr", "server", f"-ip={HOST}", f"-ip.bind={HOST}", f"-dir={store}",
             f"-master.port={p['master']}", f"-master.port.grpc={g['master']}",
             # One master, no peers: it leads at once instead of waiting out an election (10 s
             # on a restart without these two).
