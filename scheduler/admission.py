@@ -151,6 +151,10 @@ def _after_the_pool_served(state: Admission) -> bool:
         answers.clear()  # given with the pool kept
     again = {job.spec.job_id for job in kept_out}
     state.waiting = [w for w in state.waiting if w[0].spec.job_id not in again]
+    if any(h.job_id in again for h in state.holds):
+        # A reservation made while the pool was kept goes with the answer it came with: the job
+        # is placed now, or reserves again (one job, one reservation).
+        _set_holds(state, [h for h in state.holds if h.job_id not in again])
     for job in kept_out:
         admit(state, job)
     return True
@@ -350,16 +354,20 @@ def _held_against(state: Admission, job: QueuedJob) -> frozenset[int]:
 
 
 def _add_hold(state: Admission, hold: reservation.Hold) -> None:
-    state.holds.append(hold)
-    state.held_machines = state.held_machines | hold.machines
+    _set_holds(state, [*state.holds, hold])
+
+
+def _set_holds(state: Admission, holds: list[reservation.Hold]) -> None:
+    state.holds = holds
+    state.held_machines = frozenset().union(*(h.machines for h in holds)) if holds else placement.NO_AVOID
     # Each job asks which holds it would run into: a union per count of holds, made here once,
     # instead of one per job. One hold (the usual case) is its own answer: the same frozenset,
     # its hash already known.
-    soonest = sorted(state.holds, key=lambda h: h.expected_start)
+    soonest = sorted(holds, key=lambda h: h.expected_start)
     state.hold_starts = [h.expected_start for h in soonest]
-    state.held_before = [placement.NO_AVOID, soonest[0].machines]
-    for h in soonest[1:]:
-        state.held_before.append(state.held_before[-1] | h.machines)
+    state.held_before = [placement.NO_AVOID]
+    for h in soonest:
+        state.held_before.append(h.machines if len(state.held_before) == 1 else state.held_before[-1] | h.machines)
 
 
 def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):

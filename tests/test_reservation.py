@@ -14,7 +14,9 @@ from builders import (
     pending,
     placements,
     running,
+    silent,
     snapshot,
+    unhealthy,
 )
 
 M0, M1, M2 = mid(0, 0, 0), mid(0, 0, 1), mid(0, 0, 2)
@@ -261,3 +263,30 @@ def test_the_soonest_place_is_the_one_the_plain_search_finds(seed):
     for n, topology in ((4, None), (8, None), (8, "machine"), (16, "block"), (24, "block"), (40, "any"), (16, "any")):
         spec = job(f"q{n}").gpus(n).topology(topology).spec()
         assert plan_hold(cap, spec, book, NOW, held) == _plain_plan(cap, spec, book, NOW, held), (n, topology)
+
+
+def test_a_job_kept_off_the_pool_and_admitted_again_holds_one_reservation_not_two():
+    """The pool keeps the last whole 4-GPU machine for the 4-GPU job; the 8-GPU block job behind it
+    needs two of them, more than the pool's reserve, so it is kept off and reserves two machines of
+    block b0. Once the 4-GPU job has started (on an 8-GPU machine), the pool is served and the
+    block job is admitted again: it reserved a second time, in b2, and held two reservations
+    (found by the property test run with 12,000 examples). Its reservation goes with the answer
+    it came with: one job, one reservation."""
+    b0 = [m for m in fleet(racks=2, machines=2, gpus=4) if m.id != mid(0, 0, 1)]
+    b1 = [m for m in fleet(racks=2, machines=3, first_block=1) if m.rack == "r1"]
+    b2 = fleet(machines=2, gpus=4, first_block=2)
+    machines = silent(unhealthy(b0 + b1 + b2, mid(1, 1, 1), [0]), mid(0, 1, 1))
+    low = lambda job_id, n, started: running(  # noqa: E731
+        job(job_id).gpus(n).priority("low").expected(30).no_checkpoint()).started(started)
+    run = [low("two", 2, NOW).on(mid(0, 1, 0), [1]).on(mid(0, 1, 1), [0]),
+           low("three", 3, NOW - 30).on(mid(1, 1, 2), [3, 4]).on(mid(2, 0, 0), [0]),
+           low("one", 1, NOW).on(mid(2, 0, 1), [1])]
+    critical = lambda job_id, n: job(job_id).gpus(n).priority("critical").expected(30).no_checkpoint()  # noqa: E731
+    queue = [critical("four", 4).submitted(NOW - 2), critical("huge", 22).submitted(NOW - 1),
+             critical("block", 8).topology("block").expected(301).submitted(NOW)]
+    result = cycle(snapshot(machines, running=run, queue=queue, starvation_threshold=0, max_reservations=3,
+                            reserved_pool_fraction=0.01, grace_period=0, min_runtime=0,
+                            max_preemption_searches=0, max_consolidations=0))
+    assert list(placements(result)) == ["four"]
+    holders = sorted(r.job_id for r in result.reservations)
+    assert holders == ["block", "huge"], result.reservations
