@@ -10,7 +10,7 @@ running job holds.
 from __future__ import annotations
 
 import pytest
-from builders import fleet, job, mid, running, unhealthy, unreachable
+from builders import examples, fleet, job, mid, running, unhealthy, unreachable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,7 +113,7 @@ def test_two_clusters_planned_in_turn_keep_their_own():
         _check(other, theirs)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.sets(st.sampled_from(sorted(JOBS) + ["moved-a"])), min_size=1, max_size=8))
 def test_any_run_of_cycles_counts_like_a_fresh_count(steps):
     pool = dict(JOBS, **{"moved-a": MOVED_A})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from builders import after_preemption, cycle
+from builders import after_preemption, cycle, examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -470,7 +470,7 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     assert result.next_wake is None or result.next_wake > now
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(snap=snapshots(), victims_gone=st.booleans(), later=st.integers(0, 400).map(float))
 def test_every_cycle_keeps_the_invariants(snap, victims_gone, later):
     result = cycle(snap)
@@ -481,7 +481,7 @@ def test_every_cycle_keeps_the_invariants(snap, victims_gone, later):
     _describe(result, result2)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(snap=snapshots(), data=st.data())
 def test_estimating_some_jobs_gives_them_the_estimates_of_a_full_walk(snap, data):
     """The simulator asks only for the jobs that just arrived; the walk stops early for them."""
