@@ -481,6 +481,18 @@ def test_every_cycle_keeps_the_invariants(snap, victims_gone, later):
     _describe(result, result2)
 
 
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(snap=snapshots(), steps=st.lists(st.tuples(st.booleans(), st.integers(0, 400).map(float)), min_size=3, max_size=8))
+def test_cycles_played_forward_keep_the_invariants(snap, steps):
+    """Each cycle's decisions taken up (placed jobs run, victims leave or drain, lost jobs go) and
+    the clock moved on, several times: faults that need a cycle's leftovers (earmarks, draining
+    victims, reservations) show up only on a later cycle."""
+    for victims_gone, later in steps:
+        result = cycle(snap)
+        check_cycle(snap, result)
+        snap = next_snapshot(snap, result, victims_gone, later)
+
+
 @settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(snap=snapshots(), data=st.data())
 def test_estimating_some_jobs_gives_them_the_estimates_of_a_full_walk(snap, data):
