@@ -52,12 +52,12 @@ STORE_LOOK_S = 20.0  # the longest the control plane looks for a checkpoint in i
 # The statuses of a workflow that has ended, read from the server's raw answer: the SDK's enum
 # lacks the newer ones (PAUSED: alive, only held), and one it cannot decode must not stop a
 # cluster's loop nor count a living job as gone.
-# A cluster name that goes into a visibility query as it is (others are left out of the query:
-# the store's queue of the cluster narrows the answer all the same).
-_QUOTABLE = re.compile(r"[A-Za-z0-9._-]+")
 ENDED = frozenset({Status.WORKFLOW_EXECUTION_STATUS_COMPLETED, Status.WORKFLOW_EXECUTION_STATUS_FAILED,
                    Status.WORKFLOW_EXECUTION_STATUS_CANCELED, Status.WORKFLOW_EXECUTION_STATUS_TERMINATED,
                    Status.WORKFLOW_EXECUTION_STATUS_TIMED_OUT})
+# A cluster name that goes into a visibility query as it is (others are left out of the query:
+# the store's queue of the cluster narrows the answer all the same).
+_QUOTABLE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class JobActivities:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import or_
 
 from scheduler import consolidation, eta, in_words, placement, preemptible, preemption, reservation
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
@@ -359,15 +361,13 @@ def _add_hold(state: Admission, hold: reservation.Hold) -> None:
 
 def _set_holds(state: Admission, holds: list[reservation.Hold]) -> None:
     state.holds = holds
-    state.held_machines = frozenset().union(*(h.machines for h in holds)) if holds else placement.NO_AVOID
     # Each job asks which holds it would run into: a union per count of holds, made here once,
     # instead of one per job. One hold (the usual case) is its own answer: the same frozenset,
     # its hash already known.
     soonest = sorted(holds, key=lambda h: h.expected_start)
     state.hold_starts = [h.expected_start for h in soonest]
-    state.held_before = [placement.NO_AVOID]
-    for h in soonest:
-        state.held_before.append(h.machines if len(state.held_before) == 1 else state.held_before[-1] | h.machines)
+    state.held_before = [placement.NO_AVOID, *accumulate((h.machines for h in soonest), or_)]
+    state.held_machines = state.held_before[-1]
 
 
 def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
