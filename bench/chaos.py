@@ -1,0 +1,356 @@
+"""Chaos on the live stack: jobs run while machines, GPUs, gpusched's own workers and the servers
+under it are killed and brought back at random; afterwards, check that no GPU ever ran two jobs at
+once, that no job was lost, and that no checkpoint was corrupted.
+
+    python bench/chaos.py [--minutes 5] [--seed 1] [--machines 4] [--gpus 4] [--jobs 30]
+                          [--faults agent,control,api,gpu,postgres,temporal,s3] [--keep DIR]
+
+1. Starts the embedded stack (fake GPUs, machine timeout 8 s, minimum runtime 5 s, grace 4 s) in a
+   temporary folder (``--keep DIR``: there, left up for a look).
+2. Submits ``--jobs`` jobs of two teams, of 1, 2, 4 GPUs and gangs of 8 across two machines, in
+   all four classes, over the first half of the chaos: each runs the example job
+   (``bench/chaos_job.py``: checkpoints every 3 s through jobkit, 20-80 s of steps) and stamps
+   the time four times a second while its process lives.
+3. For ``--minutes``, about every 6 s (seeded), one fault: an agent killed (SIGKILL, its jobs'
+   processes left running, as a machine that loses its agent) and started again after 1-24 s,
+   longer than the machine timeout about half the time; the control worker, the API, Postgres,
+   Temporal or SeaweedFS killed and started again after 1-10 s; or a GPU given an uncorrectable
+   ECC error or thermal slowdown for 5-20 s.
+4. Starts whatever is down, clears the GPU faults, waits for every job to end, and audits:
+   - no GPU ran two processes at once (from the processes' own stamps) or was held by two
+     allocations at once (the allocations table, recounted);
+   - every job ended, and each that succeeded ended with the state of an uninterrupted run;
+   - every complete checkpoint still stored has the size and SHA-256 committed for it.
+
+The last line printed is one JSON object with the figures; the exit code is 1 if an invariant
+broke (then ``violations`` says which), 0 otherwise. Jobs that did not succeed are counted and
+named with their reasons, not taken for violations: five infrastructure failures in a row fail a
+job by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from activities.checkpoints import s3_client  # noqa: E402
+from scheduler.models import Quota  # noqa: E402
+from workers import devices, devstack  # noqa: E402
+from workers.client import ENDED, GpuschedClient  # noqa: E402
+from workers.example_job import final_state  # noqa: E402
+from workers.settings import machine_component  # noqa: E402
+from workflows.types import JobRequest  # noqa: E402
+
+JOB = Path(__file__).resolve().parent / "chaos_job.py"
+STEP_SECONDS = 0.5
+MACHINE_TIMEOUT_S = 8.0
+START_WITHIN_S = 180.0  # a component started again is a fault's error if not healthy by then
+SERVERS = ("postgres", "temporal", "s3")
+FAULTS = ("agent", "control", "api", "gpu", *SERVERS)
+SHAPES = [(1, 4), (2, 3), (4, 2), (8, 1)]  # GPUs, weight
+CLASSES = [("low", 3), ("normal", 3), ("high", 2), ("critical", 1)]
+
+
+def pick(rng: random.Random, weighted: list[tuple]) -> object:
+    return rng.choices([v for v, _ in weighted], [w for _, w in weighted])[0]
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+def workload(rng: random.Random, count: int, spread_s: float, stamps: Path) -> list[tuple[float, JobRequest]]:
+    """``count`` jobs with their submit offsets: a third at once, the rest over ``spread_s``."""
+    jobs = []
+    for i in range(count):
+        gpus, steps = pick(rng, SHAPES), rng.randint(40, 160)
+        at = 0.0 if i < count // 3 else rng.uniform(0, spread_s)
+        jobs.append((at, JobRequest(
+            job_id=f"chaos-{i:03d}", team=("vision", "speech")[i % 2], num_gpus=gpus,
+            priority=pick(rng, CLASSES), topology="block" if gpus > 4 else None,
+            checkpoint_interval=3, expected_duration=steps * STEP_SECONDS + 1,
+            command=[sys.executable, str(JOB), str(stamps), "--steps", str(steps),
+                     "--step-seconds", str(STEP_SECONDS), "--backend", "python"])))
+    return sorted(jobs, key=lambda j: j[0])
+
+
+async def submit_all(client: GpuschedClient, jobs: list[tuple[float, JobRequest]], began: float,
+                     give_up_at: float) -> list[str]:
+    """Submit each job at its time, again and again while the stack cannot take it (the same id
+    is the same job); returns the ids never accepted."""
+    refused = []
+    for at, request in jobs:
+        await asyncio.sleep(max(0.0, began + at - time.monotonic()))
+        while True:
+            try:
+                await asyncio.wait_for(client.submit(request), 40)
+                break
+            except Exception as e:  # the stack is partly down: that is the point
+                if time.monotonic() > give_up_at:
+                    refused.append(f"{request.job_id}: {type(e).__name__}: {e}")
+                    break
+                await asyncio.sleep(2)
+    return refused
+
+
+# --- the faults ------------------------------------------------------------------------------
+
+class Chaos:
+    """Faults at random, each undone after its own outage."""
+
+    def __init__(self, data_dir: Path, rng: random.Random, kinds: list[str]):
+        self.data_dir, self.rng, self.kinds = data_dir, rng, kinds
+        self.state = devstack.load_state(data_dir)
+        self.agents = {machine_component(m.id): m for m in self.state.machines}
+        self.down: set[str] = set()
+        self.bad_gpus: set[tuple[str, int]] = set()
+        self.count: Counter = Counter()
+        self.log: list[str] = []
+        self.errors: list[str] = []
+
+    async def run(self, until: float) -> None:
+        outages = []
+        while time.monotonic() < until:
+            await asyncio.sleep(self.rng.expovariate(1 / 6))
+            kind = self.rng.choice(self.kinds)
+            if kind == "gpu":
+                outages.append(asyncio.create_task(self.gpu_fault()))
+                continue
+            name = self.rng.choice(sorted(self.agents)) if kind == "agent" else kind
+            if name in self.down:
+                continue
+            outage = (self.rng.uniform(1, 3 * MACHINE_TIMEOUT_S) if kind == "agent"
+                      else self.rng.uniform(1, 10))
+            outages.append(asyncio.create_task(self.kill(kind, name, outage)))
+        await asyncio.gather(*outages)
+
+    async def kill(self, kind: str, name: str, outage: float) -> None:
+        self.down.add(name)
+        self.count[kind] += 1
+        self.log.append(f"{time.strftime('%H:%M:%S')} kill {name} for {outage:.1f} s")
+        await asyncio.to_thread(devstack.stop_component, self.data_dir, name, signal.SIGKILL)
+        await asyncio.sleep(outage)
+        try:
+            # An agent forwards what its killed predecessor's jobs reported before it serves, for up to
+            # a minute while the control plane is down, then waits for the API: slow, not failed.
+            await asyncio.to_thread(devstack.start_component, self.data_dir, name, START_WITHIN_S)
+        except Exception as e:  # brought back by `up` at the end; what went wrong is a finding
+            self.errors.append(f"starting {name} again: {type(e).__name__}: {e}")
+        self.down.discard(name)
+
+    async def gpu_fault(self) -> None:
+        machine = self.rng.choice(self.state.machines)
+        gpu = self.rng.randrange(machine.gpus)
+        if (machine.id, gpu) in self.bad_gpus:
+            return
+        fault = self.rng.choice([devices.ECC_UNCORRECTABLE, devices.THERMAL_THROTTLE])
+        self.bad_gpus.add((machine.id, gpu))
+        self.count["gpu"] += 1
+        self.log.append(f"{time.strftime('%H:%M:%S')} {fault} on {machine.id}/{gpu}")
+        fault_file = self.data_dir / "faults" / f"{machine_component(machine.id)}.json"
+        devices.inject_fault(fault_file, gpu, fault)
+        await asyncio.sleep(self.rng.uniform(5, 20))
+        devices.clear_faults(fault_file, gpu)
+        self.bad_gpus.discard((machine.id, gpu))
+
+
+# --- the audit -------------------------------------------------------------------------------
+
+def read_stamps(stamps: Path) -> list[dict]:
+    """Each process's life as it stamped it: job, attempt, GPUs, first and last stamp."""
+    lives = []
+    for path in sorted(stamps.iterdir()):
+        lines = path.read_text().splitlines()
+        times = [float(t) for t in lines[1:] if re.fullmatch(r"\d+\.\d+", t)]
+        if times:
+            lives.append({**json.loads(lines[0]), "first": times[0], "last": times[-1], "file": path.name})
+    return lives
+
+
+def overlaps(lives: list[dict], start: str, end: str) -> list[str]:
+    """Pairs of lives that held one GPU at the same time: ``start``/``end`` name their bounds, and
+    ``gpus`` their GPUs. Touching ends do not overlap."""
+    by_gpu = defaultdict(list)
+    for life in lives:
+        for gpu in life["gpus"]:
+            by_gpu[gpu].append(life)
+    found = []
+    for gpu, held in sorted(by_gpu.items()):
+        held.sort(key=lambda life: life[start])
+        for i, a in enumerate(held):
+            for b in held[i + 1:]:
+                if b[start] >= a[end]:
+                    break
+                found.append(f"{gpu}: {a['job']} attempt {a['attempt']} and {b['job']} attempt {b['attempt']} "
+                             f"for {min(a[end], b[end]) - b[start]:.2f} s")
+    return found
+
+
+def final_states(data_dir: Path, job_id: str, steps: int) -> str | None:
+    """None if the last attempt's processes ended with the state of an uninterrupted run, else what
+    is wrong."""
+    logs = sorted(data_dir.glob(f"jobs/*/{job_id}/attempt-*.log"),
+                  key=lambda p: int(p.stem.split("-")[1]))
+    if not logs:
+        return "no log"
+    last = logs[-1].stem
+    done = [m.group(1) for p in logs if p.stem == last
+            for m in re.finditer(r"done, steps=\d+ final_state=([0-9a-f]+)", p.read_text())]
+    expected = final_state(steps).hex()
+    if not done:
+        return f"its {last} has no final state"
+    wrong = [d for d in done if d != expected]
+    return f"final state {wrong[0][:12]}..., expected {expected[:12]}..." if wrong else None
+
+
+def verify_checkpoints(settings, rows: list) -> list[str]:
+    s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+    bad = []
+    for row in rows:
+        try:
+            body = s3.get_object(Bucket=settings.s3_bucket, Key=row["key"])["Body"].read()
+        except Exception as e:
+            bad.append(f"{row['job_id']} seq {row['seq']}: {type(e).__name__}: {e}")
+            continue
+        if len(body) != row["size"] or hashlib.sha256(body).hexdigest() != row["sha256"]:
+            bad.append(f"{row['job_id']} seq {row['seq']}: {len(body)} bytes, not those committed")
+    return bad
+
+
+async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
+                jobs: list[tuple[float, JobRequest]]) -> dict:
+    pool = client.store.pool
+    steps = {r.job_id: int(r.command[r.command.index("--steps") + 1]) for _, r in jobs}
+    states = {r["id"]: r for r in await pool.fetch(
+        "SELECT id, state, reason FROM jobs WHERE id = ANY($1)", list(steps))}
+    lost = [j for j in steps if j not in states or states[j]["state"] not in ENDED]
+    not_succeeded = {j: f"{r['state']}: {r['reason']}" for j, r in states.items()
+                     if r["state"] in ENDED and r["state"] != "succeeded"}
+    wrong = {}
+    for job_id, row in states.items():
+        if row["state"] == "succeeded" and (why := final_states(data_dir, job_id, steps[job_id])):
+            wrong[job_id] = why
+    allocations = [dict(r) for r in await pool.fetch(
+        "SELECT job_id AS job, attempt, gpus, COALESCE(started_at, placed_at) AS held_from, "
+        "COALESCE(ended_at, extract(epoch FROM now())) AS held_to, end_reason "
+        "FROM allocations WHERE job_id = ANY($1)", list(steps))]
+    rows = await pool.fetch("SELECT job_id, seq, key, size, sha256 FROM checkpoints "
+                            "WHERE job_id = ANY($1) AND complete AND deleted_at IS NULL", list(steps))
+    lives = read_stamps(stamps)
+    ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in steps
+              for p in data_dir.glob(f"jobs/*/{j}/attempt-*.log"))
+    gpu_overlaps = overlaps(lives, "first", "last")
+    allocation_overlaps = overlaps(allocations, "held_from", "held_to")
+    bad_checkpoints = await asyncio.to_thread(verify_checkpoints, settings, rows)
+    gangs = {r.job_id for _, r in jobs if r.num_gpus > 4}  # each machine of a gang runs the steps
+    needed = sum(n * (2 if j in gangs else 1) for j, n in steps.items() if states.get(j, {}).get("state") == "succeeded")
+    return {
+        "jobs": len(steps), "succeeded": sum(1 for r in states.values() if r["state"] == "succeeded"),
+        "not_succeeded": not_succeeded, "lost": lost, "wrong_final_states": wrong,
+        "attempts": len(allocations), "end_reasons": dict(Counter(a["end_reason"] for a in allocations)),
+        "processes": len(lives), "gpu_overlaps": gpu_overlaps, "allocation_overlaps": allocation_overlaps,
+        "checkpoints_verified": len(rows), "bad_checkpoints": bad_checkpoints,
+        "steps_run_per_step_needed": round(ran / needed, 3) if needed else None,
+    }
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+async def chaos_run(data_dir: Path, args) -> dict:
+    rng = random.Random(args.seed)
+    stamps = data_dir / "stamps"
+    up = await asyncio.to_thread(devstack.up, data_dir, machines=args.machines, gpus_per_machine=args.gpus,
+                                 ui=False, fast=True, fake_devices=True)
+    jobs = workload(rng, args.jobs, args.minutes * 30, stamps)
+    chaos = Chaos(data_dir, rng, args.faults)
+    async with await GpuschedClient.connect(up.settings) as client:
+        await client.store.configure_cluster("c1", policy={"min_runtime": 5, "grace_period": 4},
+                                             machine_timeout=MACHINE_TIMEOUT_S)
+        for team in ("vision", "speech"):
+            await client.set_quota(team, Quota(guaranteed=args.machines * args.gpus // 2,
+                                               max=args.machines * args.gpus, queue_cap=1000))
+        began = time.monotonic()
+        until = began + args.minutes * 60
+        refused, _ = await asyncio.gather(submit_all(client, jobs, began, until + 120), chaos.run(until))
+        chaos_s = time.monotonic() - began
+    # Everything back: what a fault left down, then the GPUs' faults cleared.
+    await asyncio.to_thread(devstack.up, data_dir, ui=False)
+    for machine in chaos.state.machines:
+        devices.clear_faults(data_dir / "faults" / f"{machine_component(machine.id)}.json")
+    drained = time.monotonic()
+    async with await GpuschedClient.connect(up.settings) as client:
+        unended = []
+        for _, request in jobs:
+            try:
+                view = await client.wait(request.job_id, timeout=max(1.0, drained + args.drain_minutes * 60 - time.monotonic()))
+                if view.state not in ENDED:
+                    unended.append(request.job_id)
+            except Exception as e:
+                unended.append(f"{request.job_id} ({type(e).__name__})")
+        drain_s = time.monotonic() - drained
+        figures = await audit(client, up.settings, data_dir, stamps, jobs)
+    violations = [name for name in ("lost", "wrong_final_states", "gpu_overlaps", "allocation_overlaps",
+                                    "bad_checkpoints") if figures[name]]
+    if refused:
+        violations.append("refused")
+    return {"seed": args.seed, "minutes": args.minutes, "chaos_s": round(chaos_s, 1),
+            "drain_s": round(drain_s, 1), "faults": dict(chaos.count), "fault_errors": chaos.errors,
+            "refused": refused, "unended_at_drain": unended, **figures, "violations": violations,
+            "fault_log": chaos.log}
+
+
+def quiet_clients() -> None:
+    """The bench's own clients retry through the outages it causes: their warnings are noise."""
+    from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+
+    Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
+        filter=TelemetryFilter(core_level="ERROR", other_level="ERROR")))), error_if_already_set=False)
+    logging.getLogger("asyncpg").setLevel(logging.CRITICAL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--drain-minutes", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--machines", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=30)
+    parser.add_argument("--faults", type=lambda s: [f for f in s.split(",") if f], default=list(FAULTS))
+    parser.add_argument("--keep", type=Path, default=None, help="run the stack in DIR and leave it up")
+    args = parser.parse_args()
+    unknown = set(args.faults) - set(FAULTS)
+    if unknown:
+        parser.error(f"--faults: unknown {', '.join(sorted(unknown))}; choose from {','.join(FAULTS)}")
+    if args.keep is not None and (args.keep / devstack.STACK_FILE).exists():
+        parser.error(f"--keep: {args.keep} holds a stack already; give a new folder, or stop and delete that "
+                     f"one first (gpusched dev down --purge --data-dir {args.keep})")
+    quiet_clients()
+    with tempfile.TemporaryDirectory(prefix="gpusched-chaos-") as tmp:
+        data_dir = (args.keep or Path(tmp) / "stack").absolute()
+        try:
+            figures = asyncio.run(chaos_run(data_dir, args))
+        finally:
+            if args.keep is None:
+                devstack.down(data_dir)
+    for line in figures.pop("fault_log"):
+        print(line, file=sys.stderr)
+    for key, value in figures.items():
+        print(f"{key:>26}: {value}", file=sys.stderr)
+    print(json.dumps(figures))
+    sys.exit(1 if figures["violations"] else 0)
+
+
+if __name__ == "__main__":
+    main()
