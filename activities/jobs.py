@@ -158,6 +158,12 @@ class JobActivities:
         return await self.store.doubt_unusable(report.job_id, report.allocation_id, report.seq,
                                                report.machine_id, report.said)
 
+    @activity.defn(name="machines_silent_for")
+    async def machines_silent_for(self, machine_ids: list[str]) -> list[float | None]:
+        """Seconds since each machine was last heard (None: never): a job's watch that timed out
+        on a machine heard all along was lost with the server's heartbeats, not with the agent."""
+        return await self.store.silent_for(machine_ids)
+
     @activity.defn(name="set_job_state")
     async def set_job_state(self, inp: JobStateChange) -> None:
         if inp.state is not JobState.checkpointing:

@@ -81,7 +81,8 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
 from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
-from workflows.types import AGENT_SHUTDOWN, RunJobInput, RunJobResult, StopOrder
+from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, AttachOrder, RunJobInput,
+                             RunJobResult, StopOrder)
 
 log = logging.getLogger("gpusched.node")
 
@@ -97,6 +98,10 @@ _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
 
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
+# How long a process whose watch timed out runs on for the workflow to watch it again: the
+# workflow hears of the timeout when the server is back, asks the control plane whether it heard
+# this machine meanwhile, and attaches (seconds, if the control worker is up).
+REATTACH_WAIT = 60.0
 LOG_CHECK_EVERY = 5.0  # seconds between looks at a running job's log size
 LOG_KEEP = 16 * 1024 * 1024  # what a log cut back keeps of its end, at most
 MAX_UNUSABLE_REASON = 1000  # characters of a job's word on why its resume checkpoint is unusable
@@ -163,6 +168,8 @@ class _Run:
     token: str = field(default_factory=new_token)  # GPUSCHED_RUN_TOKEN: marks all its processes
     members: RunProcesses | None = None  # once started
     number: int = field(default_factory=lambda: next(_run_numbers))  # in the order runs were asked for
+    watchers: int = 0  # activities watching it now (run_job, attach_job)
+    abandoned: bool = False  # stopped by the agent because the server gave up on every watch
 
     @property
     def pid(self) -> int | None:
@@ -177,8 +184,12 @@ class NodeActivities:
                  report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
                  restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR,
                  gpu_faults: GpuFaultSource | None = None, max_log_bytes: int | None = None,
-                 log_check_every: float = LOG_CHECK_EVERY):
+                 log_check_every: float = LOG_CHECK_EVERY, reattach_wait: float = REATTACH_WAIT):
         self.machine_id = machine_id
+        self.reattach_wait = reattach_wait
+        # Workflow id → whether it runs (None: cannot tell); set by the agent once it has a
+        # Temporal client. Unset: every workflow may still watch again.
+        self.workflow_running: Callable[[str], Awaitable[bool | None]] | None = None
         # An attempt's log past this is cut back to its end, so a chatty job cannot fill the disk.
         self.max_log_bytes = max_log_bytes
         self.log_check_every = log_check_every
@@ -199,6 +210,7 @@ class NodeActivities:
         # Results of recently ended allocations: a retry of an activity whose first attempt the
         # server gave up on (agent partitioned) gets the real result instead of a second run.
         self.finished: OrderedDict[int, RunJobResult] = OrderedDict()
+        self.abandoned: set[int] = set()  # of those, the runs stopped because nobody watched them
         # Ended runs whose processes outlived SIGKILL and its wait (stuck in the kernel: a hung
         # file system, the driver): (their processes, their GPU indices). Their GPUs are
         # reported sick until they are gone, so no job is placed beside them.
@@ -218,9 +230,11 @@ class NodeActivities:
         Cancellation (the workflow preempts or cancels the job): stop with grace, then re-raise;
         a job that had already ended on its own returns its result instead, so a success is
         not taken for a stop. Cancellation because the server gave up on this attempt (timed
-        out, not found): stop with grace too, as no retry can attach to it (the workflow runs an
-        attempt once, and requeues the job elsewhere or on these GPUs). A paused attempt keeps
-        running. Worker shutdown: stop with grace, then fail with the non-retryable
+        out, or not found: what a server back from an outage says of a watch it timed out):
+        unless Temporal says the workflow has ended (terminated), the process keeps running for
+        ``reattach_wait`` seconds for the workflow to watch it again (``attach_job``), which it
+        does when the control plane heard this machine all along; if no watch comes, or the
+        workflow has ended, stop with grace. A paused attempt keeps running. Worker shutdown: stop with grace, then fail with the non-retryable
         ``AgentShutdown`` so the workflow requeues the job."""
         alloc = req.allocation_id
         if alloc in self.finished:
@@ -237,7 +251,38 @@ class NodeActivities:
             run.outcome = asyncio.create_task(self._execute(run))
         else:
             log.info("allocation %d: attaching to its running process (pid %s)", alloc, run.pid)
+        return await self._watch(run)
 
+    @activity.defn(name="attach_job")
+    async def attach_job(self, order: AttachOrder) -> RunJobResult:
+        """Watch an attempt that runs here again, as ``run_job`` does, after the server gave up on
+        the first watch; never starts a process. Fails (non-retryable) when there is nothing to
+        watch: no such process (this agent restarted since: the earlier one's processes were
+        reaped), or one this agent stopped because nobody watched it again in time."""
+        alloc = order.allocation_id
+        run = self.processes.get(alloc)
+        if run is None and alloc not in self.finished:
+            raise ApplicationError(f"agent of {self.machine_id} runs no process of allocation {alloc} "
+                                   "(the agent restarted since it started)", type=ATTEMPT_NOT_HERE,
+                                   non_retryable=True, category=ApplicationErrorCategory.BENIGN)
+        if run is not None:
+            log.info("allocation %d: watched again (pid %s)", alloc, run.pid)
+            result = await self._watch(run)
+        else:
+            result = self.finished[alloc]
+        if alloc in self.abandoned:
+            raise ApplicationError(
+                f"agent of {self.machine_id} stopped the job: the server had given up on its attempt and "
+                f"nobody watched it again within {self.reattach_wait:g} s", result.model_dump(mode="json"),
+                type=ATTEMPT_ABANDONED, non_retryable=True, category=ApplicationErrorCategory.BENIGN)
+        return result
+
+    async def _watch(self, run: _Run) -> RunJobResult:
+        """Heartbeat while the run lives and return how it ended; stop it as the activity's
+        cancellation or the worker's shutdown asks (run_job says how)."""
+        alloc, req = run.req.allocation_id, run.req
+        workflow_id = activity.info().workflow_id
+        run.watchers += 1
         shutdown = asyncio.create_task(activity.wait_for_worker_shutdown())
         try:
             # The first heartbeat carries the pid; spawning takes milliseconds.
@@ -268,6 +313,14 @@ class NodeActivities:
             if details is not None and details.paused:
                 log.warning("allocation %d: activity paused; the process keeps running", alloc)
                 raise
+            if _forgotten(details) and await self._workflow_may_watch_again(workflow_id):
+                # A server back from an outage answers "not found" for a watch it timed out, as
+                # for one of a workflow that is gone: only the workflow's status tells them apart.
+                log.warning("allocation %d: the server gave up on this watch (%s); the process runs on "
+                            "for %gs for the workflow to watch it again", alloc, details, self.reattach_wait)
+                if await self._watched_again(run):
+                    log.info("allocation %d: watched again; this watch ends", alloc)
+                    raise
             if _forgotten(details):
                 log.warning("allocation %d: the server gave up on this attempt (%s); stopping "
                             "it with %gs grace", alloc, details, req.grace_period)
@@ -275,6 +328,8 @@ class NodeActivities:
                 log.info("allocation %d: cancelled, stopping with %gs grace",
                          alloc, req.grace_period)
             ended_before = run.outcome.done() or (run.process is not None and run.process.returncode is not None)
+            if _forgotten(details) and not ended_before and run.stopper is None:
+                run.abandoned = True
             if not run.ordered_stop:  # the order's grace stands over the one launched with
                 self._request_stop(run, req.grace_period)
             # An attempt the server has given up on takes no heartbeats.
@@ -283,7 +338,30 @@ class NodeActivities:
                 return result  # it ended on its own before the stop: its own result stands
             raise
         finally:
+            run.watchers -= 1
             shutdown.cancel()
+
+    async def _workflow_may_watch_again(self, workflow_id: str | None) -> bool:
+        """Unless the workflow is known to have ended (terminated, say), it may watch again."""
+        if self.workflow_running is None or workflow_id is None:
+            return True
+        try:
+            return await self.workflow_running(workflow_id) is not False
+        except asyncio.CancelledError:
+            return True
+
+    async def _watched_again(self, run: _Run) -> bool:
+        """Whether another activity watches the run within ``reattach_wait`` (False as soon as
+        the run ends: its result waits in ``finished`` for whoever watches next)."""
+        deadline = asyncio.get_running_loop().time() + self.reattach_wait
+        while asyncio.get_running_loop().time() < deadline and not run.outcome.done():
+            if run.watchers > 1:
+                return True
+            try:
+                await asyncio.sleep(POLL)
+            except asyncio.CancelledError:
+                continue  # the server's word was said once; this is the agent's wait
+        return run.watchers > 1 and not run.outcome.done()
 
     async def _stopped(self, run: _Run, *, heartbeat: bool) -> RunJobResult:
         """The result of a run being stopped, once its process has checkpointed and exited.
@@ -638,8 +716,10 @@ class NodeActivities:
                 self._forget_pid_file(alloc)
             if result is not None:
                 self.finished[alloc] = result
+                if run.abandoned:
+                    self.abandoned.add(alloc)
                 while len(self.finished) > self.remember_finished:
-                    self.finished.popitem(last=False)
+                    self.abandoned.discard(self.finished.popitem(last=False)[0])
 
     async def _gpu_faults(self, run: _Run) -> list[str]:
         """The faults that could have killed the run shown now by its GPUs ("GPU 3: xid:79")."""

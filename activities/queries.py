@@ -62,6 +62,11 @@ UPDATE machines SET silent_since = {NOW_EPOCH}
 WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
   AND coalesce(last_heartbeat < {NOW_EPOCH} - $2, true)"""
 
+# How long each machine has been silent (NULL: never heard): whether its agent lives while the
+# server heard nothing of a job's watch there.
+SILENT_FOR = f"""
+SELECT id, {NOW_EPOCH} - last_heartbeat AS silent_for FROM machines WHERE id = ANY($1::text[])"""
+
 # The machine of the allocation whose agent did not pick its attempt up. One whose agent said
 # it takes no work (shutting down, Temporal unreachable) is not suspected of a worker that polls
 # in vain: that explains it, it is given no work until it says otherwise, and a 5-minute

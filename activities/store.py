@@ -190,6 +190,12 @@ class Store:
         """The ids of the cluster's queued jobs."""
         return [r[0] for r in await self.pool.fetch(q.QUEUED_JOBS_OF_CLUSTER, cluster)]
 
+    async def silent_for(self, machine_ids: list[str]) -> list[float | None]:
+        """Seconds since each machine's agent last heartbeated, in order; None: never heard (or no
+        such machine)."""
+        silent = {r["id"]: r["silent_for"] for r in await self.pool.fetch(q.SILENT_FOR, machine_ids)}
+        return [silent.get(m) for m in machine_ids]
+
     async def configure_cluster(self, cluster: str, policy: dict | None = None,
                                 machine_timeout: float | None = None) -> None:
         await self.pool.execute(q.UPSERT_CLUSTER, cluster)

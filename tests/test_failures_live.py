@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from live.jobs import example_job, sleeper
+from live.jobs import Stack, example_job, sleeper
 from workers import devices, devstack
 from workers.servers import pid_alive
 from workers.settings import machine_component
@@ -138,6 +138,32 @@ def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_de
     view = s.wait("long", timeout=60)
     assert view.state == "succeeded" and len(view.attempts) == 1, [a.end_reason for a in view.attempts]
     assert all(m.reachable for m in s.run(s.client.store.snapshot("c1")).machines)
+
+
+def test_jobs_run_on_through_a_temporal_outage_longer_than_their_heartbeat_timeout(tmp_path):
+    """Temporal down (restarted, unreachable) for longer than the jobs' heartbeat timeout, while
+    their agents are heard all along: their watches time out, and each workflow watches its
+    process again instead of requeueing it. Before, every running job of the fleet lost its work
+    since its last checkpoint and restarted. This test runs its own servers, to kill one."""
+    data_dir = tmp_path / "stack"
+    try:
+        s = Stack(devstack.up(data_dir, machines=1, gpus_per_machine=2, fast=True, ui=False, fake_devices=True,
+                              control_args=["--tick", "0.5"]))
+        s.submit("steady", 1, example_job(60, 0.5), checkpoint_interval=2)
+        s.submit("gang-of-one", 1, sleeper(35))
+        s.until(lambda: all(s.status(j).state == "running" for j in ("steady", "gang-of-one")), timeout=60)
+        devstack.stop_component(data_dir, "temporal", signal.SIGKILL)
+        time.sleep(HEARTBEAT_TIMEOUT + 4)
+        devstack.start_component(data_dir, "temporal")
+        views = [s.wait(j, timeout=120) for j in ("steady", "gang-of-one")]
+        assert [(v.state, len(v.attempts)) for v in views] == [("succeeded", 1)] * 2, \
+            [(v.state, [a.end_reason for a in v.attempts]) for v in views]
+        assert "starting at step 0 (fresh)" in s.log("steady") and "done, steps=60" in s.log("steady")
+        assert "DONE" in s.log("gang-of-one")
+    finally:
+        if "s" in locals():
+            s.close()
+        devstack.down(data_dir)
 
 
 IGNORES_SIGTERM = [sys.executable, "-c",

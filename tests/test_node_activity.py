@@ -23,7 +23,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities, job_env
 from jobkit import STOP_ORDER
-from workflows.types import GpuGrant, RunJobInput, StopOrder
+from workflows.types import ATTEMPT_NOT_HERE, AttachOrder, GpuGrant, RunJobInput, StopOrder
 
 MACHINE = "c1/b0/r0/m0"
 
@@ -35,8 +35,8 @@ def job(code: str, allocation_id: int = 1, **fields) -> RunJobInput:
                        attempt=fields.pop("attempt", 1), **fields)
 
 
-def node_in(tmp_path: Path, heartbeat_every: float = 0.1) -> NodeActivities:
-    return NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=heartbeat_every)
+def node_in(tmp_path: Path, heartbeat_every: float = 0.1, reattach_wait: float = 0.3) -> NodeActivities:
+    return NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=heartbeat_every, reattach_wait=reattach_wait)
 
 
 def run(coro):
@@ -557,16 +557,85 @@ def test_a_stop_gives_the_whole_process_group_its_grace_then_kills_it(tmp_path):
 
 
 @pytest.mark.parametrize("name, details", [
-    ("its heartbeat timed out", ActivityCancellationDetails(timed_out=True)),
+    ("its heartbeat timed out and nobody watched it again", ActivityCancellationDetails(timed_out=True)),
     ("the server no longer knows it", ActivityCancellationDetails(not_found=True)),
 ])
 def test_an_attempt_the_server_gave_up_on_is_stopped_with_its_grace(tmp_path, name, details):
-    # The workflow runs an attempt once: nothing can attach to it again, and the job is requeued.
     node = node_in(tmp_path)
     raised, _ = run(cancel_after_start(node, job(TRAPS_TERM, allocation_id=7), details))
     assert isinstance(raised, asyncio.CancelledError)
     assert node.live_allocations() == [] and node.finished[7].stopped
     assert node.finished[7].last_log_lines[-1] == "checkpointing"
+
+
+def attach(node, allocation_id: int):
+    return ActivityEnvironment().run(node.attach_job, AttachOrder(allocation_id=allocation_id))
+
+
+ENDS_SOON = """
+    import time
+    print("running", flush=True)
+    time.sleep(1.0)
+    print("done", flush=True)
+"""
+
+
+TIMED_OUT = ActivityCancellationDetails(timed_out=True)
+NOT_FOUND = ActivityCancellationDetails(not_found=True)  # also what a server back from an outage says
+
+
+@pytest.mark.parametrize("name, code, details, workflow_runs, watch_again_after, outcome", [
+    ("a watch that timed out, watched again in time: the process runs on to its own end",
+     ENDS_SOON, TIMED_OUT, True, 0.1, "exit 0, not stopped"),
+    ("a watch the server back from an outage no longer knows, its workflow running: the same",
+     ENDS_SOON, NOT_FOUND, True, 0.1, "exit 0, not stopped"),
+    ("Temporal cannot say whether the workflow runs: the same",
+     ENDS_SOON, NOT_FOUND, None, 0.1, "exit 0, not stopped"),
+    ("the process ended while nobody watched: the next watch gets its result",
+     "print('running', flush=True)", TIMED_OUT, True, 0.5, "exit 0, not stopped"),
+    ("nobody watched again in time: the agent stopped it, and says so to a late watch",
+     TRAPS_TERM, TIMED_OUT, True, 1.0, "AttemptAbandoned"),
+    ("the workflow has ended (terminated): stopped at once, and a watch cannot take the stop for an end",
+     TRAPS_TERM, NOT_FOUND, False, 0.1, "AttemptAbandoned"),
+])
+def test_a_watch_the_server_gave_up_on_can_be_taken_up_again(tmp_path, name, code, details, workflow_runs,
+                                                             watch_again_after, outcome):
+    node = node_in(tmp_path, reattach_wait=0.5)
+    asked = []
+
+    async def workflow_running(workflow_id: str) -> bool | None:
+        asked.append(workflow_id)
+        return workflow_runs
+
+    node.workflow_running = workflow_running
+
+    async def scenario():
+        first = asyncio.create_task(cancel_after_start(node, job(code, allocation_id=9), details))
+        await asyncio.sleep(watch_again_after)
+        try:
+            result = await attach(node, 9)
+            said = f"exit {result.exit_code}, {'stopped' if result.stopped else 'not stopped'}"
+        except ApplicationError as e:
+            said = e.type
+        return said, await first
+
+    said, (raised, _) = run(scenario())
+    assert said == outcome
+    assert isinstance(raised, asyncio.CancelledError) or raised is None
+    assert node.live_allocations() == []
+    log = Path(node.finished[9].log_path).read_text()
+    assert ("done" in log) == (code == ENDS_SOON)
+    assert asked in ([], ["test"])  # the watch's own workflow, when the server gave up on it while it ran
+
+
+def test_a_watch_of_an_attempt_this_agent_never_ran_is_refused(tmp_path):
+    # An agent started since (the earlier one's processes were reaped): nothing to watch, and
+    # nothing is started in its place.
+    node = node_in(tmp_path)
+    with pytest.raises(ApplicationError) as refused:
+        run(attach(node, 5))
+    assert refused.value.type == ATTEMPT_NOT_HERE and refused.value.non_retryable
+    assert node.live_allocations() == [] and 5 not in node.finished
 
 
 def test_a_job_that_ended_on_its_own_as_the_stop_came_keeps_its_result(tmp_path):

@@ -52,7 +52,7 @@ def test_a_process_given_a_blank_token_exits_2_in_one_line(monkeypatch, tmp_path
     ("postgresql:///gpusched", "postgresql:///gpusched"),
 ])
 def test_a_database_address_is_printed_without_its_password(dsn, shown):
-    from workers.devstack import without_password
+    from workers.settings import without_password
 
     assert without_password(dsn) == shown
 
@@ -114,3 +114,38 @@ def test_a_data_dir_this_user_may_not_look_into_is_said_in_one_line(monkeypatch,
     err = capsys.readouterr().err
     assert err == (f"error: cannot look into {locked} (Permission denied); give a data directory this user may "
                    "read, with --data-dir or GPUSCHED_DATA_DIR\n")
+
+
+@pytest.mark.parametrize("name, failures, error, within, stopped, outcome, tries", [
+    ("a server back after two refusals is connected to", 2, ConnectionRefusedError, 10, False, "connected", 3),
+    ("an error not retried (a wrong password) ends the wait at once", 5, PermissionError, 10, False,
+     "PermissionError", 1),
+    ("a server that stays down ends the wait with its last error", 99, ConnectionRefusedError, 0.6, False,
+     "ConnectionRefusedError", 2),
+    ("a worker told to stop stops waiting", 99, ConnectionRefusedError, 10, True, None, 1),
+])
+def test_a_worker_waits_for_a_server_that_is_restarting(name, failures, error, within, stopped, outcome, tries):
+    import asyncio
+
+    from workers.settings import keep_connecting
+
+    calls = []
+
+    async def connect():
+        calls.append(1)
+        if len(calls) <= failures:
+            raise error("no")
+        return "connected"
+
+    async def scenario():
+        stop = asyncio.Event()
+        if stopped:
+            stop.set()
+        try:
+            return await keep_connecting("a server", connect, stop, within=within,
+                                         retry_on=(ConnectionRefusedError,))
+        except Exception as e:  # noqa: BLE001 - the row names what ends the wait
+            return type(e).__name__
+
+    assert asyncio.run(scenario()) == outcome
+    assert len(calls) == tries

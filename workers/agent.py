@@ -13,8 +13,8 @@ What it does, in order:
    them).
 3. Registers the machine: heartbeats the HTTP API until it answers (about 30 s at most), so the
    machine is in the fleet before the worker takes work.
-4. Serves ``run_job`` on the machine's task queue (``NodeActivities``; logs under ``DIR/jobs``),
-   and writes its ready file once the worker polls.
+4. Serves ``run_job``, ``attach_job`` and ``stop_job`` on the machine's task queue
+   (``NodeActivities``; logs under ``DIR/jobs``), and writes its ready file once the worker polls.
 5. Heartbeats every interval: ``POST {api}/machines/{machine_id}/heartbeat`` with the body of
    ``heartbeat_payload``. The answer's ``live_allocations``, when present, lists the
    allocations the scheduler holds here; a local process of any other is an orphan and is
@@ -47,6 +47,7 @@ from workers.settings import (
     Settings,
     api_headers,
     connect_temporal,
+    keep_connecting,
     default_data_dir,
     add_settings_flags,
     settings_from_args,
@@ -61,6 +62,7 @@ REGISTER_WITHIN = 30.0  # seconds to wait for the API before serving anyway
 HEARTBEAT_THROTTLE = 2.0  # seconds between activity heartbeats sent to Temporal, at most: a stop
 # (preemption, cancel) reaches the job with the next one, so this bounds how late it learns of it
 CONNECT_WITHIN = 60.0  # seconds to wait for Temporal before giving up (the supervisor restarts us)
+DESCRIBE_WITHIN = 5.0  # seconds: whether a watch's workflow still runs, asked when the server gave up on the watch
 TEMPORAL_CHECK_EVERY = 15.0  # seconds between health checks of Temporal (one RPC; cheap fleet-wide)
 TEMPORAL_CHECK_TIMEOUT = 5.0
 
@@ -371,20 +373,24 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
 
 
 async def connect(settings: Settings, stop: asyncio.Event):
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + CONNECT_WITHIN, 0.5
-    while True:
-        try:
-            return await connect_temporal(settings)
-        except Exception as err:  # the SDK raises RuntimeError for a refused connection
-            if stop.is_set():
-                return None
-            if loop.time() + delay > deadline:
-                raise
-            log.warning("Temporal at %s not reachable (%s); retrying",
-                        settings.temporal_address, err)
-            await _sleep_or_stop(stop, delay)
-            delay = min(delay * 2, 5.0)
+    # The SDK raises RuntimeError for a refused connection.
+    return await keep_connecting(f"Temporal at {settings.temporal_address}", lambda: connect_temporal(settings),
+                                 stop, within=CONNECT_WITHIN)
+
+
+async def workflow_running(client, workflow_id: str) -> bool | None:
+    """Whether the workflow runs (False: it ended, or the server knows none of that id; None:
+    the server cannot say now)."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        described = await asyncio.wait_for(client.get_workflow_handle(workflow_id).describe(), DESCRIBE_WITHIN)
+    except RPCError as err:
+        return False if err.status == RPCStatusCode.NOT_FOUND else None
+    except Exception:  # unreachable, or no answer in time
+        return None
+    return described.status == WorkflowExecutionStatus.RUNNING
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -451,10 +457,11 @@ async def serve(args: argparse.Namespace) -> int:
         client = await connect(settings, stop)
         if client is None:
             return 0
+        node.workflow_running = lambda workflow_id: workflow_running(client, workflow_id)
         worker = Worker(
             client,
             task_queue=settings.agent_task_queue(args.machine_id),
-            activities=[node.run_job, node.stop_job],
+            activities=[node.run_job, node.attach_job, node.stop_job],
             max_concurrent_activities=64,
             # A cancel reaches a job only with a heartbeat's answer, and the SDK sends them at
             # most every 0.8 x heartbeat timeout (30 s without one): cap it so a preemption's

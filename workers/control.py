@@ -15,6 +15,8 @@ import logging
 import signal
 from pathlib import Path
 
+import asyncpg
+
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 from temporalio.worker import Worker
@@ -24,12 +26,14 @@ from activities.jobs import JobActivities, configure_scheduler
 from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
-from workers.settings import Settings, add_settings_flags, connect_temporal, mark_ready, settings_from_args
+from workers.settings import (Settings, add_settings_flags, connect_temporal, keep_connecting, mark_ready,
+                              settings_from_args, without_password)
 from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
 from workflows.types import SchedulerInput
 
 SWEEPS_AT_EXIT_S = 10.0  # how long a stopping worker waits for ended jobs' sweeps
+CONNECT_WITHIN = 60.0  # seconds to wait for Postgres and Temporal at start (then the supervisor restarts us)
 
 log = logging.getLogger("gpusched.control")
 
@@ -63,10 +67,19 @@ async def ensure_search_attributes(client) -> None:
 
 
 async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput, stop: asyncio.Event) -> None:
-    store = await Store.connect(settings.pg_dsn)
+    # Postgres or Temporal restarting as the worker starts is waited for (a refused connection,
+    # or "the database system is starting up"); a wrong password or DSN fails at once.
+    store = await keep_connecting(f"Postgres at {without_password(settings.pg_dsn)}",
+                                  lambda: Store.connect(settings.pg_dsn), stop, within=CONNECT_WITHIN,
+                                  retry_on=(OSError, asyncpg.CannotConnectNowError))
+    if store is None:
+        return
     try:
         await store.migrate()
-        client = await connect_temporal(settings)
+        client = await keep_connecting(f"Temporal at {settings.temporal_address}",
+                                       lambda: connect_temporal(settings), stop, within=CONNECT_WITHIN)
+        if client is None:
+            return
         await ensure_search_attributes(client)
         # A HEAD that must end within STORE_LOOK_S (its thread is not stopped at the timeout):
         # (2 s + 5 s) for each of at most two tries; also the sweep of an ended job's leftovers.
@@ -79,6 +92,7 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             task_queue=settings.control_task_queue,
             workflows=[JobWorkflow, ClusterSchedulerWorkflow],
             activities=[jobs.admit_job, jobs.start_attempt, jobs.end_attempt, jobs.doubt_unusable_checkpoint,
+                        jobs.machines_silent_for,
                         jobs.set_job_state, jobs.set_priority, jobs.wake_scheduler, jobs.abandon_allocations,
                         jobs.reconcile_allocations,
                         planning.plan_cycle],

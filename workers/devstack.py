@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Annotated, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -43,6 +43,7 @@ from workers.settings import (
     ready_path,
     settings_env,
     stack_present,
+    without_password,
 )
 from workflows.types import first_error
 
@@ -312,15 +313,6 @@ def _prepare_database(settings: Settings, state: StackState) -> None:
     except Exception as e:  # a boundary: the CLI prints one line, not a traceback
         raise StackError(f"migrating and registering the fleet in {without_password(settings.pg_dsn)} failed: "
                          f"{type(e).__name__}: {e}") from e
-
-
-def without_password(dsn: str) -> str:
-    """The DSN as it may be printed: its password, if any, starred out."""
-    url = urlsplit(dsn)
-    if url.password is None:
-        return dsn
-    host = url.netloc.rpartition("@")[2]
-    return urlunsplit(url._replace(netloc=f"{url.username or ''}:***@{host}"))
 
 
 def _worker_commands(data_dir: Path, state: StackState,

@@ -22,14 +22,21 @@ embedded stack's ``stack.json`` (written by ``gpusched dev up`` into its data di
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue, first_error
+
+T = TypeVar("T")
+_log = logging.getLogger("gpusched.connect")
 
 STACK_FILE = "stack.json"
 
@@ -197,6 +204,39 @@ async def connect_temporal(settings: Settings):
         tls=tls,
         data_converter=pydantic_data_converter,
     )
+
+
+async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: asyncio.Event, *,
+                          within: float, retry_on: tuple[type[BaseException], ...] = (Exception,)) -> T | None:
+    """``connect()``, tried again with backoff (0.5 s doubling to 5 s) while it fails with one of
+    ``retry_on``, for ``within`` seconds: a server restarting, or started after the worker, is
+    waited for instead of ending the worker. None if ``stop`` is set meanwhile; the last error
+    once the time is up."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + within, 0.5
+    while True:
+        try:
+            return await connect()
+        except retry_on as err:
+            if stop.is_set():
+                return None
+            if loop.time() + delay > deadline:
+                raise
+            _log.warning("%s not reachable (%s); retrying", what, str(err) or type(err).__name__)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, 5.0)
+
+
+def without_password(dsn: str) -> str:
+    """The DSN as it may be printed: its password, if any, starred out."""
+    url = urlsplit(dsn)
+    if url.password is None:
+        return dsn
+    host = url.netloc.rpartition("@")[2]
+    return urlunsplit(url._replace(netloc=f"{url.username or ''}:***@{host}"))
 
 
 def machine_component(machine_id: str) -> str:

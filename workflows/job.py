@@ -10,7 +10,8 @@ Algorithm overview
   3. Acknowledge it in the store (a duplicate or stale placement is dropped there).
   4. Run the attempt: one ``run_job`` activity per machine of the gang, on that machine's agent
      task queue, heartbeating. Until they end, a preemption or cancel stops them with the grace
-     period.
+     period. A watch whose heartbeats the server lost while the control plane heard its machine
+     (Temporal was down) is watched again (``attach_job``) instead of the job requeued.
   5. Give the GPUs back and move on: succeeded, failed (exit code and last log lines), cancelled,
      or queued again (preempted, or the machine stopped heartbeating) → 2.
 
@@ -33,9 +34,12 @@ with workflow.unsafe.imports_passed_through():
     from scheduler.models import Priority
     from workflows.types import (
         AGENT_SHUTDOWN,
+        ATTEMPT_ABANDONED,
+        ATTEMPT_NOT_HERE,
         EXIT_RETRY_LATER,
         JOB_FAILED,
         Admission,
+        AttachOrder,
         AttemptGrant,
         EndAttempt,
         EndReason,
@@ -73,6 +77,11 @@ STORE_LOOK = dict(start_to_close_timeout=timedelta(seconds=60), retry_policy=STO
 # silent while running it, before the job gives the GPUs back and queues again.
 AGENT_PICKUP = timedelta(seconds=30)
 AGENT_HEARTBEAT = timedelta(seconds=10)
+# A watch that timed out on a machine the control plane heard this recently (its agent heartbeats
+# every 2 s) is watched again instead of requeued: the heartbeats were lost on the way to Temporal.
+# A dead agent has been silent about AGENT_HEARTBEAT by the time its watch times out.
+HEARD_WITHIN_S = 4.0
+MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
 STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
 RUN_LIMIT = timedelta(days=14)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
@@ -281,10 +290,13 @@ class JobWorkflow:
         hosts = placement.hosts
         self.attempt_began, self.failed_host = workflow.now(), None
         self.resume_seq, self.unusable_checkpoint = grant.resume_seq, None
-        runs = [
-            workflow.start_activity(
-                "run_job",
-                RunJobInput(
+
+        def watch(rank: int, host, attach: bool = False):
+            """The activity that runs (or, ``attach``, watches again) the gang's rank on its host."""
+            if attach:
+                name, arg = "attach_job", AttachOrder(allocation_id=alloc)
+            else:
+                name, arg = "run_job", RunJobInput(
                     job_id=self.job_id,
                     allocation_id=alloc,
                     attempt=placement.attempt,
@@ -300,7 +312,9 @@ class JobWorkflow:
                     resume_sha256=grant.resume_sha256,
                     checkpoint_interval=grant.checkpoint_interval,
                     checkpoint_phase=grant.checkpoint_phase,
-                ),
+                )
+            return workflow.start_activity(
+                name, arg,
                 result_type=RunJobResult,
                 task_queue=self.prefix + agent_task_queue(host.machine_id),
                 schedule_to_start_timeout=AGENT_PICKUP,
@@ -309,8 +323,8 @@ class JobWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=1),
                 cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             )
-            for rank, host in enumerate(hosts)
-        ]
+
+        runs = [watch(rank, host) for rank, host in enumerate(hosts)]
 
         def stop_asked() -> bool:
             return alloc in self.preempts or self.cancel_reason is not None
@@ -318,7 +332,33 @@ class JobWorkflow:
         def failed_run() -> bool:
             return any(r.done() and (r.exception() is not None or r.result().exit_code != 0) for r in runs)
 
-        await workflow.wait_condition(lambda: stop_asked() or failed_run() or all(r.done() for r in runs))
+        watched_again = 0
+        while True:
+            await workflow.wait_condition(lambda: stop_asked() or failed_run() or all(r.done() for r in runs))
+            lost = [i for i, r in enumerate(runs) if _heartbeats_lost(r)]
+            failed = [i for i, r in enumerate(runs)
+                      if r.done() and (r.exception() is not None or r.result().exit_code != 0)]
+            if not lost or lost != failed or watched_again >= MAX_WATCHED_AGAIN:
+                break
+            if not workflow.patched("watch-again-after-lost-heartbeats"):
+                break
+            # The server heard no heartbeat of these watches for AGENT_HEARTBEAT. If the control
+            # plane heard their machines meanwhile, the agents live and so, most likely, do the
+            # processes: it was Temporal that could not hear (down, restarting, unreachable).
+            # Requeueing would cost every running job of the fleet its work since its last
+            # checkpoint and a restart; watch them again instead (an agent with no such process
+            # says so, and the job is requeued then).
+            silent = await workflow.execute_activity(
+                "machines_silent_for", [hosts[i].machine_id for i in lost],
+                result_type=list[float | None], **STORE_CALL)
+            if any(s is None or s > HEARD_WITHIN_S for s in silent):
+                break
+            watched_again += 1
+            workflow.logger.warning("job %s: attempt %d watched again on %s (its heartbeats were lost; "
+                                    "the machines were heard)", self.job_id, placement.attempt,
+                                    ", ".join(hosts[i].machine_id for i in lost))
+            for i in lost:
+                runs[i] = watch(i, hosts[i], attach=True)
         if failed_run() or all(r.done() for r in runs):
             return await self._ended(runs, [h.machine_id for h in hosts])
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
@@ -422,7 +462,10 @@ class JobWorkflow:
             # and no fault of the job's; counting it would fail long jobs over routine upgrades.
             return (EndReason.machine_failure, None, JobState.queued,
                     "requeued: its machine's agent shut down (a restart or drain)")
-        if isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
+        if isinstance(cause, ApplicationError) and cause.type in (ATTEMPT_NOT_HERE, ATTEMPT_ABANDONED):
+            # Only after a watch again (watch-again-after-lost-heartbeats): nothing left to watch.
+            end, why = EndReason.machine_failure, f"its attempt was lost with its heartbeats: {cause.message}"
+        elif isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
             end, why = EndReason.not_started, "its machine's agent did not pick the attempt up"
         elif isinstance(cause, TimeoutError):
             end, why = EndReason.machine_failure, "its machine's agent stopped heartbeating"
@@ -492,6 +535,14 @@ class JobWorkflow:
 
 def _retries(n: int) -> str:
     return "retry" if n == 1 else f"{n} retries"
+
+
+def _heartbeats_lost(run) -> bool:
+    """Whether a run's watch ended because the server heard no heartbeat of it in time."""
+    if not run.done() or run.cancelled() or run.exception() is None:
+        return False
+    cause = run.exception().cause if isinstance(run.exception(), ActivityError) else None
+    return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT
 
 
 def _result_of(run) -> RunJobResult | None:

@@ -133,6 +133,11 @@ class JobRequest(WithNewFields):
 MAX_COMMAND_BYTES = 128 * 1024
 # The agent's error type when it stops a job because it shuts down (activities/node.py).
 AGENT_SHUTDOWN = "AgentShutdown"
+# The agent's error types when the workflow watches an attempt again (``attach_job``) and there is
+# nothing to watch: the agent has no such process (it restarted), or it stopped the process itself
+# once the server had given up on the attempt and nobody watched it again in time.
+ATTEMPT_NOT_HERE = "AttemptNotHere"
+ATTEMPT_ABANDONED = "AttemptAbandoned"
 # A job's exit code for "what I need is not there now" (sysexits' EX_TEMPFAIL; jobkit's
 # EXIT_RETRY_LATER): queued again as an infrastructure failure, not counted as the job's own.
 EXIT_RETRY_LATER = 75
@@ -276,6 +281,14 @@ class StopOrder(Model):
     allocation_id: int
     grace_period: float = Field(ge=0)
     reason: str = ""
+
+
+class AttachOrder(Model):
+    """Watch an attempt already running on the agent again (``attach_job``): the workflow's
+    earlier watch timed out for want of heartbeats while the agent was heard all along (Temporal
+    was down or unreachable for longer than the heartbeat timeout). Never starts a process."""
+
+    allocation_id: int
 
 
 class RunJobResult(WithNewFields):
