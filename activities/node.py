@@ -455,39 +455,46 @@ class NodeActivities:
 
     async def reap_leftovers(self, grace: float) -> list[int]:
         """Stop the process groups an earlier agent of this machine left running (it was
-        killed without a chance to stop them). Call before serving. Returns their allocations."""
-        reaped = []
-        for pid_file in sorted(self.pid_dir.glob("*.json")) if self.pid_dir.exists() else []:
-            try:
-                info = json.loads(pid_file.read_text())
-                pgid, alloc = int(info["pid"]), int(info["allocation_id"])
-            except (OSError, ValueError, KeyError) as err:
-                log.warning("ignoring bad pid file %s: %s", pid_file, err)
-                pid_file.unlink(missing_ok=True)
-                continue
-            # A pid now another process's leaves only the processes carrying the run's token.
-            left = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
-            if left.alive():
-                if info.get("report_dir") and info.get("job_id"):
-                    # What it saved while no agent listened, first: its allocation may still be the
-                    # job's current one now, and not by the time the stop below is done.
-                    await self._forward_before_stop(info["job_id"], alloc, Path(info["report_dir"]))
-                log.warning("allocation %d: stopping process group %d left by an earlier agent",
-                            alloc, pgid)
-                left.signal(signal.SIGTERM)
-                deadline = asyncio.get_running_loop().time() + grace
-                while left.alive() and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(POLL)
-                left.signal(signal.SIGKILL)
-                await left.gone()
-                reaped.append(alloc)
-            if info.get("report_dir") and info.get("job_id"):
-                # What the orphan reported while nobody listened: the control plane decides (a
-                # revoked allocation's checkpoints are refused: a zombie writer). Tried again
-                # while the control plane is unreachable (the agents of a restarted stack come
-                # up first): nothing forwards them later.
-                await self._forward_last(info["job_id"], alloc, Path(info["report_dir"]))
+        killed without a chance to stop them). Call before serving. Returns their allocations.
+        All at once: each may wait its grace and up to ``final_forward_for`` for the control
+        plane, and one after the other they kept a machine of eight jobs from serving for minutes."""
+        files = sorted(self.pid_dir.glob("*.json")) if self.pid_dir.exists() else []
+        reaped = await asyncio.gather(*(self._reap(pid_file, grace) for pid_file in files))
+        return [alloc for alloc in reaped if alloc is not None]
+
+    async def _reap(self, pid_file: Path, grace: float) -> int | None:
+        """Stop one left process group (its allocation, or None if it was gone) and forward its reports."""
+        try:
+            info = json.loads(pid_file.read_text())
+            pgid, alloc = int(info["pid"]), int(info["allocation_id"])
+        except (OSError, ValueError, KeyError) as err:
+            log.warning("ignoring bad pid file %s: %s", pid_file, err)
             pid_file.unlink(missing_ok=True)
+            return None
+        reaped = None
+        # A pid now another process's leaves only the processes carrying the run's token.
+        left = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
+        if left.alive():
+            if info.get("report_dir") and info.get("job_id"):
+                # What it saved while no agent listened, first: its allocation may still be the
+                # job's current one now, and not by the time the stop below is done.
+                await self._forward_before_stop(info["job_id"], alloc, Path(info["report_dir"]))
+            log.warning("allocation %d: stopping process group %d left by an earlier agent",
+                        alloc, pgid)
+            left.signal(signal.SIGTERM)
+            deadline = asyncio.get_running_loop().time() + grace
+            while left.alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(POLL)
+            left.signal(signal.SIGKILL)
+            await left.gone()
+            reaped = alloc
+        if info.get("report_dir") and info.get("job_id"):
+            # What the orphan reported while nobody listened: the control plane decides (a
+            # revoked allocation's checkpoints are refused: a zombie writer). Tried again
+            # while the control plane is unreachable (the agents of a restarted stack come
+            # up first): nothing forwards them later.
+            await self._forward_last(info["job_id"], alloc, Path(info["report_dir"]))
+        pid_file.unlink(missing_ok=True)
         return reaped
 
     # -- one run ----------------------------------------------------------------------------

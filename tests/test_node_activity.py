@@ -829,6 +829,43 @@ def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
             leftover.kill()
 
 
+def test_the_process_groups_of_an_earlier_agent_are_reaped_together_not_one_after_the_other(tmp_path):
+    """Each may wait its grace and a minute for the control plane to take its reports: one
+    after the other, a machine of eight jobs did not serve for minutes after its agent restarted
+    while the control plane was down (bench/chaos.py saw 80 s for three)."""
+    from activities.run_processes import start_ticks
+
+    leftovers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+                 for _ in range(3)]
+    asked = set()
+    all_asked = asyncio.Event()
+
+    async def sink(job_id: str, allocation_id: int, report: dict) -> dict:
+        asked.add(allocation_id)
+        if len(asked) == len(leftovers):
+            all_asked.set()
+        await asyncio.wait_for(all_asked.wait(), 5)  # answered only once every one has asked
+        return {"committed": True, "reason": "its allocation is current"}
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=sink)
+    node.pid_dir.mkdir(parents=True)
+    for alloc, leftover in enumerate(leftovers, start=30):
+        reports = tmp_path / f"reports-{alloc}"
+        reports.mkdir()
+        (reports / "checkpoint-0000000001.json").write_text(json.dumps({"seq": 1, "key": "k", "size": 1, "sha256": "0"}))
+        (node.pid_dir / f"{alloc}.json").write_text(json.dumps(
+            {"pid": leftover.pid, "allocation_id": alloc, "job_id": f"old-{alloc}",
+             "start_ticks": start_ticks(leftover.pid), "report_dir": str(reports)}))
+    try:
+        assert sorted(run(node.reap_leftovers(grace=1))) == [30, 31, 32]
+        assert all((tmp_path / f"reports-{a}" / "checkpoint-0000000001.ack.json").exists() for a in (30, 31, 32))
+        assert [p.wait(timeout=2) for p in leftovers] == [-signal.SIGTERM] * 3
+    finally:
+        for leftover in leftovers:
+            if leftover.poll() is None:
+                leftover.kill()
+
+
 @pytest.mark.parametrize("sink_answers, forwarded_while_running", [(True, True), (False, False)],
                          ids=["what it saved goes to the control plane before it is stopped",
                               "a control plane that does not answer does not hold the stop up"])
