@@ -140,7 +140,12 @@ INSERT INTO jobs (id, team, cluster, request, priority, num_gpus, state, submit_
 VALUES ($1, $2, $3, $4, $5, $6, 'queued', $7, $7, {NOW_EPOCH})
 ON CONFLICT (id) DO NOTHING"""
 JOB = "SELECT * FROM jobs WHERE id = $1"
-JOB_FOR_UPDATE = "SELECT * FROM jobs WHERE id = $1 FOR UPDATE"
+# One change of a job at a time. NO KEY UPDATE, not UPDATE: the cycle's commit, holding the
+# allocations it orders stopped or resends, has Postgres check the job key of the allocations it
+# writes under KEY SHARE, which FOR UPDATE blocks: an attempt's end that held its job and waited
+# for one of those allocations deadlocked with it (bench/chaos.py saw three in a row, each costing
+# a second and a retry).
+JOB_FOR_UPDATE = "SELECT * FROM jobs WHERE id = $1 FOR NO KEY UPDATE"
 # The newest $3 jobs that match, oldest first.
 LIST_JOBS = """
 SELECT * FROM (

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from activities import queries as q
 from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
@@ -518,6 +519,24 @@ def test_every_decision_and_state_change_is_audited(store_env):
     run(store.end_attempt("a", alloc, EndReason.failed, 3, JobState.failed, "exit code 3"))
     events = [e["event"] for e in run(store.audit_trail("a"))]
     assert events == ["submitted", "placed", "started", "released", "failed"]
+
+
+def test_a_job_held_for_its_change_does_not_hold_up_rows_that_only_name_it(store_env):
+    """An attempt's end holds its job, then waits for its allocation, which a cycle's commit may
+    hold; that commit also writes allocations naming the job, whose key Postgres checks (KEY
+    SHARE). Were that check to wait for the held job, the two would deadlock (Postgres breaks it
+    after a second, failing one of them: bench/chaos.py saw it)."""
+    run, store = store_env
+    run(store.admit(job("b", gpus=1)))
+
+    async def scenario():
+        async with store.pool.acquire() as holder, holder.transaction():
+            await holder.fetchrow(q.JOB_FOR_UPDATE, "b")
+            async with store.pool.acquire() as other, other.transaction():
+                return await asyncio.wait_for(other.fetchval(
+                    q.INSERT_ALLOCATION, "b", "c1", 1, ["c1/b0/r0/m0/0"], 7, None, 0.0, 1.0, "a cycle's placement"), 5)
+
+    assert run(scenario()) is not None
 
 
 def test_the_snapshot_expects_the_last_days_submissions_again_a_day_later(store_env):
