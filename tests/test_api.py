@@ -170,3 +170,46 @@ def test_health_is_503_not_500_while_the_database_does_not_answer(live_servers, 
         assert answer.status_code == 503 and answer.json()["ok"] is False
         assert "does not answer" in answer.json()["detail"]
 
+
+
+class DownStore:
+    """A store whose database refuses every query (restarting)."""
+
+    def __init__(self):
+        self.connects = 0
+
+    async def listened(self, *args, **kwargs):
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+
+    machine_heartbeat = unmigrated = job_view = listened
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("refusals", [0, 2], ids=["Postgres up at the start", "Postgres still restarting at the start"])
+def test_an_api_whose_database_is_down_answers_503_in_words_and_waits_for_it_at_start(monkeypatch, refusals):
+    """Before, the API exited (code 3) when started while Postgres restarted, and answered every
+    heartbeat of the fleet with a 500 and a traceback while it was down."""
+    from fastapi.testclient import TestClient
+
+    from workers import api as api_module
+    from workers.settings import Settings
+
+    store = DownStore()
+
+    async def connect(dsn, *args, **kwargs):
+        store.connects += 1
+        if store.connects <= refusals:
+            raise ConnectionRefusedError(111, "Connect call failed")
+        return store
+
+    monkeypatch.setattr(api_module.Store, "connect", connect)
+    app = api_module.create_app(Settings(pg_dsn="postgresql://postgres:secret@127.0.0.1:1/gpusched"))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        beat = client.post("/machines/c1/b0/r0/m0/heartbeat", json={"gpus": [{"index": 0}]})
+        job = client.get("/jobs/a")
+        health = client.get("/healthz")
+    assert store.connects == refusals + 1
+    assert (beat.status_code, job.status_code, health.status_code) == (503, 503, 503)
+    assert "the database does not answer now" in beat.json()["detail"] and "try again" in beat.json()["detail"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import time
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -44,11 +45,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
-from workers.settings import Settings, add_settings_flags, mark_ready, settings_from_args
+from workers.settings import (Settings, add_settings_flags, keep_connecting, mark_ready, settings_from_args,
+                              without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
 
 log = logging.getLogger("gpusched.api")
+
+CONNECT_WITHIN = 60.0  # seconds to wait for Postgres at start (then the supervisor restarts us)
+WARN_EVERY_S = 10.0  # at most one line per this while the database does not answer
 
 # What Postgres can hold: an id past this, or a NaN or infinite time, is a bad request (422),
 # not a database error (500).
@@ -110,7 +115,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx["store"] = await Store.connect(settings.pg_dsn)
+        # Postgres restarting as the API starts is waited for; before, the API exited (code 3).
+        ctx["store"] = await keep_connecting(f"Postgres at {without_password(settings.pg_dsn)}",
+                                             lambda: Store.connect(settings.pg_dsn), asyncio.Event(),
+                                             within=CONNECT_WITHIN, retry_on=(OSError, asyncpg.CannotConnectNowError))
         s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
         ctx["checkpoints"] = CheckpointCommitter(ctx["store"], s3, settings.s3_bucket)
         listening = asyncio.create_task(_listen(ctx["store"]))
@@ -149,6 +157,21 @@ def create_app(settings: Settings) -> FastAPI:
     async def unstorable(request: Request, error: Exception) -> JSONResponse:
         # A value Postgres cannot take (a NUL character, a number out of range): the caller's.
         return JSONResponse(status_code=422, content={"detail": f"a value in the request cannot be stored: {error}"})
+
+    unreachable_said = [0.0]
+
+    @app.exception_handler(OSError)  # refused, reset: the database (or S3) is down
+    @app.exception_handler(asyncpg.PostgresConnectionError)  # the connection broke
+    @app.exception_handler(asyncpg.OperatorInterventionError)  # shutting down, or still starting
+    async def unreachable(request: Request, error: Exception) -> JSONResponse:
+        # The caller's to try again (agents do): a 503 in words, not a 500 with a traceback for
+        # every heartbeat of the fleet while Postgres restarts. Logged once per WARN_EVERY_S.
+        now = time.monotonic()
+        if now - unreachable_said[0] >= WARN_EVERY_S:
+            unreachable_said[0] = now
+            log.warning("answering 503: the database does not answer (%s: %s)", type(error).__name__, error)
+        return JSONResponse(status_code=503, content={"detail": f"the database does not answer now ({error}); "
+                                                                "try again"})
 
     @app.exception_handler(asyncpg.UndefinedTableError)
     @app.exception_handler(asyncpg.UndefinedColumnError)
