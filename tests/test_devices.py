@@ -421,15 +421,17 @@ def test_a_hung_health_check_never_stops_the_heartbeats():
     from workers.agent import HealthReader
 
     devices = HangingDevices()
-    reader = HealthReader(devices, timeout=0.1, stale_for=0.5)
+    # Timeouts wide enough for a loaded 2-core CI machine (0.1 s once missed the first answer):
+    # the three stale readings take 1.5 s of the 2.5 s a last reading stands for.
+    reader = HealthReader(devices, timeout=0.5, stale_for=2.5)
 
     async def scenario():
         first = await reader.read()
         stale = [await reader.read() for _ in range(3)]  # hung: the last reading, one call at a time
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
         late = await reader.read()
         devices.release.set()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
         return first, stale, late, await reader.read()
 
     first, stale, late, recovered = asyncio.run(scenario())
