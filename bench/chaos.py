@@ -332,14 +332,18 @@ def quiet_clients() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=5.0)
-    parser.add_argument("--drain-minutes", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--machines", type=int, default=4)
-    parser.add_argument("--gpus", type=int, default=4)
-    parser.add_argument("--jobs", type=int, default=30)
-    parser.add_argument("--faults", type=lambda s: [f for f in s.split(",") if f], default=list(FAULTS))
+    parser = argparse.ArgumentParser(
+        description="Chaos on the live stack: kill and restart agents, workers and servers, fail GPUs, "
+        "then audit that no GPU ran two jobs, no job was lost and no checkpoint was corrupted.")
+    parser.add_argument("--minutes", type=float, default=5.0, help="how long faults are injected (default 5)")
+    parser.add_argument("--drain-minutes", type=float, default=10.0,
+                        help="how long, after the chaos, the jobs get to end (default 10)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the faults and the jobs (default 1)")
+    parser.add_argument("--machines", type=int, default=4, help="machines, each with its own agent (default 4)")
+    parser.add_argument("--gpus", type=int, default=4, help="fake GPUs per machine (default 4)")
+    parser.add_argument("--jobs", type=int, default=30, help="jobs submitted (default 30)")
+    parser.add_argument("--faults", type=lambda s: [f for f in s.split(",") if f], default=list(FAULTS),
+                        help=f"kinds of fault, comma-separated (default {','.join(FAULTS)})")
     parser.add_argument("--keep", type=Path, default=None, help="run the stack in DIR and leave it up")
     args = parser.parse_args()
     unknown = set(args.faults) - set(FAULTS)
