@@ -94,6 +94,27 @@ def held_back(backoff: float, failures_in_a_row: int) -> float:
     return min(HELD_BACK_MAX, backoff * 2 ** min(failures_in_a_row - 2, 20))
 
 
+# The errors of a database that is down, restarting or out of reach: expected in operation.
+DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError,
+                 asyncpg.OperatorInterventionError)
+
+
+class ReconnectInOneLine(logging.Filter):
+    """asyncpg's pool logs a full traceback each time it fails to reconnect to a Postgres that
+    is down (a warning every 1-60 s per pool, in every process); an outage is not a bug, so such
+    a record becomes one line that names the error. Any other error keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, DATABASE_DOWN):
+            record.msg = f"{record.getMessage()} (the database does not answer: {type(error).__name__}: {error})"
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+_RECONNECT_IN_ONE_LINE = ReconnectInOneLine()
+
+
 class Store:
     def __init__(self, pool: asyncpg.Pool):
         self.pool = pool
@@ -101,6 +122,7 @@ class Store:
 
     @classmethod
     async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0) -> "Store":
+        logging.getLogger("asyncpg.pool").addFilter(_RECONNECT_IN_ONE_LINE)  # added once: a set
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
                                          timeout=timeout)
         return cls(pool)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import sys
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from activities import queries as q
-from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, Store, held_back
+from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, ReconnectInOneLine, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
@@ -648,3 +651,31 @@ def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     verdict = run(store.admit(job("a")))
     assert not verdict.accepted and verdict.field == "job_id" and "has ended (succeeded)" in verdict.reason
+
+
+def _pool_record(error: BaseException) -> "logging.LogRecord":
+    try:
+        raise error
+    except BaseException:
+        return logging.LogRecord("asyncpg.pool", logging.WARNING, "pool.py", 571,
+                                 "Failed to restore the pool connection floor; retrying", None, sys.exc_info())
+
+
+@pytest.mark.parametrize("name, error, one_line", [
+    ("a refused connection is one line", ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)"), True),
+    ("a database shutting down is one line", asyncpg.AdminShutdownError("terminating connection"), True),
+    ("a database still starting is one line", asyncpg.CannotConnectNowError("the database system is starting up"),
+     True),
+    ("a broken connection is one line", asyncpg.ConnectionDoesNotExistError("connection was closed"), True),
+    ("a wrong password keeps its traceback", asyncpg.InvalidPasswordError("password authentication failed"), False),
+    ("a bug keeps its traceback", TypeError("unsupported operand"), False),
+])
+def test_the_pools_reconnect_warnings_while_postgres_is_down_are_one_line_each(name, error, one_line):
+    record = _pool_record(error)
+    assert ReconnectInOneLine().filter(record)
+    if one_line:
+        assert record.exc_info is None and "\n" not in logging.Formatter().format(record)
+        assert record.getMessage() == ("Failed to restore the pool connection floor; retrying (the database "
+                                       f"does not answer: {type(error).__name__}: {error})")
+    else:
+        assert record.exc_info[1] is error and "Traceback" in logging.Formatter().format(record)
