@@ -99,10 +99,13 @@ DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnect
                  asyncpg.OperatorInterventionError)
 
 
-class ReconnectInOneLine(logging.Filter):
-    """asyncpg's pool logs a full traceback each time it fails to reconnect to a Postgres that
-    is down (a warning every 1-60 s per pool, in every process); an outage is not a bug, so such
-    a record becomes one line that names the error. Any other error keeps its traceback."""
+class DatabaseDownInOneLine(logging.Filter):
+    """While Postgres is down, asyncpg's pool logs a full traceback each time it fails to
+    reconnect (every 1-60 s per pool, in every process), and Temporal's worker one for each try
+    of an activity that could not reach it. An outage is not a bug: such a record becomes one line
+    that names the error. Any other error keeps its traceback."""
+
+    LOGGERS = ("asyncpg.pool", "temporalio.activity")
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -112,7 +115,7 @@ class ReconnectInOneLine(logging.Filter):
         return True
 
 
-_RECONNECT_IN_ONE_LINE = ReconnectInOneLine()
+_DATABASE_DOWN_IN_ONE_LINE = DatabaseDownInOneLine()
 
 
 class Store:
@@ -122,7 +125,8 @@ class Store:
 
     @classmethod
     async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0) -> "Store":
-        logging.getLogger("asyncpg.pool").addFilter(_RECONNECT_IN_ONE_LINE)  # added once: a set
+        for name in DatabaseDownInOneLine.LOGGERS:
+            logging.getLogger(name).addFilter(_DATABASE_DOWN_IN_ONE_LINE)  # added once: filters are a set
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
                                          timeout=timeout)
         return cls(pool)
