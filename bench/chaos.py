@@ -3,7 +3,7 @@ under it are killed and brought back at random; afterwards, check that no GPU ev
 once, that no job was lost, and that no checkpoint was corrupted.
 
     python bench/chaos.py [--minutes 5] [--seed 1] [--machines 4] [--gpus 4] [--jobs 30]
-                          [--faults agent,control,api,gpu,postgres,temporal,s3] [--keep DIR]
+                          [--faults agent,control,api,gpu,postgres,temporal,s3,freeze] [--keep DIR]
 
 1. Starts the embedded stack (fake GPUs, machine timeout 8 s, minimum runtime 5 s, grace 4 s) in a
    temporary folder (``--keep DIR``: there, left up for a look).
@@ -14,8 +14,10 @@ once, that no job was lost, and that no checkpoint was corrupted.
 3. For ``--minutes``, about every 6 s (seeded), one fault: an agent killed (SIGKILL, its jobs'
    processes left running, as a machine that loses its agent) and started again after 1-24 s,
    longer than the machine timeout about half the time; the control worker, the API, Postgres,
-   Temporal or SeaweedFS killed and started again after 1-10 s; or a GPU given an uncorrectable
-   ECC error or thermal slowdown for 5-20 s.
+   Temporal or SeaweedFS killed and started again after 1-10 s; one of them frozen (SIGSTOP, with
+   every process under it: a machine's agent and jobs, or Postgres and its backends) and let go
+   (SIGCONT) after as long, so it comes back with its connections open; or a GPU given an
+   uncorrectable ECC error or thermal slowdown for 5-20 s.
 4. Starts whatever is down, clears the GPU faults, waits for every job to end, and audits:
    - no GPU ran two processes at once (from the processes' own stamps) or was held by two
      allocations at once (the allocations table, recounted);
@@ -37,6 +39,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import signal
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from activities.checkpoints import s3_client  # noqa: E402
 from scheduler.models import Quota  # noqa: E402
-from workers import devices, devstack  # noqa: E402
+from workers import devices, devstack, servers  # noqa: E402
 from workers.client import ENDED, GpuschedClient  # noqa: E402
 from workers.example_job import final_state  # noqa: E402
 from workers.settings import machine_component  # noqa: E402
@@ -62,7 +65,7 @@ MACHINE_TIMEOUT_S = 8.0
 START_WAIT_S = 5.0  # how long a worker started again is watched for exiting
 SERVER_START_S = 60.0  # a server started again answers by then, or its start is a finding
 SERVERS = ("postgres", "temporal", "s3")
-FAULTS = ("agent", "control", "api", "gpu", *SERVERS)
+FAULTS = ("agent", "control", "api", "gpu", *SERVERS, "freeze")
 SHAPES = [(1, 4), (2, 3), (4, 2), (8, 1)]  # GPUs, weight
 CLASSES = [("low", 3), ("normal", 3), ("high", 2), ("critical", 1)]
 
@@ -130,13 +133,35 @@ class Chaos:
             if kind == "gpu":
                 outages.append(asyncio.create_task(self.gpu_fault()))
                 continue
-            name = self.rng.choice(sorted(self.agents)) if kind == "agent" else kind
+            if kind == "freeze":
+                name = self.rng.choice([*sorted(self.agents), "control", "api", *SERVERS])
+            else:
+                name = self.rng.choice(sorted(self.agents)) if kind == "agent" else kind
             if name in self.down:
                 continue
-            outage = (self.rng.uniform(1, 3 * MACHINE_TIMEOUT_S) if kind == "agent"
+            outage = (self.rng.uniform(1, 3 * MACHINE_TIMEOUT_S) if name in self.agents
                       else self.rng.uniform(1, 10))
-            outages.append(asyncio.create_task(self.kill(kind, name, outage)))
+            fault = self.freeze(name, outage) if kind == "freeze" else self.kill(kind, name, outage)
+            outages.append(asyncio.create_task(fault))
         await asyncio.gather(*outages)
+
+    async def freeze(self, name: str, outage: float) -> None:
+        """SIGSTOP a component and every process under it, then SIGCONT them: a machine (its
+        agent and its jobs) or a server that hangs and comes back with its connections open,
+        where a kill would have closed them."""
+        component = devstack.load_state(self.data_dir).components[name]
+        if not servers.is_running(component.pid, component.cmd):
+            return
+        self.down.add(name)
+        self.count["freeze"] += 1
+        pids = process_tree(component.pid)
+        self.log.append(f"{time.strftime('%H:%M:%S')} freeze {name} ({len(pids)} processes) for {outage:.1f} s")
+        signal_all(pids, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(outage)
+        finally:
+            signal_all(pids, signal.SIGCONT)
+            self.down.discard(name)
 
     async def kill(self, kind: str, name: str, outage: float) -> None:
         self.down.add(name)
@@ -170,6 +195,29 @@ class Chaos:
         await asyncio.sleep(self.rng.uniform(5, 20))
         devices.clear_faults(fault_file, gpu)
         self.bad_gpus.discard((machine.id, gpu))
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents first (read from /proc)."""
+    children = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children[parent].append(int(stat.parent.name))
+    tree = [pid]
+    for p in tree:  # grows as it is read: breadth first
+        tree.extend(children.get(p, ()))
+    return tree
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 # --- the audit -------------------------------------------------------------------------------

@@ -5,8 +5,11 @@ of docs/results.md."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,16 @@ def life(job: str, gpus: list[str], first: float, last: float) -> dict:
         "a long life overlapping two later ones", "a short one inside a long one, listed last"])
 def test_the_chaos_bench_finds_every_pair_of_lives_that_held_one_gpu_at_once(lives, found):
     assert len(chaos_bench().overlaps(lives, "first", "last")) == found
+
+
+def test_the_chaos_bench_freezes_a_process_with_every_process_under_it():
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(tree := chaos_bench().process_tree(shell.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the children are being started
+        assert tree[0] == shell.pid and len(tree) == 3
+        assert all(Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep") for pid in tree[1:])
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)  # the sleeps too
+        shell.wait()
