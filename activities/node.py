@@ -85,6 +85,7 @@ from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE
                              RunJobResult, StopOrder)
 
 log = logging.getLogger("gpusched.node")
+SERVER_GAVE_UP = "ServerGaveUp"  # the error a watch the server gave up on ends with (nobody receives it)
 
 # (job id, allocation id, report) → the control plane's answer {"committed": bool, "reason": str}
 ReportSink = Callable[[str, int, dict], Awaitable[dict]]
@@ -320,7 +321,7 @@ class NodeActivities:
                             "for %gs for the workflow to watch it again", alloc, details, self.reattach_wait)
                 if await self._watched_again(run):
                     log.info("allocation %d: watched again; this watch ends", alloc)
-                    raise
+                    raise _server_gave_up(alloc, "another activity watches the job now") from None
             if _forgotten(details):
                 log.warning("allocation %d: the server gave up on this attempt (%s); stopping "
                             "it with %gs grace", alloc, details, req.grace_period)
@@ -336,6 +337,8 @@ class NodeActivities:
             result = await self._stopped(run, heartbeat=not _forgotten(details))
             if ended_before and run.stopper is None:
                 return result  # it ended on its own before the stop: its own result stands
+            if _forgotten(details):
+                raise _server_gave_up(alloc, "the job was stopped") from None
             raise
         finally:
             run.watchers -= 1
@@ -824,6 +827,14 @@ class NodeActivities:
                 "token": run.token}))
         except OSError as err:
             log.warning("cannot write pid file: %s", err)
+
+
+def _server_gave_up(alloc: int, what: str) -> ApplicationError:
+    """How a watch the server gave up on ends. Nobody receives it, and it is no fault: benign, so
+    Temporal's worker logs it without a traceback (an uncaught cancellation it logs as a failure
+    with one, for every attempt a frozen machine or an outage cut off)."""
+    return ApplicationError(f"allocation {alloc}: the server gave up on this watch; {what}", type=SERVER_GAVE_UP,
+                            category=ApplicationErrorCategory.BENIGN)
 
 
 def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:
