@@ -33,6 +33,7 @@ from workflows.types import (
     EndReason,
     JobState,
     EndAttempt,
+    HearingAsk,
     JobRequest,
     JobStateChange,
     LoopSettings,
@@ -163,6 +164,12 @@ class JobActivities:
         """Seconds since each machine was last heard (None: never): a job's watch that timed out
         on a machine heard all along was lost with the server's heartbeats, not with the agent."""
         return await self.store.silent_for(machine_ids)
+
+    @activity.defn(name="machines_heard")
+    async def machines_heard(self, ask: HearingAsk) -> list[str]:
+        """Per machine, HEARD, SILENT or UNSURE (``Store.hearing``): a job's watch that timed out on
+        machines heard all along was lost with the server's heartbeats, not with the agents."""
+        return await self.store.hearing(ask.machine_ids, ask.within)
 
     @activity.defn(name="set_job_state")
     async def set_job_state(self, inp: JobStateChange) -> None:

@@ -67,6 +67,13 @@ WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
 SILENT_FOR = f"""
 SELECT id, {NOW_EPOCH} - last_heartbeat AS silent_for FROM machines WHERE id = ANY($1::text[])"""
 
+# The same with the control plane's hearing: for how long nobody has said it hears (NULL: no API
+# ever ran) and how long it has heard without a break.
+HEARING = f"""
+SELECT m.id, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
+       {NOW_EPOCH} - l.at AS unsaid_for, {NOW_EPOCH} - l.since AS listened_for
+FROM machines m LEFT JOIN listening l ON true WHERE m.id = ANY($1::text[])"""
+
 # The machine of the allocation whose agent did not pick its attempt up. One whose agent said
 # it takes no work (shutting down, Temporal unreachable) is not suspected of a worker that polls
 # in vain: that explains it, it is given no work until it says otherwise, and a 5-minute

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from importlib import resources
 from typing import Callable
 
@@ -32,6 +33,7 @@ from workflows.types import (
     JobView,
     request_problem,
 )
+from workflows.types import HEARD, SILENT, UNSURE
 
 
 @functools.cache
@@ -116,6 +118,21 @@ class DatabaseDownInOneLine(logging.Filter):
 
 
 _DATABASE_DOWN_IN_ONE_LINE = DatabaseDownInOneLine()
+
+
+def hearing_verdict(silent_for: float | None, unsaid_for: float | None, listened_for: float | None,
+                    within: float) -> str:
+    """Whether the control plane heard a machine within ``within`` seconds (HEARD), or heard it
+    silent for longer while it listened (SILENT), or cannot tell (UNSURE): nobody says it hears
+    now (the API or the database is down), or it has listened again for less than ``within``
+    since a break and has not heard the machine since. Seconds ago, each; None: never heard, or
+    no API ever ran (then silence alone decides)."""
+    if unsaid_for is not None and unsaid_for > LISTEN_GAP:
+        return UNSURE
+    if silent_for is not None and silent_for <= within:
+        return HEARD
+    silence = min(math.inf if silent_for is None else silent_for, math.inf if listened_for is None else listened_for)
+    return SILENT if silence > within else UNSURE
 
 
 class Store:
@@ -221,6 +238,12 @@ class Store:
         such machine)."""
         silent = {r["id"]: r["silent_for"] for r in await self.pool.fetch(q.SILENT_FOR, machine_ids)}
         return [silent.get(m) for m in machine_ids]
+
+    async def hearing(self, machine_ids: list[str], within: float) -> list[str]:
+        """What the control plane has heard of each machine, in order (``hearing_verdict``)."""
+        rows_by_id = {r["id"]: r for r in await self.pool.fetch(q.HEARING, machine_ids)}
+        return [hearing_verdict(r["silent_for"], r["unsaid_for"], r["listened_for"], within) if r else SILENT
+                for r in (rows_by_id.get(m) for m in machine_ids)]
 
     async def configure_cluster(self, cluster: str, policy: dict | None = None,
                                 machine_timeout: float | None = None) -> None:

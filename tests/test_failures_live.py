@@ -140,11 +140,18 @@ def test_a_control_plane_that_could_not_hear_for_a_while_takes_no_machine_for_de
     assert all(m.reachable for m in s.run(s.client.store.snapshot("c1")).machines)
 
 
-def test_jobs_run_on_through_a_temporal_outage_longer_than_their_heartbeat_timeout(tmp_path):
+@pytest.mark.parametrize("name, also_down", [
+    ("Temporal alone: the agents were heard all along", []),
+    ("the API down with it, back after Temporal: the control plane heard nobody when the watches timed out",
+     ["api"]),
+])
+def test_jobs_run_on_through_a_temporal_outage_longer_than_their_heartbeat_timeout(tmp_path, name, also_down):
     """Temporal down (restarted, unreachable) for longer than the jobs' heartbeat timeout, while
-    their agents are heard all along: their watches time out, and each workflow watches its
-    process again instead of requeueing it. Before, every running job of the fleet lost its work
-    since its last checkpoint and restarted. This test runs its own servers, to kill one."""
+    their agents live: their watches time out, and each workflow watches its process again
+    instead of requeueing it, once the control plane can tell that it hears the machines. Before,
+    every running job of the fleet lost its work since its last checkpoint and restarted (and,
+    until the workflow waited for the control plane to hear, so did every job of an outage that
+    took the API or Postgres down with Temporal). This test runs its own servers, to kill them."""
     data_dir = tmp_path / "stack"
     try:
         s = Stack(devstack.up(data_dir, machines=1, gpus_per_machine=2, fast=True, ui=False, fake_devices=True,
@@ -152,9 +159,14 @@ def test_jobs_run_on_through_a_temporal_outage_longer_than_their_heartbeat_timeo
         s.submit("steady", 1, example_job(60, 0.5), checkpoint_interval=2)
         s.submit("gang-of-one", 1, sleeper(35))
         s.until(lambda: all(s.status(j).state == "running" for j in ("steady", "gang-of-one")), timeout=60)
-        devstack.stop_component(data_dir, "temporal", signal.SIGKILL)
+        for component in ["temporal", *also_down]:
+            devstack.stop_component(data_dir, component, signal.SIGKILL)
         time.sleep(HEARTBEAT_TIMEOUT + 4)
         devstack.start_component(data_dir, "temporal")
+        if also_down:
+            time.sleep(12)  # the watches have timed out, and the workflows found nobody heard
+            for component in also_down:
+                devstack.start_component(data_dir, component)
         views = [s.wait(j, timeout=120) for j in ("steady", "gang-of-one")]
         assert [(v.state, len(v.attempts)) for v in views] == [("succeeded", 1)] * 2, \
             [(v.state, [a.end_reason for a in v.attempts]) for v in views]

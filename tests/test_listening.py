@@ -9,8 +9,9 @@ import itertools
 
 import pytest
 
-from activities.store import GpuReport, Store
+from activities.store import GpuReport, Store, hearing_verdict
 from scheduler.models import Machine
+from workflows.types import HEARD, SILENT, UNSURE
 
 pytestmark = pytest.mark.live
 _names = itertools.count()
@@ -81,3 +82,36 @@ def test_a_break_in_hearing_starts_a_new_stretch_and_remembers_when_it_began(one
     after = run(store.pool.fetchrow(row))
     assert after["since"] == after["at"] > first["at"]
     assert after["deaf_from"] == pytest.approx(first["at"] - 10, abs=1)
+
+
+# (name, seconds ago: machine last heard, nobody said it hears, it hears without a break; verdict)
+VERDICTS = [
+    ("a machine heard 2 s ago while the API hears is heard", 2, 0.5, 1000, HEARD),
+    ("a machine silent for 10 s while the API heard throughout is silent", 10, 0.5, 1000, SILENT),
+    ("a machine never heard, while the API heard throughout, is silent", None, 0.5, 1000, SILENT),
+    ("nobody has said it hears for 10 s (the API or the database is down): unsure", 2, 10, 1000, UNSURE),
+    ("the API hears again for 1 s, not yet the machine: unsure", 20, 0.5, 1, UNSURE),
+    ("the API hears again for 1 s and has heard the machine since: heard", 0.5, 0.5, 1, HEARD),
+    ("the API hears again for 10 s and has not heard the machine: silent", 20, 0.5, 10, SILENT),
+    ("with no API ever run, silence alone decides", 10, None, None, SILENT),
+    ("with no API ever run, a machine heard lately is heard", 1, None, None, HEARD),
+]
+
+
+@pytest.mark.parametrize("name, silent_for, unsaid_for, listened_for, verdict", VERDICTS,
+                         ids=[v[0] for v in VERDICTS])
+def test_a_lost_watch_asks_whether_the_machine_was_heard_or_the_control_plane_cannot_tell(
+        name, silent_for, unsaid_for, listened_for, verdict):
+    assert hearing_verdict(silent_for, unsaid_for, listened_for, within=4.0) == verdict
+
+
+def test_the_store_answers_what_it_heard_of_each_machine_in_order(one_machine):
+    run, store = one_machine
+    assert run(store.hearing(["c1/b0/r0/m0", "c1/b9/r9/m9"], 4.0)) == [HEARD, SILENT]  # no such machine: silent
+    run(store.pool.execute(f"INSERT INTO listening (at, since) VALUES ({NOW} - 10, {NOW} - 1000)"))
+    assert run(store.hearing(["c1/b0/r0/m0"], 4.0)) == [UNSURE]  # nobody has said it hears for 10 s
+    run(store.listened())  # hearing again since now
+    run(store.pool.execute(f"UPDATE machines SET last_heartbeat = {NOW} - 30"))
+    assert run(store.hearing(["c1/b0/r0/m0"], 4.0)) == [UNSURE]
+    run(store.pool.execute("UPDATE listening SET since = since - 5"))
+    assert run(store.hearing(["c1/b0/r0/m0"], 4.0)) == [SILENT]

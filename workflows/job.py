@@ -43,6 +43,9 @@ with workflow.unsafe.imports_passed_through():
         AttemptGrant,
         EndAttempt,
         EndReason,
+        HEARD,
+        SILENT,
+        HearingAsk,
         JobOutcome,
         JobRequest,
         JobState,
@@ -81,6 +84,11 @@ AGENT_HEARTBEAT = timedelta(seconds=10)
 # every 2 s) is watched again instead of requeued: the heartbeats were lost on the way to Temporal.
 # A dead agent has been silent about AGENT_HEARTBEAT by the time its watch times out.
 HEARD_WITHIN_S = 4.0
+# While the control plane cannot tell whether it heard them (the API or Postgres was down with
+# Temporal), it is asked again this often, for at most this long: the agent keeps a process whose
+# watch was lost running for 60 s, for a watch to come again.
+HEARING_POLL = timedelta(seconds=2)
+HEARING_WAIT = timedelta(seconds=30)
 MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
 STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
 RUN_LIMIT = timedelta(days=14)
@@ -348,11 +356,15 @@ class JobWorkflow:
             # Requeueing would cost every running job of the fleet its work since its last
             # checkpoint and a restart; watch them again instead (an agent with no such process
             # says so, and the job is requeued then).
-            silent = await workflow.execute_activity(
-                "machines_silent_for", [hosts[i].machine_id for i in lost],
-                result_type=list[float | None], **STORE_CALL)
-            if any(s is None or s > HEARD_WITHIN_S for s in silent):
-                break
+            if workflow.patched("wait-until-the-control-plane-can-tell"):
+                if not await self._machines_heard([hosts[i].machine_id for i in lost], stop_asked):
+                    break
+            else:
+                silent = await workflow.execute_activity(
+                    "machines_silent_for", [hosts[i].machine_id for i in lost],
+                    result_type=list[float | None], **STORE_CALL)
+                if any(s is None or s > HEARD_WITHIN_S for s in silent):
+                    break
             watched_again += 1
             workflow.logger.warning("job %s: attempt %d watched again on %s (its heartbeats were lost; "
                                     "the machines were heard)", self.job_id, placement.attempt,
@@ -394,6 +406,26 @@ class JobWorkflow:
         self.state = JobState.preempted
         self._publish()
         return EndReason.preempted, None, JobState.queued, f"preempted: {preempt.reason}"
+
+    async def _machines_heard(self, machine_ids: list[str], stop_asked) -> bool:
+        """Whether the control plane heard each machine within HEARD_WITHIN_S. While it cannot tell
+        (the API or Postgres was down too: a whole control plane back from an outage has heard
+        nobody yet), it is asked again every HEARING_POLL until it can, for at most HEARING_WAIT;
+        a machine heard silent while it listened, a stop asked for, or the wait run out: no."""
+        deadline = workflow.now() + HEARING_WAIT
+        while True:
+            verdicts = await workflow.execute_activity(
+                "machines_heard", HearingAsk(machine_ids=machine_ids, within=HEARD_WITHIN_S),
+                result_type=list[str], **STORE_CALL)
+            if all(v == HEARD for v in verdicts):
+                return True
+            if SILENT in verdicts or workflow.now() >= deadline:
+                return False
+            try:
+                await workflow.wait_condition(stop_asked, timeout=HEARING_POLL)
+                return False
+            except asyncio.TimeoutError:
+                pass
 
     async def _ended(self, runs, machines: list[str]) -> tuple[EndReason, int | None, JobState, str]:
         """How an attempt ended on its own: all processes done, or one failed (then the rest of

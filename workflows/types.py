@@ -291,6 +291,19 @@ class AttachOrder(Model):
     allocation_id: int
 
 
+class HearingAsk(Model):
+    """What the control plane has heard of a job's machines (``machines_heard``), after the job's
+    watch timed out for want of heartbeats: each "heard" within ``within`` seconds (its agent
+    lives), "silent" longer while it listened (gone), or "unsure" (the API or the database was
+    down too, and it has not listened again for long enough to tell)."""
+
+    machine_ids: list[str]
+    within: float
+
+
+HEARD, SILENT, UNSURE = "heard", "silent", "unsure"
+
+
 class RunJobResult(WithNewFields):
     exit_code: int | None  # None: killed by a signal that was not ours
     signal: int | None = None
