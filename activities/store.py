@@ -21,6 +21,9 @@ from activities import rows
 from scheduler import in_words
 from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
+    HEARD,
+    SILENT,
+    UNSURE,
     Admission,
     AttemptView,
     CheckpointAck,
@@ -33,7 +36,6 @@ from workflows.types import (
     JobView,
     request_problem,
 )
-from workflows.types import HEARD, SILENT, UNSURE
 
 
 @functools.cache
@@ -96,9 +98,10 @@ def held_back(backoff: float, failures_in_a_row: int) -> float:
     return min(HELD_BACK_MAX, backoff * 2 ** min(failures_in_a_row - 2, 20))
 
 
-# The errors of a database that is down, restarting or out of reach: expected in operation.
-DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError,
-                 asyncpg.OperatorInterventionError)
+# The errors of a database that is down, restarting or out of reach, expected in operation: a
+# refused or reset connection, one that broke, and "shutting down" or "starting up" (operator
+# intervention). The API answers them with a 503; logs name them in one line.
+DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError)
 
 
 class DatabaseDownInOneLine(logging.Filter):

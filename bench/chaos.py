@@ -135,8 +135,10 @@ class Chaos:
                 continue
             if kind == "freeze":
                 name = self.rng.choice([*sorted(self.agents), "control", "api", *SERVERS])
+            elif kind == "agent":
+                name = self.rng.choice(sorted(self.agents))
             else:
-                name = self.rng.choice(sorted(self.agents)) if kind == "agent" else kind
+                name = kind
             if name in self.down:
                 continue
             outage = (self.rng.uniform(1, 3 * MACHINE_TIMEOUT_S) if name in self.agents

@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
-from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
+from activities.store import DATABASE_DOWN, LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from workers.settings import (Settings, add_settings_flags, keep_connecting, mark_ready, settings_from_args,
                               without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
@@ -160,9 +160,6 @@ def create_app(settings: Settings) -> FastAPI:
 
     unreachable_said = [0.0]
 
-    @app.exception_handler(OSError)  # refused, reset: the database (or S3) is down
-    @app.exception_handler(asyncpg.PostgresConnectionError)  # the connection broke
-    @app.exception_handler(asyncpg.OperatorInterventionError)  # shutting down, or still starting
     async def unreachable(request: Request, error: Exception) -> JSONResponse:
         # The caller's to try again (agents do): a 503 in words, not a 500 with a traceback for
         # every heartbeat of the fleet while Postgres restarts. Logged once per WARN_EVERY_S.
@@ -172,6 +169,9 @@ def create_app(settings: Settings) -> FastAPI:
             log.warning("answering 503: the database does not answer (%s: %s)", type(error).__name__, error)
         return JSONResponse(status_code=503, content={"detail": f"the database does not answer now ({error}); "
                                                                 "try again"})
+
+    for error in DATABASE_DOWN:  # OSError too: S3 refusing or resetting is the same to the caller
+        app.add_exception_handler(error, unreachable)
 
     @app.exception_handler(asyncpg.UndefinedTableError)
     @app.exception_handler(asyncpg.UndefinedColumnError)
