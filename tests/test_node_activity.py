@@ -806,6 +806,11 @@ def test_workers_an_earlier_agents_run_left_outside_its_group_are_reaped_by_its_
     token = "f00d" * 6
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
                               env={**os.environ, "GPUSCHED_RUN_TOKEN": token})
+    deadline = time.monotonic() + 5
+    # Until it has exec'd, the child shows the test's environment, without the token: a busy
+    # machine (CI's) reaped before that once and found nothing.
+    while token.encode() not in Path(f"/proc/{worker.pid}/environ").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     (node.pid_dir / "17.json").write_text(json.dumps(
         {"pid": 999_999_999, "allocation_id": 17, "job_id": "old", "start_ticks": None, "token": token}))
     try:
