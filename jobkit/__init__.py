@@ -61,6 +61,9 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         reports how long the job took from there to have its
                                         state back (``restored.json``), which the scheduler learns
                                         restart times from
+``GPUSCHED_NODE_RANK``                  this machine's place in the job's gang (0, 1, ...); with
+                                        ``RANK`` (set by torchrun and other launchers, and read
+                                        first), which process saves: rank 0 only
 ======================================  ==========================================================
 
 Protocol (S3 has no rename: write-once keys, then a commit in the control plane's database)
@@ -118,9 +121,13 @@ Checkpointer was made). So saves follow the staggered grid, and a job does not s
 after it started or after an unscheduled save. ``next_due()`` gives that time.
 
 A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1), or a machine running several processes of
-the job (torchrun's local ranks), shares one checkpoint prefix: let one process (node rank 0, the
-launcher's ``RANK`` 0) save, or each save would take its own sequence number and be reported, and
-a restore, which returns the newest only, would give every rank the bytes of whichever saved last.
+the job (torchrun's local ranks), shares one checkpoint prefix: one process saves, rank 0 (the
+launcher's ``RANK`` where it sets one, else ``GPUSCHED_NODE_RANK``), and every rank restores. A
+``save()`` on any other rank raises :class:`CheckpointError` before it writes anything: each save
+would take its own sequence number and be reported, and a restore, which returns the newest only,
+would give every rank the bytes of whichever saved last (sharded state would not be kept
+together). Gather the state on rank 0 and save it there; ``ck.saves`` says whether this process
+is the one.
 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
 ``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
@@ -679,7 +686,9 @@ class Checkpointer:
 
     Attributes: ``stop_requested`` (set by SIGTERM once :meth:`handle_sigterm` ran, or by
     :meth:`request_stop`), ``resume_seq`` (the sequence number resumed from, 0 on a fresh start),
-    ``next_seq`` (the number the next save tries first), ``last_save`` (the last SaveResult).
+    ``next_seq`` (the number the next save tries first), ``last_save`` (the last SaveResult),
+    ``rank`` (this process's rank among the job's processes, None for a job of one: only rank 0
+    saves).
     """
 
     def __init__(
@@ -705,6 +714,7 @@ class Checkpointer:
         s3_upload_threads: int = UPLOAD_THREADS,
         s3_retry_for: float = S3_RETRY_FOR,
         ack_timeout: float = 30.0,
+        rank: Optional[int] = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -734,6 +744,11 @@ class Checkpointer:
         self.launched_at = None if launched_at is None else float(launched_at)
         self.restart_seconds: Optional[float] = None  # launch to state restored, once restored
         self.job_id, self.allocation_id, self.attempt = str(job_id), str(allocation_id), str(attempt)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise CheckpointError(f"rank must be a whole number >= 0 (this process's place among the job's "
+                                  f"processes), not {rank!r}")
+        self.rank = rank
+        self._rank_from = "rank"  # where the rank was read: named when a save is refused
         if int(s3_part_mb) < MIN_PART_MB:
             raise CheckpointError(f"s3_part_mb={s3_part_mb}: S3's parts are at least {MIN_PART_MB} MiB")
         self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region, int(s3_part_mb),
@@ -778,6 +793,10 @@ class Checkpointer:
             s3_secret_key=env.get("GPUSCHED_S3_SECRET_KEY") or None,
             s3_region=env.get("GPUSCHED_S3_REGION") or None,
         )
+        # The launcher's rank is the process's own; the node rank only tells machines apart.
+        rank_from = next((name for name in ("RANK", "GPUSCHED_NODE_RANK") if (env.get(name) or "").strip()), None)
+        if rank_from is not None:
+            kwargs["rank"] = _int_env(env, rank_from, 0)
         retry_for = _float_env(env, "GPUSCHED_S3_RETRY_S")
         if retry_for is not None:
             kwargs["s3_retry_for"] = retry_for
@@ -787,7 +806,10 @@ class Checkpointer:
             if value is not None:
                 kwargs[key] = value
         kwargs.update(overrides)
-        return cls(**kwargs)
+        ck = cls(**kwargs)
+        if rank_from is not None and "rank" not in overrides:
+            ck._rank_from = rank_from
+        return ck
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -795,6 +817,11 @@ class Checkpointer:
     def enabled(self) -> bool:
         """Whether checkpoints can be saved (a checkpoint URI is set)."""
         return self._location is not None
+
+    @property
+    def saves(self) -> bool:
+        """Whether this process may save: it is the job's only process, or its rank 0."""
+        return not self.rank
 
     @property
     def resuming(self) -> bool:
@@ -874,7 +901,13 @@ class Checkpointer:
     def save(self, data: Source, progress: Optional[float] = None) -> Optional[SaveResult]:
         """Write ``data`` (bytes, or the path of a file to upload) as the next checkpoint, report
         it and wait for the ack. Returns None when checkpointing is off (no checkpoint URI).
-        Raises :class:`CheckpointError` when the bytes cannot be written."""
+        Raises :class:`CheckpointError` when the bytes cannot be written, or when this process is
+        a rank other than 0 (see :attr:`saves`)."""
+        # Refused even with checkpoints off: a local run shows the mistake before a real one does.
+        if not self.saves:
+            raise CheckpointError(f"this process is rank {self.rank} ({self._rank_from}={self.rank}): a job's "
+                                  "processes share one checkpoint stream, which rank 0 alone saves (gather the "
+                                  "state on rank 0 and save it there; every rank restores the newest)")
         if self._location is None:
             log.info("jobkit: checkpointing is off (GPUSCHED_CHECKPOINT_URI unset); nothing saved")
             return None

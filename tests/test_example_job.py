@@ -170,6 +170,16 @@ def test_sigterm_without_checkpoints_still_stops_cleanly():
     assert out[-1].startswith("example-job: stopped at step ") and "without a checkpoint" in out[-1], out
 
 
+def test_on_a_gangs_other_machines_the_job_runs_on_and_leaves_saving_to_rank_0(tmp_path):
+    ckdir = tmp_path / "ck"
+    env = job_env(GPUSCHED_CHECKPOINT_URI=f"file://{ckdir}/", GPUSCHED_CHECKPOINT_INTERVAL="0.05",
+                  GPUSCHED_NODE_RANK="1", GPUSCHED_NUM_NODES="2")
+    rc, out = run_to_end(["--steps", "8", "--step-seconds", "0.03"], env)
+    assert rc == 0 and out[-1] == f"example-job: done, steps=8 final_state={final_state(8).hex()}", out
+    assert any(line.endswith("(scheduled): rank 1, rank 0 saves") for line in out), out
+    assert not ckdir.exists()
+
+
 @pytest.mark.parametrize("args, env, words", [
     (["--steps", "-1"], {}, "must be a finite number >= 0"),
     (["--steps", "1", "--state-mb", "inf"], {}, "must be a finite number >= 0"),

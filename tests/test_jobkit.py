@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import random
+import re
 
 import pytest
 
@@ -193,6 +194,37 @@ def test_save_without_a_checkpoint_uri_does_nothing(tmp_path):
     ck = Checkpointer.from_env({})
     assert not ck.enabled and ck.restore() is None and not ck.due()
     assert ck.save(b"data") is None
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({}, None),
+    ({"RANK": "0"}, None),
+    ({"GPUSCHED_NODE_RANK": "0", "GPUSCHED_NUM_NODES": "2"}, None),
+    ({"RANK": "0", "GPUSCHED_NODE_RANK": "1"}, None),
+    ({"RANK": "3"}, "rank 3 (RANK=3)"),
+    ({"GPUSCHED_NODE_RANK": "1", "GPUSCHED_NUM_NODES": "2"}, "rank 1 (GPUSCHED_NODE_RANK=1)"),
+    ({"RANK": "2", "GPUSCHED_NODE_RANK": "0"}, "rank 2 (RANK=2)"),
+], ids=["a job of one process", "the launcher's rank 0", "a gang's first machine",
+        "the launcher's rank 0 on a gang's second machine (its rank is the process's own)",
+        "another of the launcher's ranks", "a gang's second machine", "a local rank on a gang's first machine"])
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints on", "checkpoints off"])
+def test_only_rank_0_saves_and_any_other_rank_is_refused_before_it_writes(tmp_path, env, refused, checkpoints):
+    uri = {"GPUSCHED_CHECKPOINT_URI": f"file://{tmp_path}/ck/"} if checkpoints else {}
+    ck = Checkpointer.from_env({**env, **uri})
+    assert ck.saves is (refused is None)
+    if refused is None:
+        result = ck.save(b"state")
+        assert (result.seq if checkpoints else result) == (1 if checkpoints else None)
+        return
+    with pytest.raises(CheckpointError, match=rf"{re.escape(refused)}: .* rank 0 alone saves"):
+        ck.save(b"state")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("rank", [-1, 1.5, True, "0"])
+def test_a_rank_given_in_code_that_is_no_whole_number_is_refused(tmp_path, rank):
+    with pytest.raises(CheckpointError, match="rank must be a whole number >= 0"):
+        local(tmp_path, rank=rank)
 
 
 def test_a_file_can_be_saved_and_restored_as_a_file(tmp_path):
@@ -439,6 +471,9 @@ def test_bad_settings_are_named():
             Checkpointer.from_env({"GPUSCHED_S3_UPLOAD_THREADS": threads})
     with pytest.raises(CheckpointError, match="GPUSCHED_RESUME_SEQ"):
         Checkpointer.from_env({"GPUSCHED_RESUME_SEQ": "³"})
+    for name in ("RANK", "GPUSCHED_NODE_RANK"):
+        with pytest.raises(CheckpointError, match=f"{name}='-1' must be a whole number >= 0"):
+            Checkpointer.from_env({name: "-1"})
 
 
 def test_a_checkpoint_file_that_cannot_be_read_is_a_checkpoint_error(tmp_path):

@@ -13,7 +13,8 @@ So a run stopped and resumed any number of times ends with the state of an unint
 Checkpoints (through :mod:`jobkit`, so ``GPUSCHED_*`` decides where and when): one JSON line
 ``{"format": "gpusched-example-job/1", "step": k, "steps": N, "state": "<hex>", "padding": P}``,
 then P bytes of padding (``--state-mb``, to exercise big checkpoints). Saved when jobkit says one
-is due and on SIGTERM; on start it resumes from ``GPUSCHED_RESUME_FROM`` and continues counting.
+is due and on SIGTERM, by rank 0 alone in a gang of several machines (every machine's state is the
+same); on start each resumes from ``GPUSCHED_RESUME_FROM`` and continues counting.
 
 Output (stdout, one line each, flushed)::
 
@@ -185,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         resumed = f" (resumed from checkpoint {ck.resume_seq} at step {step})"
 
     def checkpoint(why: str) -> Optional[int]:
+        if not ck.saves:  # a gang's other machines: their state is rank 0's, which saves it
+            say(f"example-job: no checkpoint at step {step} ({why}): rank {ck.rank}, rank 0 saves")
+            return None
         result = ck.save(encode(step, args.steps, state, padding), progress=step)
         if result is None:
             say(f"example-job: no checkpoint at step {step} ({why}): GPUSCHED_CHECKPOINT_URI is unset")
