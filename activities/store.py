@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from activities import queries as q
 from activities import rows
+from activities.outages import log_outages_in_one_line
 from scheduler import in_words
 from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
@@ -98,31 +99,6 @@ def held_back(backoff: float, failures_in_a_row: int) -> float:
     return min(HELD_BACK_MAX, backoff * 2 ** min(failures_in_a_row - 2, 20))
 
 
-# The errors of a database that is down, restarting or out of reach, expected in operation: a
-# refused or reset connection, one that broke, and "shutting down" or "starting up" (operator
-# intervention). The API answers them with a 503; logs name them in one line.
-DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError)
-
-
-class DatabaseDownInOneLine(logging.Filter):
-    """While Postgres is down, asyncpg's pool logs a full traceback each time it fails to
-    reconnect (every 1-60 s per pool, in every process), and Temporal's worker one for each try
-    of an activity that could not reach it. An outage is not a bug: such a record becomes one line
-    that names the error. Any other error keeps its traceback."""
-
-    LOGGERS = ("asyncpg.pool", "temporalio.activity")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, DATABASE_DOWN):
-            record.msg = f"{record.getMessage()} (the database does not answer: {type(error).__name__}: {error})"
-            record.args, record.exc_info, record.exc_text = None, None, None
-        return True
-
-
-_DATABASE_DOWN_IN_ONE_LINE = DatabaseDownInOneLine()
-
-
 def hearing_verdict(silent_for: float | None, unsaid_for: float | None, listened_for: float | None,
                     within: float) -> str:
     """Whether the control plane heard a machine within ``within`` seconds (HEARD), or heard it
@@ -145,8 +121,7 @@ class Store:
 
     @classmethod
     async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0) -> "Store":
-        for name in DatabaseDownInOneLine.LOGGERS:
-            logging.getLogger(name).addFilter(_DATABASE_DOWN_IN_ONE_LINE)  # added once: filters are a set
+        log_outages_in_one_line()
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
                                          timeout=timeout)
         return cls(pool)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import asyncpg
 import httpx
 import pytest
 
@@ -172,14 +173,30 @@ def test_health_is_503_not_500_while_the_database_does_not_answer(live_servers, 
 
 
 
-class DownStore:
-    """A store whose database refuses every query (restarting)."""
+def refused():
+    raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
 
-    def __init__(self):
-        self.connects = 0
+
+def died_mid_transaction():
+    """What asyncpg raises when Postgres is killed inside a transaction (seen in a chaos run)."""
+    try:
+        raise asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress")
+    except asyncpg.InternalClientError:
+        raise asyncpg.InterfaceError("cannot call Transaction.__aexit__(): the underlying connection is closed")
+
+
+def misused():
+    raise asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
+
+
+class DownStore:
+    """A store whose database fails every query: refuses it (restarting), by default."""
+
+    def __init__(self, fail=refused):
+        self.connects, self.fail = 0, fail
 
     async def listened(self, *args, **kwargs):
-        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+        self.fail()
 
     machine_heartbeat = unmigrated = job_view = listened
 
@@ -213,3 +230,26 @@ def test_an_api_whose_database_is_down_answers_503_in_words_and_waits_for_it_at_
     assert store.connects == refusals + 1
     assert (beat.status_code, job.status_code, health.status_code) == (503, 503, 503)
     assert "the database does not answer now" in beat.json()["detail"] and "try again" in beat.json()["detail"]
+
+
+@pytest.mark.parametrize("fail, status", [(died_mid_transaction, 503), (misused, 500)],
+                         ids=["the database killed mid-transaction is an outage: 503",
+                              "any other interface error is a bug: 500"])
+def test_a_connection_closed_under_a_transaction_is_a_503_not_a_500(monkeypatch, fail, status):
+    from fastapi.testclient import TestClient
+
+    from workers import api as api_module
+    from workers.settings import Settings
+
+    store = DownStore(fail)
+
+    async def connect(dsn, *args, **kwargs):
+        return store
+
+    monkeypatch.setattr(api_module.Store, "connect", connect)
+    app = api_module.create_app(Settings(pg_dsn="postgresql://postgres:secret@127.0.0.1:1/gpusched"))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        job = client.get("/jobs/a")
+    assert job.status_code == status
+    if status == 503:
+        assert "the database does not answer now" in job.json()["detail"]

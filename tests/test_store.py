@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import sys
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from activities import queries as q
-from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, DatabaseDownInOneLine, Store, held_back
+from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
@@ -651,38 +649,3 @@ def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     verdict = run(store.admit(job("a")))
     assert not verdict.accepted and verdict.field == "job_id" and "has ended (succeeded)" in verdict.reason
-
-
-def _record(logger: str, message: str, error: BaseException) -> logging.LogRecord:
-    try:
-        raise error
-    except BaseException:
-        return logging.LogRecord(logger, logging.WARNING, "x.py", 1, message, None, sys.exc_info())
-
-
-RECONNECT = ("asyncpg.pool", "Failed to restore the pool connection floor; retrying")
-ACTIVITY = ("temporalio.activity", "Completing activity as failed ({'activity_type': 'plan_cycle', 'attempt': 2})")
-
-
-@pytest.mark.parametrize("name, logged, error, one_line", [
-    ("the pool's refused reconnection is one line", RECONNECT,
-     ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)"), True),
-    ("the pool's reconnection to a database shutting down is one line", RECONNECT,
-     asyncpg.AdminShutdownError("terminating connection"), True),
-    ("the pool's reconnection to a database still starting is one line", RECONNECT,
-     asyncpg.CannotConnectNowError("the database system is starting up"), True),
-    ("an activity failed on a broken connection is one line", ACTIVITY,
-     asyncpg.ConnectionDoesNotExistError("connection was closed"), True),
-    ("an activity failed on a refused connection is one line", ACTIVITY, ConnectionRefusedError(111, "refused"), True),
-    ("a wrong password keeps its traceback", RECONNECT, asyncpg.InvalidPasswordError("password authentication failed"),
-     False),
-    ("an activity's bug keeps its traceback", ACTIVITY, TypeError("unsupported operand"), False),
-])
-def test_warnings_while_postgres_is_down_are_one_line_each(name, logged, error, one_line):
-    record = _record(*logged, error)
-    assert DatabaseDownInOneLine().filter(record)
-    if one_line:
-        assert record.exc_info is None and "\n" not in logging.Formatter().format(record)
-        assert record.getMessage() == f"{logged[1]} (the database does not answer: {type(error).__name__}: {error})"
-    else:
-        assert record.exc_info[1] is error and "Traceback" in logging.Formatter().format(record)

@@ -44,7 +44,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
-from activities.store import DATABASE_DOWN, LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
+from activities.outages import DATABASE_DOWN, database_down
+from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from workers.settings import (Settings, add_settings_flags, keep_connecting, mark_ready, settings_from_args,
                               without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
@@ -172,6 +173,14 @@ def create_app(settings: Settings) -> FastAPI:
 
     for error in DATABASE_DOWN:  # OSError too: S3 refusing or resetting is the same to the caller
         app.add_exception_handler(error, unreachable)
+
+    @app.exception_handler(asyncpg.InterfaceError)
+    async def closed_under_it(request: Request, error: Exception) -> JSONResponse:
+        # The database died mid-transaction: the transaction finds its connection closed. Any
+        # other interface error is a bug of ours, and a 500.
+        if database_down(error) is None:
+            raise error
+        return await unreachable(request, error)
 
     @app.exception_handler(asyncpg.UndefinedTableError)
     @app.exception_handler(asyncpg.UndefinedColumnError)
