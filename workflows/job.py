@@ -133,6 +133,7 @@ class JobWorkflow:
         self.unusable_checkpoint: int | None = None  # that checkpoint, when the job found it unusable
         self.held_for: int = 0  # infrastructure failures in a row this requeue is for (held back)
         self.asked_id: str | None = None  # the job id the input named, even when it did not parse
+        self.bumping = asyncio.Lock()  # one change of class at a time, in the order they came
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -155,6 +156,16 @@ class JobWorkflow:
 
     @workflow.update
     async def bump_priority(self, bump: PriorityBump) -> JobOutcome:
+        if not workflow.patched("one-priority-bump-at-a-time"):
+            return await self._bump(bump)
+        # Two changes at once each wrote the store, then the workflow, in whichever order their
+        # activities were reported done: a report held up (Temporal down, a worker killed after
+        # its write) left the store with one class and the job's workflow with the other.
+        # Taken in turn, the last change asked is the class in both.
+        async with self.bumping:
+            return await self._bump(bump)
+
+    async def _bump(self, bump: PriorityBump) -> JobOutcome:
         await workflow.execute_activity("set_priority", PriorityChange(job_id=self.job_id, priority=bump.priority),
                                         **STORE_CALL)
         self.request = self.request.model_copy(update={"priority": bump.priority})

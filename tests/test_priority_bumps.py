@@ -1,0 +1,89 @@
+"""Changes of a job's class (`gpusched bump`) are taken one at a time, in the order they came: the
+class the store schedules the job by is the class its workflow reports, however late the store's
+writes are reported done. The job workflow runs on the real Temporal server, with its store
+activities played by a fake that holds up the report of a write."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowUpdateStage
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from scheduler.models import Priority
+from workflows.job import JobWorkflow
+from workflows.types import Admission, EndAttempt, JobOutcome, JobRequest, PriorityBump, PriorityChange, Wake
+
+pytestmark = pytest.mark.live
+
+
+class Store:
+    """The control plane's store activities, as the job workflow calls them: each change of class
+    is written at once, and the report of the first one held up for `held_s`."""
+
+    def __init__(self, held_s: float):
+        self.held_s = held_s
+        self.classes: list[str] = []  # the store's writes, in the order they happened
+        self.ends: list[EndAttempt] = []
+
+    @activity.defn(name="admit_job")
+    async def admit_job(self, request: JobRequest) -> Admission:
+        return Admission(accepted=True, job_id=request.job_id, cluster="c1", reason="accepted")
+
+    @activity.defn(name="wake_scheduler")
+    async def wake_scheduler(self, wake: Wake) -> None:
+        pass
+
+    @activity.defn(name="set_priority")
+    async def set_priority(self, change: PriorityChange) -> bool:
+        self.classes.append(change.priority.value)
+        if len(self.classes) == 1:
+            await asyncio.sleep(self.held_s)  # written, but its report is late (Temporal down, say)
+        return True
+
+    @activity.defn(name="end_attempt")
+    async def end_attempt(self, end: EndAttempt) -> None:
+        self.ends.append(end)
+
+
+async def bumped_twice_at_once(address: str, first: Priority, second: Priority) -> tuple[list[str], JobOutcome]:
+    """A queued job changed to `first` and, before that change is done, to `second`: the store's
+    writes and what the workflow reports afterwards."""
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    queue = f"bumps-{uuid.uuid4().hex[:8]}"
+    store = Store(held_s=2.0)
+    async with Worker(client, task_queue=queue, workflows=[JobWorkflow],
+                      activities=[store.admit_job, store.wake_scheduler, store.set_priority, store.end_attempt]):
+        request = JobRequest(job_id=f"bumped-{uuid.uuid4().hex[:6]}", team="vision", num_gpus=1,
+                             command=["true"], priority="low")
+        handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"),
+                                             id=f"job-{request.job_id}", task_queue=queue,
+                                             execution_timeout=timedelta(minutes=2))
+        for _ in range(100):  # admitted: the validator takes changes of class from then on
+            if (await handle.query(JobWorkflow.status)).cluster is not None:
+                break
+            await asyncio.sleep(0.05)
+        changes = [await handle.start_update(JobWorkflow.bump_priority, PriorityBump(priority=priority),
+                                             wait_for_stage=WorkflowUpdateStage.ACCEPTED)
+                   for priority in (first, second)]
+        await asyncio.gather(*(change.result() for change in changes))
+        reported = await handle.query(JobWorkflow.status)
+        await handle.signal(JobWorkflow.cancel, "the test is done")
+        await handle.result()
+    return store.classes, reported
+
+
+@pytest.mark.parametrize("first, second", [
+    (Priority.high, Priority.critical),
+    (Priority.critical, Priority.normal),
+], ids=["raised twice", "raised, then lowered"])
+def test_two_changes_of_class_at_once_leave_the_last_one_asked_in_the_store_and_in_the_workflow(
+        live_servers, first, second):
+    classes, reported = asyncio.run(bumped_twice_at_once(live_servers.temporal_address, first, second))
+    assert classes == [first.value, second.value], "written in the order asked, each after the one before was done"
+    assert reported.priority == second
