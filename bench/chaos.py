@@ -3,7 +3,8 @@ under it are killed and brought back at random; afterwards, check that no GPU ev
 once, that no job was lost, and that no checkpoint was corrupted.
 
     python bench/chaos.py [--minutes 5] [--seed 1] [--machines 4] [--gpus 4] [--jobs 30]
-                          [--faults agent,control,api,gpu,postgres,temporal,s3,freeze] [--keep DIR]
+                          [--faults agent,control,api,gpu,postgres,temporal,s3,freeze]
+                          [--cancels N] [--bumps N] [--keep DIR]
 
 1. Starts the embedded stack (fake GPUs, machine timeout 8 s, minimum runtime 5 s, grace 4 s) in a
    temporary folder (``--keep DIR``: there, left up for a look).
@@ -18,11 +19,17 @@ once, that no job was lost, and that no checkpoint was corrupted.
    every process under it: a machine's agent and jobs, or Postgres and its backends) and let go
    (SIGCONT) after as long, so it comes back with its connections open; or a GPU given an
    uncorrectable ECC error or thermal slowdown for 5-20 s.
+   Meanwhile, as users do, ``--cancels`` jobs are cancelled and ``--bumps`` jobs change class
+   (once or twice), each 5-60 s after its submit, so queued, placed, running and draining jobs
+   alike; a request the stack cannot take is sent again until it can.
 4. Starts whatever is down, clears the GPU faults, waits for every job to end, and audits:
    - no GPU ran two processes at once (from the processes' own stamps) or was held by two
      allocations at once (the allocations table, recounted);
    - every job ended, and each that succeeded ended with the state of an uninterrupted run;
-   - every complete checkpoint still stored has the size and SHA-256 committed for it.
+   - every complete checkpoint still stored has the size and SHA-256 committed for it;
+   - every job whose cancel was taken ended cancelled with the user's reason, unless it ended on
+     its own within ``CANCEL_RACE_S`` of the cancel (its last step and the cancel crossed);
+   - every job whose class change was taken has the class of its last change.
 
 The last line printed is one JSON object with the figures; the exit code is 1 if an invariant
 broke, a submission was never accepted, or a component killed did not come back (exited when
@@ -52,9 +59,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from activities.checkpoints import s3_client  # noqa: E402
-from scheduler.models import Quota  # noqa: E402
+from scheduler.models import Priority, Quota  # noqa: E402
 from workers import devices, devstack, servers  # noqa: E402
-from workers.client import ENDED, GpuschedClient  # noqa: E402
+from workers.client import ENDED, ClientError, GpuschedClient  # noqa: E402
 from workers.example_job import final_state  # noqa: E402
 from workers.settings import machine_component  # noqa: E402
 from workflows.types import JobRequest  # noqa: E402
@@ -68,6 +75,9 @@ SERVERS = ("postgres", "temporal", "s3")
 FAULTS = ("agent", "control", "api", "gpu", *SERVERS, "freeze")
 SHAPES = [(1, 4), (2, 3), (4, 2), (8, 1)]  # GPUs, weight
 CLASSES = [("low", 3), ("normal", 3), ("high", 2), ("critical", 1)]
+CANCEL_REASON = "chaos: cancelled by its user"
+CANCEL_RACE_S = 10.0  # a job may end on its own this long after a cancel: they crossed
+USER_RETRY_S = 2.0
 
 
 def pick(rng: random.Random, weighted: list[tuple]) -> object:
@@ -108,6 +118,90 @@ async def submit_all(client: GpuschedClient, jobs: list[tuple[float, JobRequest]
                     break
                 await asyncio.sleep(2)
     return refused
+
+
+# --- the users -------------------------------------------------------------------------------
+
+class Users:
+    """What users do while the stack is failing: cancel jobs and change their class. Each job's
+    requests go in order, each sent again while the stack cannot take it. Seeded apart from the
+    faults and the workload, so asking for users leaves those as they were."""
+
+    def __init__(self, seed: int, jobs: list[tuple[float, JobRequest]], cancels: int, bumps: int):
+        rng = random.Random(f"users-{seed}")
+        ids = [r.job_id for _, r in jobs]
+        chosen = rng.sample(ids, cancels + bumps)
+        submitted = {r.job_id: (at, r) for at, r in jobs}
+        self.plans: dict[str, list[tuple[float, str]]] = {}  # job -> [(seconds after the start, action)]
+        for k, job_id in enumerate(chosen):
+            at, request = submitted[job_id]
+            when = at + rng.uniform(5, 60)
+            if k < cancels:
+                self.plans[job_id] = [(when, "cancel")]
+                continue
+            plan, current = [], request.priority
+            for _ in range(rng.randint(1, 2)):
+                current = rng.choice([c for c, _ in CLASSES if c != current])
+                plan.append((when, current))
+                when += rng.uniform(5, 30)
+            self.plans[job_id] = plan
+        self.cancelled: dict[str, float] = {}  # job -> when its cancel was taken (epoch seconds)
+        self.classes: dict[str, str] = {}  # job -> the class of its last change taken
+        self.too_late: dict[str, str] = {}  # job -> the request it had ended before
+        self.retries = 0
+
+    async def run(self, client: GpuschedClient, began: float, give_up_at: float) -> None:
+        await asyncio.gather(*(self._follow(client, job_id, plan, began, give_up_at)
+                               for job_id, plan in self.plans.items()))
+
+    async def _follow(self, client: GpuschedClient, job_id: str, plan: list[tuple[float, str]],
+                      began: float, give_up_at: float) -> None:
+        for at, action in plan:
+            await asyncio.sleep(max(0.0, began + at - time.monotonic()))
+            while time.monotonic() < give_up_at:
+                try:
+                    if action == "cancel":
+                        await asyncio.wait_for(client.cancel(job_id, CANCEL_REASON), 40)
+                        self.cancelled[job_id] = time.time()
+                    else:
+                        await asyncio.wait_for(client.bump(job_id, Priority(action)), 40)
+                        self.classes[job_id] = action
+                    break
+                except Exception as e:  # refused (not admitted yet, or ended) or the stack is partly down
+                    if isinstance(e, ClientError) and await self._ended(client, job_id):
+                        self.too_late[job_id] = action
+                        return
+                    self.retries += 1
+                    await asyncio.sleep(USER_RETRY_S)
+
+    @staticmethod
+    async def _ended(client: GpuschedClient, job_id: str) -> bool:
+        try:
+            return (await client.status(job_id)).state in ENDED
+        except Exception:
+            return False  # cannot tell now: asked again
+
+    def audit(self, states: dict[str, dict]) -> dict:
+        """``states``: the jobs' rows (state, reason, priority, updated_at: when they ended)."""
+        ignored, lost = {}, {}
+        for job_id, asked in self.cancelled.items():
+            row = states.get(job_id)
+            if row is None or row["state"] == "cancelled" and row["reason"] == CANCEL_REASON:
+                continue  # a job never ended is counted as lost already
+            after = row["updated_at"] - asked
+            if row["state"] == "cancelled" or after > CANCEL_RACE_S:
+                ignored[job_id] = f"{row['state']} ({row['reason']}) {after:.1f} s after its cancel"
+        for job_id, wanted in self.classes.items():
+            row = states.get(job_id)
+            if row is not None and row["priority"] != wanted:
+                lost[job_id] = f"{row['priority']}, not {wanted}"
+        return {
+            "cancels_taken": len(self.cancelled),
+            "cancelled": sum(1 for j in self.cancelled if states.get(j, {}).get("state") == "cancelled"),
+            "cancels_ignored": ignored,
+            "class_changes_taken": len(self.classes), "class_changes_lost": lost,
+            "user_requests_too_late": self.too_late, "user_requests_sent_again": self.retries,
+        }
 
 
 # --- the faults ------------------------------------------------------------------------------
@@ -286,11 +380,11 @@ def verify_checkpoints(settings, rows: list) -> list[str]:
 
 
 async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
-                jobs: list[tuple[float, JobRequest]]) -> dict:
+                jobs: list[tuple[float, JobRequest]], users: Users) -> dict:
     pool = client.store.pool
     steps = {r.job_id: int(r.command[r.command.index("--steps") + 1]) for _, r in jobs}
-    states = {r["id"]: r for r in await pool.fetch(
-        "SELECT id, state, reason FROM jobs WHERE id = ANY($1)", list(steps))}
+    states = {r["id"]: dict(r) for r in await pool.fetch(
+        "SELECT id, state, reason, priority, updated_at FROM jobs WHERE id = ANY($1)", list(steps))}
     lost = [j for j in steps if j not in states or states[j]["state"] not in ENDED]
     not_succeeded = {j: f"{r['state']}: {r['reason']}" for j, r in states.items()
                      if r["state"] in ENDED and r["state"] != "succeeded"}
@@ -305,13 +399,14 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     rows = await pool.fetch("SELECT job_id, seq, key, size, sha256 FROM checkpoints "
                             "WHERE job_id = ANY($1) AND complete AND deleted_at IS NULL", list(steps))
     lives = read_stamps(stamps)
-    ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in steps
+    succeeded = [j for j in steps if states.get(j, {}).get("state") == "succeeded"]
+    ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in succeeded  # as needed is counted
               for p in data_dir.glob(f"jobs/*/{j}/attempt-*.log"))
     gpu_overlaps = overlaps(lives, "first", "last")
     allocation_overlaps = overlaps(allocations, "held_from", "held_to")
     bad_checkpoints = await asyncio.to_thread(verify_checkpoints, settings, rows)
     gangs = {r.job_id for _, r in jobs if r.num_gpus > 4}  # each machine of a gang runs the steps
-    needed = sum(n * (2 if j in gangs else 1) for j, n in steps.items() if states.get(j, {}).get("state") == "succeeded")
+    needed = sum(steps[j] * (2 if j in gangs else 1) for j in succeeded)
     return {
         "jobs": len(steps), "succeeded": sum(1 for r in states.values() if r["state"] == "succeeded"),
         "not_succeeded": not_succeeded, "lost": lost, "wrong_final_states": wrong,
@@ -319,6 +414,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
         "processes": len(lives), "gpu_overlaps": gpu_overlaps, "allocation_overlaps": allocation_overlaps,
         "checkpoints_verified": len(rows), "bad_checkpoints": bad_checkpoints,
         "steps_run_per_step_needed": round(ran / needed, 3) if needed else None,
+        **users.audit(states),
     }
 
 
@@ -331,6 +427,7 @@ async def chaos_run(data_dir: Path, args) -> dict:
                                  ui=False, fast=True, fake_devices=True)
     jobs = workload(rng, args.jobs, args.minutes * 30, stamps)
     chaos = Chaos(data_dir, rng, args.faults)
+    users = Users(args.seed, jobs, args.cancels, args.bumps)
     async with await GpuschedClient.connect(up.settings) as client:
         await client.store.configure_cluster("c1", policy={"min_runtime": 5, "grace_period": 4},
                                              machine_timeout=MACHINE_TIMEOUT_S)
@@ -339,7 +436,8 @@ async def chaos_run(data_dir: Path, args) -> dict:
                                                max=args.machines * args.gpus, queue_cap=1000))
         began = time.monotonic()
         until = began + args.minutes * 60
-        refused, _ = await asyncio.gather(submit_all(client, jobs, began, until + 120), chaos.run(until))
+        refused, _, _ = await asyncio.gather(submit_all(client, jobs, began, until + 120), chaos.run(until),
+                                             users.run(client, began, until + 120))
         chaos_s = time.monotonic() - began
     # Everything back: what a fault left down, then the GPUs' faults cleared.
     try:
@@ -359,9 +457,9 @@ async def chaos_run(data_dir: Path, args) -> dict:
             except Exception as e:
                 unended.append(f"{request.job_id} ({type(e).__name__})")
         drain_s = time.monotonic() - drained
-        figures = await audit(client, up.settings, data_dir, stamps, jobs)
+        figures = await audit(client, up.settings, data_dir, stamps, jobs, users)
     violations = [name for name in ("lost", "wrong_final_states", "gpu_overlaps", "allocation_overlaps",
-                                    "bad_checkpoints") if figures[name]]
+                                    "bad_checkpoints", "cancels_ignored", "class_changes_lost") if figures[name]]
     if refused:
         violations.append("refused")
     if chaos.errors:
@@ -394,11 +492,18 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=30, help="jobs submitted (default 30)")
     parser.add_argument("--faults", type=lambda s: [f for f in s.split(",") if f], default=list(FAULTS),
                         help=f"kinds of fault, comma-separated (default {','.join(FAULTS)})")
+    parser.add_argument("--cancels", type=int, default=0,
+                        help="jobs their users cancel, each 5-60 s after its submit (default 0)")
+    parser.add_argument("--bumps", type=int, default=0,
+                        help="jobs whose users change their class once or twice, from 5-60 s after the submit (default 0)")
     parser.add_argument("--keep", type=Path, default=None, help="run the stack in DIR and leave it up")
     args = parser.parse_args()
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
         parser.error(f"--faults: unknown {', '.join(sorted(unknown))}; choose from {','.join(FAULTS)}")
+    if args.cancels < 0 or args.bumps < 0 or args.cancels + args.bumps > args.jobs:
+        parser.error(f"--cancels {args.cancels} and --bumps {args.bumps}: each 0 or more, together at most "
+                     f"--jobs ({args.jobs}): each job is cancelled or changes class, not both")
     if args.keep is not None and (args.keep / devstack.STACK_FILE).exists():
         parser.error(f"--keep: {args.keep} holds a stack already; give a new folder, or stop and delete that "
                      f"one first (gpusched dev down --purge --data-dir {args.keep})")

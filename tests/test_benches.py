@@ -66,3 +66,50 @@ def test_the_chaos_bench_freezes_a_process_with_every_process_under_it():
     finally:
         os.killpg(shell.pid, signal.SIGKILL)  # the sleeps too
         shell.wait()
+
+
+def chaos_jobs(count: int) -> list:
+    """The chaos bench's own workload, as it submits it (seed 1)."""
+    import random
+
+    return chaos_bench().workload(random.Random(1), count, 150.0, Path("/nonexistent"))
+
+
+def test_the_chaos_users_cancel_some_jobs_and_change_the_class_of_others_each_time_to_another_class():
+    bench = chaos_bench()
+    jobs = chaos_jobs(30)
+    users = bench.Users(4, jobs, cancels=5, bumps=7)
+    cancelled = [j for j, plan in users.plans.items() if plan[0][1] == "cancel"]
+    bumped = {j: plan for j, plan in users.plans.items() if plan[0][1] != "cancel"}
+    assert len(cancelled) == 5 and len(bumped) == 7
+    submitted = {r.job_id: (at, r.priority) for at, r in jobs}
+    for job_id, plan in users.plans.items():
+        assert all(submitted[job_id][0] + 5 <= at for at, _ in plan), "not before the job is submitted"
+    for job_id, plan in bumped.items():
+        classes = [submitted[job_id][1], *(action for _, action in plan)]
+        assert all(a != b for a, b in zip(classes, classes[1:])), f"{job_id}: a change to the class it has"
+    assert bench.Users(4, jobs, cancels=5, bumps=7).plans == users.plans, "the same seed, the same requests"
+
+
+def ended(state: str, reason: str | None = None, priority: str = "low", at: float = 100.0) -> dict:
+    return {"state": state, "reason": reason, "priority": priority, "updated_at": at}
+
+
+@pytest.mark.parametrize("cancelled, classes, rows, ignored, lost", [
+    ({"a": 95.0}, {}, {"a": ended("cancelled", "chaos: cancelled by its user")}, [], []),
+    ({"a": 95.0}, {}, {"a": ended("succeeded")}, [], []),
+    ({"a": 60.0}, {}, {"a": ended("succeeded")}, ["a"], []),
+    ({"a": 60.0}, {}, {"a": ended("failed", "five infrastructure failures")}, ["a"], []),
+    ({"a": 99.0}, {}, {"a": ended("cancelled", "cancelled by request")}, ["a"], []),
+    ({}, {"b": "high"}, {"b": ended("succeeded", priority="high")}, [], []),
+    ({}, {"b": "high"}, {"b": ended("succeeded", priority="normal")}, [], ["b"]),
+], ids=["cancelled with the user's reason", "ended on its own as the cancel was sent",
+        "ran on 40 s after its cancel was taken", "failed long after its cancel was taken",
+        "cancelled with another reason", "has the class of its last change", "lost its last change of class"])
+def test_the_chaos_audit_finds_every_cancel_ignored_and_every_change_of_class_lost(cancelled, classes, rows,
+                                                                                     ignored, lost):
+    users = chaos_bench().Users(1, [], cancels=0, bumps=0)
+    users.cancelled, users.classes = cancelled, classes
+    found = users.audit(rows)
+    assert sorted(found["cancels_ignored"]) == ignored
+    assert sorted(found["class_changes_lost"]) == lost
