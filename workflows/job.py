@@ -154,7 +154,10 @@ class JobWorkflow:
         if self.cancel_reason is None:
             self.cancel_reason = reason or "cancelled by request"
 
-    @workflow.update
+    # A change still being made when the job ends is dropped: an ended job has no class to change.
+    # Its caller is refused ("the Workflow completed before the Update completed"), and the worker
+    # does not warn that work was cut short.
+    @workflow.update(unfinished_policy=workflow.HandlerUnfinishedPolicy.ABANDON)
     async def bump_priority(self, bump: PriorityBump) -> JobOutcome:
         if not workflow.patched("one-priority-bump-at-a-time"):
             return await self._bump(bump)
