@@ -12,13 +12,14 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import pytest
-from temporalio.client import WorkflowQueryFailedError
+from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
-from workers.client import GpuschedClient
-from scheduler.models import Quota
+from workers.client import ClientError, GpuschedClient
+from scheduler.models import Priority, Quota
 from workflows.types import JobView
 
 
@@ -370,3 +371,36 @@ def test_gpusched_cancel_signals_the_reason_and_asks_temporal_only_a_workflow_th
 
 async def _running(job_id):
     return SimpleNamespace(job_id=job_id, state="running")
+
+
+class BumpedHandle:
+    """A job workflow's handle whose change of class fails as Temporal fails it."""
+
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+
+    async def execute_update(self, name, arg, result_type=None):
+        raise WorkflowUpdateFailedError(self.cause)
+
+
+@pytest.mark.parametrize("states, cause, words", [
+    (["queued", "queued"], ApplicationError("the job has not been admitted yet"),
+     "cannot change the priority of j: the job has not been admitted yet"),
+    (["running", "cancelled"], ApplicationError("Workflow Update failed because the Workflow completed before the "
+                                                "Update completed."),
+     "cannot change the priority of j: it ended (cancelled) before the change was made"),
+    (["running", "succeeded"], ApplicationError("the job is already succeeded"),
+     "cannot change the priority of j: it ended (succeeded) before the change was made"),
+], ids=["not admitted yet: the validator's words", "ended while the change was being made: said in ours",
+        "ended between the look and the change"])
+def test_gpusched_bump_refused_by_the_workflow_says_why(monkeypatch, states, cause, words):
+    seen = iter(states)
+
+    async def job_view(job_id):
+        return SimpleNamespace(job_id=job_id, state=next(seen))
+
+    client = GpuschedClient(settings=SimpleNamespace(), temporal=None, store=SimpleNamespace(job_view=job_view))
+    monkeypatch.setattr(client, "_handle", lambda job_id: BumpedHandle(cause))
+    with pytest.raises(ClientError) as refused:
+        asyncio.run(client.bump("j", Priority.high))
+    assert str(refused.value) == words

@@ -315,13 +315,24 @@ class GpuschedClient:
         try:
             return await self._handle(job_id).execute_update(
                 "bump_priority", PriorityBump(priority=priority), result_type=JobOutcome)
-        except WorkflowUpdateFailedError as e:  # the update's validator refused it (not admitted yet)
+        except WorkflowUpdateFailedError as e:  # refused by its validator, or the job ended before it was made
+            if (state := await self._ended_as(job_id)) is not None:
+                raise ClientError(f"cannot change the priority of {job_id}: it ended ({state}) before the change "
+                                  "was made") from None
             cause = getattr(e, "cause", None) or e
             raise ClientError(f"cannot change the priority of {job_id}: {getattr(cause, 'message', cause)}") from None
         except RPCError as e:
             if e.status != RPCStatusCode.NOT_FOUND:
                 raise  # Temporal could not answer: the caller's "unreachable"
             raise ClientError(f"cannot change the priority of {job_id}: it has ended") from None
+
+    async def _ended_as(self, job_id: str) -> str | None:
+        """The state a job ended in; None while it has not ended, or when that cannot be told."""
+        try:
+            view = await self.status(job_id)
+        except Exception:  # the store cannot be asked now: the refusal says what Temporal said
+            return None
+        return view.state if view.state in ENDED else None
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobView:
         try:
