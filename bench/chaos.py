@@ -168,18 +168,11 @@ class Users:
                         self.classes[job_id] = action
                     break
                 except Exception as e:  # refused (not admitted yet, or ended) or the stack is partly down
-                    if isinstance(e, ClientError) and await self._ended(client, job_id):
+                    if isinstance(e, ClientError) and await client.ended_state(job_id) is not None:
                         self.too_late[job_id] = action
                         return
                     self.retries += 1
                     await asyncio.sleep(USER_RETRY_S)
-
-    @staticmethod
-    async def _ended(client: GpuschedClient, job_id: str) -> bool:
-        try:
-            return (await client.status(job_id)).state in ENDED
-        except Exception:
-            return False  # cannot tell now: asked again
 
     def audit(self, states: dict[str, dict]) -> dict:
         """``states``: the jobs' rows (state, reason, priority, updated_at: when they ended)."""
@@ -408,7 +401,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     gangs = {r.job_id for _, r in jobs if r.num_gpus > 4}  # each machine of a gang runs the steps
     needed = sum(steps[j] * (2 if j in gangs else 1) for j in succeeded)
     return {
-        "jobs": len(steps), "succeeded": sum(1 for r in states.values() if r["state"] == "succeeded"),
+        "jobs": len(steps), "succeeded": len(succeeded),
         "not_succeeded": not_succeeded, "lost": lost, "wrong_final_states": wrong,
         "attempts": len(allocations), "end_reasons": dict(Counter(a["end_reason"] for a in allocations)),
         "processes": len(lives), "gpu_overlaps": gpu_overlaps, "allocation_overlaps": allocation_overlaps,

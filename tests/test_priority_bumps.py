@@ -31,7 +31,6 @@ class Store:
     def __init__(self, held_s: float):
         self.held_s = held_s
         self.classes: list[str] = []  # the store's writes, in the order they happened
-        self.ends: list[EndAttempt] = []
 
     @activity.defn(name="admit_job")
     async def admit_job(self, request: JobRequest) -> Admission:
@@ -50,7 +49,7 @@ class Store:
 
     @activity.defn(name="end_attempt")
     async def end_attempt(self, end: EndAttempt) -> None:
-        self.ends.append(end)
+        pass
 
 
 @contextlib.asynccontextmanager

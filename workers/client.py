@@ -316,7 +316,7 @@ class GpuschedClient:
             return await self._handle(job_id).execute_update(
                 "bump_priority", PriorityBump(priority=priority), result_type=JobOutcome)
         except WorkflowUpdateFailedError as e:  # refused by its validator, or the job ended before it was made
-            if (state := await self._ended_as(job_id)) is not None:
+            if (state := await self.ended_state(job_id)) is not None:
                 raise ClientError(f"cannot change the priority of {job_id}: it ended ({state}) before the change "
                                   "was made") from None
             cause = getattr(e, "cause", None) or e
@@ -326,7 +326,7 @@ class GpuschedClient:
                 raise  # Temporal could not answer: the caller's "unreachable"
             raise ClientError(f"cannot change the priority of {job_id}: it has ended") from None
 
-    async def _ended_as(self, job_id: str) -> str | None:
+    async def ended_state(self, job_id: str) -> str | None:
         """The state a job ended in; None while it has not ended, or when that cannot be told."""
         try:
             view = await self.status(job_id)
