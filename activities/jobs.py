@@ -234,7 +234,8 @@ class JobActivities:
         """Ids of closed job workflows (of this cluster, where its name can be quoted) whose
         last published state is not an end: terminated or timed out while the job lived. Empty
         when visibility cannot be asked now: the next reconcile asks again."""
-        unfinished = ", ".join(f"'{s.value}'" for s in JobState if not s.terminal)
+        # Both spellings: a workflow from before the attribute was capitalised wrote the value.
+        unfinished = ", ".join(f"'{v}'" for s in JobState if not s.terminal for v in (s.attribute, s.value))
         query = f"WorkflowType = 'JobWorkflow' AND ExecutionStatus != 'Running' AND JobState IN ({unfinished})"
         if _QUOTABLE.fullmatch(cluster):
             query += f" AND Cluster = '{cluster}'"

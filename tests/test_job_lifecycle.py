@@ -14,7 +14,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from live.jobs import sleeper
-from scheduler.models import Priority
+from scheduler.models import Priority, Quota
 from workers import devstack
 from workers.client import SubmitRefused
 from workers.settings import machine_component
@@ -179,7 +179,27 @@ def test_a_cancellation_asked_of_temporal_cancels_the_job_like_gpusched_cancel(s
         described = await s.client._handle(job_id).describe()
         return described.search_attributes["JobState"][0]
 
-    assert [s.run(job_state(j)) for j in ("queued", "ran")] == ["cancelled", "cancelled"]
+    assert [s.run(job_state(j)) for j in ("queued", "ran")] == ["Cancelled", "Cancelled"]
+
+
+def test_the_design_s_query_finds_a_running_job_by_its_state_and_team(stack):
+    """`temporal workflow list --query "JobState='Running' AND Team='vision'"` (design.md): the
+    state is published as that query writes it, and the query finds the job and no other."""
+    s = stack(machines=1)
+    s.run(s.client.set_quota("speech", Quota(guaranteed=4, max=8)))
+    s.submit("listed", 1, sleeper(60))
+    s.submit("elsewhere", 1, sleeper(60), team="speech")
+    s.until(lambda: {s.status("listed").state, s.status("elsewhere").state} == {"running"})
+    prefix = s.up.settings.task_queue_prefix
+
+    async def found(query: str) -> list[str]:
+        return sorted([w.id async for w in s.client.temporal.list_workflows(f"{query} AND WorkflowId STARTS_WITH '{prefix}'")])
+
+    s.until(lambda: s.run(found("JobState='Running' AND Team='vision'")) == [prefix + job_workflow_id("listed")], timeout=15)
+    for job_id in ("listed", "elsewhere"):
+        s.run(s.client.cancel(job_id))
+        s.wait(job_id)
+    s.until(lambda: len(s.run(found("JobState='Cancelled'"))) == 2, timeout=15)
 
 
 def test_a_priority_bump_moves_a_job_ahead_in_the_queue(stack):
@@ -439,9 +459,9 @@ def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(
         "JobWorkflow", raw, id=f"{prefix}job-raw-{words}", task_queue=prefix + "gpusched-control"))
     outcome = failed_outcome(s, handle)
     assert outcome["state"] == "failed" and words in outcome["reason"]
-    # Named as the input named it, and found by `JobState='failed'` like any refused job.
+    # Named as the input named it, and found by `JobState='Failed'` like any refused job.
     assert outcome["job_id"] == raw.get("job_id", f"{prefix}job-raw-{words}")
-    assert s.run(handle.describe()).search_attributes["JobState"] == ["failed"]
+    assert s.run(handle.describe()).search_attributes["JobState"] == ["Failed"]
 
 
 def test_a_job_whose_workflow_is_terminated_gives_its_placement_back(stack):

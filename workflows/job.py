@@ -256,8 +256,8 @@ class JobWorkflow:
             field, message = first_error(e)
             self.state, self.reason = JobState.failed, f"refused: {field}: {message}"
             if workflow.patched("refused-request-published"):
-                # Found by `JobState='failed'` like any other refused job.
-                workflow.upsert_search_attributes([SearchAttributePair(JOB_STATE, self.state.value)])
+                # Found by `JobState='Failed'` like any other refused job.
+                workflow.upsert_search_attributes([SearchAttributePair(JOB_STATE, self._state_attribute())])
             return self.status()
         self.request = request
         # 1. Admission.
@@ -568,10 +568,13 @@ class JobWorkflow:
         except ActivityError as e:
             workflow.logger.warning("could not wake the scheduler of %s: %s", self.cluster, e.cause)
 
+    def _state_attribute(self) -> str:
+        return self.state.attribute if workflow.patched("job-state-attribute-capitalised") else self.state.value
+
     def _publish(self) -> None:
         req = self.request
         workflow.upsert_search_attributes([
-            SearchAttributePair(JOB_STATE, self.state.value),
+            SearchAttributePair(JOB_STATE, self._state_attribute()),
             SearchAttributePair(TEAM, req.team),
             SearchAttributePair(PRIORITY_CLASS, Priority(req.priority).value),
             SearchAttributePair(CLUSTER, self.cluster or ""),

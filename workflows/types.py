@@ -85,6 +85,12 @@ class JobState(str, Enum):
     def terminal(self) -> bool:
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
 
+    @property
+    def attribute(self) -> str:
+        """As the `JobState` search attribute holds it, the way design.md's queries write it
+        (`JobState='Running'`); workflows from before that wrote the value itself."""
+        return self.value.capitalize()
+
 
 class EndReason(str, Enum):
     """Why an attempt gave its GPUs back; the simulator's allocations.csv uses the same words."""
