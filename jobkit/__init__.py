@@ -62,8 +62,11 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         state back (``restored.json``), which the scheduler learns
                                         restart times from
 ``GPUSCHED_NODE_RANK``                  this machine's place in the job's gang (0, 1, ...); with
-                                        ``RANK`` (set by torchrun and other launchers, and read
-                                        first), which process saves: rank 0 only
+                                        a launcher's rank (``RANK``, set by torchrun and most
+                                        Python launchers, ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``:
+                                        read first) or, without one, a local rank (``LOCAL_RANK``,
+                                        ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``), which
+                                        process saves: rank 0 only
 ======================================  ==========================================================
 
 Protocol (S3 has no rename: write-once keys, then a commit in the control plane's database)
@@ -122,8 +125,8 @@ after it started or after an unscheduled save. ``next_due()`` gives that time.
 
 A gang (several machines, ``GPUSCHED_NUM_NODES`` > 1), or a machine running several processes of
 the job (torchrun's local ranks), shares one checkpoint prefix: one process saves, rank 0 (the
-launcher's ``RANK`` where it sets one, else ``GPUSCHED_NODE_RANK``), and every rank restores. A
-``save()`` on any other rank raises :class:`CheckpointError` before it writes anything: each save
+launcher's rank where it sets one, else the first local process of node rank 0), and every rank
+restores. A ``save()`` on any other rank raises :class:`CheckpointError` before it writes anything: each save
 would take its own sequence number and be reported, and a restore, which returns the newest only,
 would give every rank the bytes of whichever saved last (sharded state would not be kept
 together). Gather the state on rank 0 and save it there; ``ck.saves`` says whether this process
@@ -672,6 +675,27 @@ def _whole(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+# Where a process's rank is read. A launcher's global rank is the process's own (torchrun and
+# most Python launchers: RANK; Open MPI; MPICH and Intel MPI). Without one, the process is rank 0
+# only if its machine is the gang's first and it is its machine's first process (torchrun-style
+# LOCAL_RANK, Open MPI's, Intel MPI's): several local processes must not each save.
+_GLOBAL_RANKS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_MACHINE_AND_LOCAL_RANKS = ("GPUSCHED_NODE_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def _rank_source(env: Mapping[str, str]) -> Optional[str]:
+    """The variable this process's rank is read from; None for a job of one process. Of the
+    machine and local ranks, the first that is not 0 (the process is not rank 0), else the first
+    set."""
+    def given(name: str) -> str:
+        return (env.get(name) or "").strip()
+    found = next((name for name in _GLOBAL_RANKS if given(name)), None)
+    if found is not None:
+        return found
+    parts = [name for name in _MACHINE_AND_LOCAL_RANKS if given(name)]
+    return next((name for name in parts if given(name).lstrip("0")), parts[0] if parts else None)
+
+
 def _int_env(env: Mapping[str, str], name: str, least: int) -> Optional[int]:
     raw = (env.get(name) or "").strip()
     if not raw:
@@ -793,8 +817,7 @@ class Checkpointer:
             s3_secret_key=env.get("GPUSCHED_S3_SECRET_KEY") or None,
             s3_region=env.get("GPUSCHED_S3_REGION") or None,
         )
-        # The launcher's rank is the process's own; the node rank only tells machines apart.
-        rank_from = next((name for name in ("RANK", "GPUSCHED_NODE_RANK") if (env.get(name) or "").strip()), None)
+        rank_from = _rank_source(env)
         if rank_from is not None:
             kwargs["rank"] = _int_env(env, rank_from, 0)
         retry_for = _float_env(env, "GPUSCHED_S3_RETRY_S")

@@ -204,9 +204,21 @@ def test_save_without_a_checkpoint_uri_does_nothing(tmp_path):
     ({"RANK": "3"}, "rank 3 (RANK=3)"),
     ({"GPUSCHED_NODE_RANK": "1", "GPUSCHED_NUM_NODES": "2"}, "rank 1 (GPUSCHED_NODE_RANK=1)"),
     ({"RANK": "2", "GPUSCHED_NODE_RANK": "0"}, "rank 2 (RANK=2)"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "GPUSCHED_NODE_RANK": "1"}, None),
+    ({"OMPI_COMM_WORLD_RANK": "2", "GPUSCHED_NODE_RANK": "0"}, "rank 2 (OMPI_COMM_WORLD_RANK=2)"),
+    ({"PMI_RANK": "1"}, "rank 1 (PMI_RANK=1)"),
+    ({"LOCAL_RANK": "0", "GPUSCHED_NODE_RANK": "0"}, None),
+    ({"LOCAL_RANK": "1", "GPUSCHED_NODE_RANK": "0"}, "rank 1 (LOCAL_RANK=1)"),
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}, "rank 3 (OMPI_COMM_WORLD_LOCAL_RANK=3)"),
+    ({"LOCAL_RANK": "0", "GPUSCHED_NODE_RANK": "1"}, "rank 1 (GPUSCHED_NODE_RANK=1)"),
 ], ids=["a job of one process", "the launcher's rank 0", "a gang's first machine",
         "the launcher's rank 0 on a gang's second machine (its rank is the process's own)",
-        "another of the launcher's ranks", "a gang's second machine", "a local rank on a gang's first machine"])
+        "another of the launcher's ranks", "a gang's second machine", "a local rank on a gang's first machine",
+        "Open MPI's rank 0 on a gang's second machine", "another of Open MPI's ranks", "another of MPICH's ranks",
+        "the first local process of a gang's first machine, no global rank",
+        "another local process of a gang's first machine, no global rank",
+        "another of Open MPI's local processes, no global rank",
+        "the first local process of a gang's second machine, no global rank"])
 @pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints on", "checkpoints off"])
 def test_only_rank_0_saves_and_any_other_rank_is_refused_before_it_writes(tmp_path, env, refused, checkpoints):
     uri = {"GPUSCHED_CHECKPOINT_URI": f"file://{tmp_path}/ck/"} if checkpoints else {}
@@ -471,7 +483,7 @@ def test_bad_settings_are_named():
             Checkpointer.from_env({"GPUSCHED_S3_UPLOAD_THREADS": threads})
     with pytest.raises(CheckpointError, match="GPUSCHED_RESUME_SEQ"):
         Checkpointer.from_env({"GPUSCHED_RESUME_SEQ": "³"})
-    for name in ("RANK", "GPUSCHED_NODE_RANK"):
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "GPUSCHED_NODE_RANK", "LOCAL_RANK"):
         with pytest.raises(CheckpointError, match=f"{name}='-1' must be a whole number >= 0"):
             Checkpointer.from_env({name: "-1"})
 
