@@ -569,7 +569,10 @@ class JobWorkflow:
             workflow.logger.warning("could not wake the scheduler of %s: %s", self.cluster, e.cause)
 
     def _state_attribute(self) -> str:
-        return self.state.attribute if workflow.patched("job-state-attribute-capitalised") else self.state.value
+        # Not behind workflow.patched: a replay does not compare upserted values, so a workflow
+        # from before (lowercase) replays as it ran and writes the new spelling from then on,
+        # where a patch would keep its first answer, lowercase, for the whole run.
+        return self.state.attribute
 
     def _publish(self) -> None:
         req = self.request

@@ -88,7 +88,7 @@ class JobState(str, Enum):
     @property
     def attribute(self) -> str:
         """As the `JobState` search attribute holds it, the way design.md's queries write it
-        (`JobState='Running'`); workflows from before that wrote the value itself."""
+        (`JobState='Running'`); workflows before 2026-12-05 wrote the value itself."""
         return self.value.capitalize()
 
 
