@@ -29,6 +29,13 @@ INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partiti
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (id) DO UPDATE SET gpu_type = EXCLUDED.gpu_type,
     gpu_memory_gb = EXCLUDED.gpu_memory_gb, partition = EXCLUDED.partition"""
+# A machine declared by the fleet file (`gpusched fleet apply`): a new one joins as the file says;
+# one already known (its agent reported its GPUs, type and memory) takes only its partition.
+DECLARE_MACHINE = """
+INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partition)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (id) DO UPDATE SET partition = EXCLUDED.partition"""
+MACHINE_PARTITION = "SELECT partition FROM machines WHERE id = $1"
 UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"

@@ -20,6 +20,7 @@ from activities import queries as q
 from activities import rows
 from activities.outages import log_outages_in_one_line
 from scheduler import in_words
+from scheduler.fleet import Fleet
 from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
     HEARD,
@@ -57,6 +58,15 @@ class StoreError(Exception):
 
 class CycleConflict(StoreError):
     """Another transaction changed what the cycle read; the cycle is run again from a new read."""
+
+
+class FleetApplied(BaseModel):
+    """What `Store.apply_fleet` changed, and what it left alone."""
+
+    added: list[str] = Field(default_factory=list)  # machines new to the store
+    moved: list[str] = Field(default_factory=list)  # "id (old -> new partition)"
+    quotas: list[str] = Field(default_factory=list)  # teams whose quota the file set
+    undeclared: list[str] = Field(default_factory=list)  # machines of its clusters the file leaves out
 
 
 class GpuReport(BaseModel):
@@ -179,6 +189,33 @@ class Store:
         await conn.execute(q.UPSERT_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
                            m.gpu_memory_gb, m.partition)
         await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
+
+    async def apply_fleet(self, fleet: Fleet) -> FleetApplied:
+        """Declare a fleet file's machines and quotas, in one transaction. A machine not known
+        yet joins as the file says; one already known keeps the GPUs, type and memory its agent
+        reported and takes the file's partition. Machines the file leaves out are left alone."""
+        applied = FleetApplied()
+        async with self.pool.acquire() as conn, conn.transaction():
+            for cluster in fleet.clusters:
+                await conn.execute(q.UPSERT_CLUSTER, cluster.name)
+                for m in cluster.machines:
+                    before = await conn.fetchval(q.MACHINE_PARTITION, m.id)
+                    await conn.execute(q.DECLARE_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
+                                        m.gpu_memory_gb, m.partition)
+                    if before is None:
+                        await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
+                        applied.added.append(m.id)
+                    elif before != m.partition:
+                        applied.moved.append(f"{m.id} ({before} -> {m.partition})")
+            teams = {**fleet.quotas, **({"*": fleet.default_quota} if fleet.default_quota is not None else {})}
+            for team, quota in teams.items():
+                await conn.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)
+            applied.quotas = sorted(teams)
+            declared = {m.id for c in fleet.clusters for m in c.machines}
+            for cluster in fleet.clusters:
+                applied.undeclared += [r["id"] for r in await conn.fetch(q.LIST_MACHINES, cluster.name, LISTEN_GAP)
+                                       if r["id"] not in declared]
+        return applied
 
     async def machine_heartbeat(self, machine_id: str, pid: int | None, gpus: list[GpuReport],
                                 accepting_work: bool = True) -> list[int]:

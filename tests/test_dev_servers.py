@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -448,3 +449,18 @@ def test_dev_commands_refuse_bad_arguments_with_exit_code_2(argv, capsys):
         parser.parse_args(argv)
     assert exited.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["dev", "up", "--fleet", "examples/fleet-seed.yaml"],
+     "examples/fleet-seed.yaml: field 'clusters': declares 640 machines; the embedded stack runs an agent process "
+     "for each, at most 64"),
+    (["dev", "up", "--fleet", "examples/fleet-small.yaml", "--machines", "3", "--gpu-type", "A100"],
+     "--fleet gives the machines; leave out --machines, --gpu-type"),
+    (["dev", "up", "--fleet", "missing.yaml"], "missing.yaml: cannot read the fleet file"),
+], ids=["a fleet of more machines than agents to run here", "a fleet and machines alike", "no such file"])
+def test_dev_up_refuses_a_fleet_file_it_cannot_run_before_it_starts_anything(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main([*argv, "--data-dir", str(tmp_path / "stack")]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "stack").exists()

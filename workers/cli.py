@@ -22,6 +22,7 @@ from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, writ
 from scheduler.sim.trace import TraceJob, parse_trace
 from workers.arg_types import finite, read_input
 from workers.cli_dev import add_dev_commands
+from workers.cli_fleet import add_fleet_commands
 from workers.cli_jobs import add_job_commands
 from workers.example_job import add_example_job_command
 from workers.cli_trace import add_trace_commands
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace_commands(commands)
     add_job_commands(commands)
+    add_fleet_commands(commands)
     add_dev_commands(commands)
     add_example_job_command(commands)
     return parser

@@ -1,7 +1,7 @@
 """`gpusched dev …`: the whole stack on this machine, for trying gpusched and for tests.
 
     gpusched dev up [--machines N] [--gpus-per-machine G] [--data-dir DIR] [--cluster C]
-                    [--gpu-type T] [--timeout S]
+                    [--gpu-type T] [--fleet F.yaml] [--timeout S]
     gpusched dev status [--json] [--data-dir DIR]
     gpusched dev down [--purge] [--data-dir DIR]
 
@@ -16,7 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from workers.arg_types import count, positive_float, positive_int
+from scheduler.errors import InputError
+from scheduler.fleet import parse_fleet
+from workers.arg_types import count, positive_float, positive_int, read_input
 
 
 def add_dev_commands(subparsers) -> None:
@@ -34,6 +36,10 @@ def add_dev_commands(subparsers) -> None:
                     help="GPUs per machine (default: as before, else 8)")
     up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")
     up.add_argument("--gpu-type", default=None, help="GPU type (default: as before, else H100)")
+    up.add_argument("--fleet", default=None, metavar="F.yaml",
+                    help="the machines of a fleet file (design.md; at most 64), with their places, GPU types "
+                         "and partitions, and its quotas; instead of --machines, --gpus-per-machine, "
+                         "--cluster and --gpu-type")
     up.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
     up.add_argument("--timeout", type=positive_float, default=90.0,
                     help="seconds to wait for every component to be healthy (default 90)")
@@ -70,10 +76,24 @@ def add_dev_commands(subparsers) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from workers import devstack
 
+    fleet = None
+    if args.fleet is not None:
+        alike = [flag for flag, value in (("--machines", args.machines), ("--gpus-per-machine", args.gpus_per_machine),
+                                          ("--cluster", args.cluster), ("--gpu-type", args.gpu_type)) if value is not None]
+        if alike:
+            print(f"error: --fleet gives the machines; leave out {', '.join(alike)} (or the fleet file)", file=sys.stderr)
+            return 2
+        fleet = parse_fleet(read_input(args.fleet, "fleet file"), args.fleet)
+        count = sum(len(c.machines) for c in fleet.clusters)
+        if count > devstack.MAX_MACHINES:
+            raise InputError(args.fleet, None, "clusters", (
+                f"declares {count} machines; the embedded stack runs an agent process for each, at most "
+                f"{devstack.MAX_MACHINES}: give `dev up` a smaller fleet file (declare a real fleet with "
+                "`gpusched fleet apply`)"))
     try:
         devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
                     cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
-                    timeout=args.timeout, fake_devices=args.fake_devices, out=sys.stdout)
+                    timeout=args.timeout, fake_devices=args.fake_devices, fleet=fleet, out=sys.stdout)
     except devstack.DataDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

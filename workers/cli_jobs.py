@@ -122,7 +122,7 @@ def add_job_commands(subparsers) -> None:
     clist.set_defaults(func=cmd_cluster_list)
 
 
-def _run(args, body) -> int:
+def run_with_client(args, body) -> int:
     """Connect, run ``body(client)``, and turn refusals and unreachable servers into one line."""
 
     try:
@@ -252,7 +252,7 @@ def cmd_submit(args) -> int:
                 print(f"  history: {client.history_url(sub.job_id)}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def _print_view(view: JobView) -> None:
@@ -297,7 +297,7 @@ def cmd_status(args) -> int:
                 print(f"  history: {client.history_url(view.job_id)}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def _from_now(iso: str, now: float) -> str:
@@ -340,7 +340,7 @@ def cmd_list(args) -> int:
             print(list_table(views, time.time()))
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_cancel(args) -> int:
@@ -352,7 +352,7 @@ def cmd_cancel(args) -> int:
             print(f"{args.job_id}: cancel requested")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_bump(args) -> int:
@@ -361,7 +361,7 @@ def cmd_bump(args) -> int:
         print(f"{args.job_id}: priority {outcome.priority.value}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_wait(args) -> int:
@@ -374,7 +374,7 @@ def cmd_wait(args) -> int:
         print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
         return 0 if view.state == "succeeded" else 1
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_quota_set(args) -> int:
@@ -397,7 +397,7 @@ def cmd_quota_set(args) -> int:
               f"queue cap {quota.queue_cap if quota.queue_cap is not None else '-'}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_quota_list(args) -> int:
@@ -411,7 +411,7 @@ def cmd_quota_list(args) -> int:
                       f"queue cap {q.queue_cap if q.queue_cap is not None else '-'}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_cluster_set(args) -> int:
@@ -452,7 +452,7 @@ def cmd_cluster_set(args) -> int:
               + (f", machine timeout {args.machine_timeout:g} s" if args.machine_timeout else ""))
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_cluster_list(args) -> int:
@@ -466,7 +466,7 @@ def cmd_cluster_list(args) -> int:
                       f"policy overrides {json.dumps(c['policy'])}")
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)
 
 
 def cmd_logs(args) -> int:
@@ -494,4 +494,4 @@ def cmd_logs(args) -> int:
             sys.stdout.write(log.read_text(errors="replace"))
         return 0
 
-    return _run(args, body)
+    return run_with_client(args, body)

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationError
 
+from scheduler.fleet import Fleet
 from scheduler.models import Machine
 from workers import servers
 from workers.settings import (
@@ -123,6 +124,11 @@ class UpResult(BaseModel):
     revived: list[str] = Field(default_factory=list)  # components of the stack that had stopped, started again
 
 
+# Each machine of the embedded stack is an agent process on this one: a fleet file of more is for
+# the simulator, or for `gpusched fleet apply` against real machines.
+MAX_MACHINES = 64
+
+
 def fleet_machines(cluster: str, count: int, gpus: int, gpu_type: str) -> list[Machine]:
     """The dev fleet: one block, racks of 16 machines."""
     return [Machine(id=f"{cluster}/b0/r{i // 16}/m{i % 16}", cluster=cluster, block="b0",
@@ -188,12 +194,14 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
        agent_args: list[str] | None = None, control_args: list[str] | None = None,
        api_args: list[str] | None = None, fast: bool | None = None, ui: bool = True,
        standard_ports: bool = False, workers: bool = True, timeout: float = 60.0,
-       fake_devices: bool | None = None, out: IO[str] | None = None) -> UpResult:
+       fake_devices: bool | None = None, fleet: Fleet | None = None, out: IO[str] | None = None) -> UpResult:
     """Start whatever of the stack is not running, wait until all of it is healthy, and say where
     it is. ``settings`` (Settings fields) and ``GPUSCHED_*`` variables naming a Postgres DSN,
     Temporal address or S3 endpoint make the stack use that server instead of starting one;
     tests use this to share servers and give each test its own database and
-    ``task_queue_prefix``. Arguments left None keep what the stack had (or the defaults)."""
+    ``task_queue_prefix``. ``fleet`` (a fleet file's) gives the machines, one agent each, with
+    their places, GPU types and partitions, and sets its quotas; without it the machines are
+    ``machines`` alike. Arguments left None keep what the stack had (or the defaults)."""
     data_dir = resolve_data_dir(data_dir)
     with _locked(data_dir):
         state = load_state(data_dir) or StackState()
@@ -204,8 +212,13 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         state.gpu_type = gpu_type or state.gpu_type
         state.fast = state.fast if fast is None else fast
         state.fake_devices = state.fake_devices if fake_devices is None else fake_devices
-        count = machines if machines is not None else (len(state.machines) or 2)
-        state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
+        if fleet is not None:
+            state.machines = [m for c in fleet.clusters for m in c.machines]
+            state.cluster = fleet.clusters[0].name
+        elif not state.machines or any(v is not None for v in (machines, gpus_per_machine, cluster, gpu_type)):
+            # A stack of a fleet file keeps its machines until asked for others.
+            count = machines if machines is not None else (len(state.machines) or 2)
+            state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
         for role, extra in (("agent", agent_args), ("control", control_args), ("api", api_args)):
             if extra is not None:
                 state.worker_args[role] = list(extra)
@@ -216,7 +229,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         state.settings = {**state.settings, **explicit}
         settings_now = Settings(**state.settings)
         _save(data_dir, state)
-        _prepare_database(settings_now, state)
+        _prepare_database(settings_now, state, fleet)
         restarted = _start_workers(data_dir, state, before, standard_ports=standard_ports,
                                    timeout=timeout) if workers else []
         result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
@@ -296,8 +309,9 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         raise StackError("\n".join(errors))
 
 
-def _prepare_database(settings: Settings, state: StackState) -> None:
-    """Apply the migrations and register the fleet: both idempotent, so done on every `up`."""
+def _prepare_database(settings: Settings, state: StackState, fleet: Fleet | None) -> None:
+    """Apply the migrations and register the fleet: both idempotent, so done on every `up`; a
+    fleet file's quotas are set at the `up` that is given it only (`quota set` may change them)."""
     from activities.store import Store
 
     async def prepare() -> None:
@@ -305,6 +319,8 @@ def _prepare_database(settings: Settings, state: StackState) -> None:
         try:
             await store.migrate()
             await store.register_fleet(state.cluster, state.machines)
+            if fleet is not None:
+                await store.apply_fleet(fleet)
         finally:
             await store.close()
 
