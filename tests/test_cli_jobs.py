@@ -62,7 +62,8 @@ from workflows.types import JobView
     (["cluster", "set", "c1", "--policy", "grace_period=1e308"], "grace_period=1e308: Input should be less"),
     (["cluster", "set", "c1", "--policy", "max_preemption_searches=1000000000"], "max_preemption_searches="),
     (["cluster", "set", "c1", "--policy", "eta_horizon=1e-300"], "eta_horizon=1e-300"),
-    (["cluster", "set", "c1", "--machine-timeout", "1e-300"], "give --machine-timeout 5 to 86400 seconds"),
+    (["cluster", "set", "c1", "--machine-timeout", "1e-300"], "give --machine-timeout 7 to 86400 seconds"),
+    (["cluster", "set", "c1", "--machine-timeout", "6"], "give --machine-timeout 7 to 86400 seconds"),
 ], ids=[
     "a job of no GPUs",
     "a job without a command",
@@ -95,6 +96,7 @@ from workflows.types import JobView
     "preemption searches past any cycle's time",
     "an estimate horizon of no time",
     "a machine timeout shorter than a heartbeat",
+    "a machine timeout an API restart would outlast",
 ])
 def test_a_bad_request_is_refused_before_anything_is_sent(capsys, argv, words, tmp_path):
     try:

@@ -30,7 +30,9 @@ from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem, team_problem
 
 EXIT_REFUSED = 2
-MIN_MACHINE_TIMEOUT = 5.0  # seconds: over two of an agent's 2 s heartbeats
+# Seconds: over an agent's 2 s heartbeat interval plus the 4 s a deaf stretch of the control plane
+# takes to show (docs/live.md, Failures), or an API outage takes machines for dead.
+MIN_MACHINE_TIMEOUT = 7.0
 EXIT_UNREACHABLE = 1
 
 
@@ -432,7 +434,8 @@ def cmd_cluster_set(args) -> int:
             return EXIT_REFUSED
     if args.machine_timeout is not None and not MIN_MACHINE_TIMEOUT <= args.machine_timeout <= DAY:
         print(f"error: machine_timeout: give --machine-timeout {MIN_MACHINE_TIMEOUT:g} to {DAY:g} seconds: agents "
-              "heartbeat every 2 s, and a shorter timeout takes every machine for lost between two beats",
+              "heartbeat every 2 s, and a shorter timeout takes machines for lost between two beats, or while "
+              "the API restarts",
               file=sys.stderr)
         return EXIT_REFUSED
 
