@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -29,7 +31,7 @@ def test_generate_writes_a_trace_that_parses_and_a_fleet_that_fits_it(tmp_path, 
     jobs = parse_trace(out.read_text(), str(out))
     assert len(jobs) == 120 and sum(j.spec.kind.value == "inference" for j in jobs) == 6
     assert parse_fleet(fleet_out.read_text(), str(fleet_out)).total_gpus >= 128
-    summary = capsys.readouterr().out.strip()
+    summary = capsys.readouterr().err.strip()  # standard output may be the trace (--out /dev/stdout)
     assert (
         summary.startswith(f"wrote {out}: 120 jobs over 1 days")
         and "GPU-seconds offered, load" in summary
@@ -60,7 +62,7 @@ def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
     assert "vc-abc" in parse_fleet(fleet_out.read_text(), str(fleet_out)).quotas
     # The fleet says how to make it again, from the file it was made from.
     assert fleet_out.read_text().startswith(f"# Made by: gpusched trace from-philly --input {source} ")
-    assert "1 jobs over 7 days" in capsys.readouterr().out
+    assert "1 jobs over 7 days" in capsys.readouterr().err
 
 
 def test_a_fleet_file_that_cannot_be_written_is_named_not_the_trace(tmp_path, capsys):
@@ -70,6 +72,22 @@ def test_a_fleet_file_that_cannot_be_written_is_named_not_the_trace(tmp_path, ca
                "--fleet-out", "/dev/full") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: /dev/full: ") and "Traceback" not in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_fleet_file_that_cannot_be_written_leaves_the_old_trace_as_it_was(tmp_path, capsys):
+    out = tmp_path / "t.csv"
+    out.write_text("keep\n")
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(out),
+               "--fleet-out", "/dev/full") == 2
+    assert out.read_text() == "keep\n" and list(tmp_path.iterdir()) == [out]
+
+
+def test_a_trace_written_to_standard_output_is_the_trace_alone(tmp_path):
+    made = subprocess.run([sys.executable, "-m", "workers.cli", "trace", "generate", "--jobs", "5", "--days", "1",
+                           "--gpus", "16", "--out", "/dev/stdout"], capture_output=True, text=True, check=True)
+    assert len(parse_trace(made.stdout, "stdout")) == 5
+    assert made.stderr.startswith("wrote /dev/stdout: 5 jobs")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ turns bad input into one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -150,30 +150,7 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
             fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
             files.append((args.fleet_out, fleet))
             gpus = _fleet_gpus(fleet)
-        # Every file is opened before any is written, and none is emptied before all are open: a
-        # fleet that cannot be written leaves no trace behind, nor an emptied old one. (Opened in
-        # place, not renamed over: --out may be a device.)
-        handles = []
-        try:
-            for path, _ in files:
-                writing = path
-                existed = path.exists()
-                handles.append((open(path, "a", encoding="utf-8"), path, existed))
-        except OSError:
-            for handle, path, existed in handles:
-                handle.close()
-                if not existed:
-                    path.unlink(missing_ok=True)
-            raise
-        with contextlib.ExitStack() as closing:
-            for handle, _, _ in handles:
-                closing.enter_context(handle)
-            for (handle, path, _), (_, text) in zip(handles, files):
-                writing = path
-                if path.is_file():
-                    handle.seek(0)
-                    handle.truncate()
-                handle.write(text)
+        _write_all(files)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -182,10 +159,52 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
         return 2
     work = offered_gpu_seconds(jobs)
     on_fleet = f", load {work / (gpus * span):.2f} on {gpus} GPUs" if gpus else ""
+    # On standard error, as simulate's lines: --out may be /dev/stdout, and the trace is the output.
     print(
-        f"wrote {args.out}: {len(jobs)} jobs over {args.days:g} days, {work:,.0f} GPU-seconds offered{on_fleet}"
+        f"wrote {args.out}: {len(jobs)} jobs over {args.days:g} days, {work:,.0f} GPU-seconds offered{on_fleet}",
+        file=sys.stderr,
     )
     return 0
+
+
+def _write_all(files: list[tuple[Path, str]]) -> None:
+    """Write each (path, text) so that a write that fails leaves every file as it was: a regular
+    file (or a new one) through a temporary file beside it, renamed over it once all are
+    written; a device (--out /dev/stdout) in place, before any rename. An OSError names its file."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, text in sorted(files, key=lambda f: _in_place(f[0]), reverse=True):
+            try:
+                if _in_place(path):
+                    with open(path, "w", encoding="utf-8") as handle:
+                        handle.write(text)
+                    continue
+                target = path.resolve() if path.is_symlink() else path  # written through the link
+                temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
+                staged.append((temporary, target))
+                with open(temporary, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+            except OSError as exc:
+                exc.filename = str(path)  # the file asked for, not the temporary one
+                raise
+        for temporary, path in staged:
+            try:
+                os.replace(temporary, path)
+            except OSError as exc:
+                exc.filename = str(path)
+                raise
+        staged.clear()
+    finally:
+        for temporary, _ in staged:
+            temporary.unlink(missing_ok=True)
+
+
+def _in_place(path: Path) -> bool:
+    """Whether a file is written in place: a device or pipe, not a regular file or a new one."""
+    try:
+        return path.exists() and not path.is_file()
+    except OSError:
+        return False
 
 
 def _fleet_gpus(fleet_yaml: str) -> int:
