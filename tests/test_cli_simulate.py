@@ -208,3 +208,37 @@ def test_an_output_that_cannot_take_every_result_is_refused_before_the_simulatio
     assert main(simulate_argv(*inputs, out, "--compare", "easy")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "give --out a folder you can write" in err and "simulated" not in err, name
+
+
+@pytest.mark.parametrize("trace_name, fleet_name, compare, words", [
+    ("jobs.csv", "fleet.yaml", [], "out/jobs.csv: field '--out': is the --trace file"),
+    ("trace.csv", "summary.json", ["--compare", "easy"], "out/summary.json: field '--out': is the --fleet file"),
+    ("allocations.csv", "fleet.yaml", ["--compare", "fifo"], "out/fifo/allocations.csv: field '--out': is the --trace"),
+], ids=["the trace is the jobs table's file", "the fleet is the summary's file",
+        "the trace is a compared policy's allocations file"])
+def test_results_that_would_overwrite_an_input_are_refused_before_the_simulation_runs(tmp_path, capsys, trace_name,
+                                                                                      fleet_name, compare, words):
+    out = tmp_path / "out"
+    (out / "fifo").mkdir(parents=True)
+    trace = (out / "fifo" if "fifo" in compare else out) / trace_name
+    fleet = (out if fleet_name == "summary.json" else tmp_path) / fleet_name
+    trace.write_text(TRACE)
+    fleet.write_text(FLEET)
+    assert main(simulate_argv(trace, fleet, out, *compare)) == 2
+    err = capsys.readouterr().err
+    assert words in err and "simulated" not in err, err
+    assert trace.read_text() == TRACE and fleet.read_text() == FLEET
+
+
+@pytest.mark.parametrize("name, spoil", [
+    ("the disk is full", lambda out: (out / "summary.json").symlink_to("/dev/full")),
+    ("a result file is a dangling link", lambda out: (out / "allocations.csv").symlink_to(out / "gone" / "x.csv")),
+])
+def test_results_that_cannot_be_written_after_the_run_are_one_line_not_a_traceback(tmp_path, inputs, capsys,
+                                                                                   name, spoil):
+    out = tmp_path / "out"
+    out.mkdir()
+    spoil(out)
+    assert main(simulate_argv(*inputs, out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "cannot write the results here" in err and "Traceback" not in err, name

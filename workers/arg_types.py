@@ -80,3 +80,11 @@ def read_input(path: str | Path, what: str) -> str:
         line = raw.count(b"\n", 0, e.start) + 1
         raise InputError(str(path), line, None, f"the {what} is not UTF-8 text (byte 0x{raw[e.start]:02x}); "
                                                 "save it as UTF-8") from None
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (the same path, or links to one); False if unsure."""
+    try:
+        return Path(a).resolve() == Path(b).resolve() or (Path(b).exists() and Path(a).samefile(b))
+    except OSError:
+        return False

@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 bad input (the message names the file, line and field),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
 from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_json, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
-from workers.arg_types import finite, read_input
+from workers.arg_types import finite, read_input, same_file
 from workers.cli_dev import add_dev_commands
 from workers.cli_fleet import add_fleet_commands
 from workers.cli_jobs import add_job_commands
@@ -47,11 +48,19 @@ def load_inputs(trace_path: str, fleet_path: str) -> tuple[list[TraceJob], Fleet
     return trace, fleet
 
 
-def _check_writable(out: Path, policies: list[str]) -> None:
+def _check_writable(out: Path, policies: list[str], inputs: dict[str, str]) -> None:
     """Refuse, before hours of simulation and not after, an output folder where a result could
-    not be written: DIR and each compared policy's DIR/<name>, and every file they will hold."""
+    not be written: DIR and each compared policy's DIR/<name>, and every file they will hold;
+    and one where a result would overwrite an input (`--out` the trace's own folder, holding it
+    as jobs.csv)."""
     folders = {out: RUN_FILES + (COMPARISON_FILES if len(policies) > 1 else ())}
     folders.update({out / name: RUN_FILES for name in policies[1:]})
+    for folder, files in folders.items():
+        for name in files:
+            for flag, given in inputs.items():
+                if same_file(Path(given), folder / name):
+                    raise InputError(str(folder / name), None, "--out", (
+                        f"is the {flag} file {given}: the results would overwrite it; give --out another folder"))
     for folder, files in folders.items():
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -66,6 +75,18 @@ def _check_writable(out: Path, policies: list[str]) -> None:
         except OSError as e:
             raise InputError(str(folder), None, "--out", f"cannot write the results here ({e.strerror}); "
                                                          "give --out a folder you can write") from None
+
+
+@contextlib.contextmanager
+def _results_to(folder: Path):
+    """A result that cannot be written after all (the disk filled, a file of the folder turned
+    into a dangling link meanwhile) is one line naming the file, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        where = e.filename or folder
+        raise InputError(str(where), None, "--out", f"cannot write the results here ({e.strerror or e}); "
+                                                     "free some space or give --out another folder") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -96,16 +117,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.out.strip():  # Path("") is the current folder: the results would land anywhere
         raise InputError("simulate", None, "--out", "is empty; give the folder for the results")
     out = Path(args.out)
-    _check_writable(out, names)
+    _check_writable(out, names, {"--trace": args.trace, "--fleet": args.fleet})
     summaries = {}
     for name in names:
         began = time.perf_counter()
         result = simulate(trace, fleet, name, settings, stopwatch=time.perf_counter)
         elapsed = time.perf_counter() - began
         # The chosen policy's files go straight into DIR; compared baselines into DIR/<name>.
-        summary = write_run(result, out if name == names[0] else out / name)
-        summary["simulation_wall_s"] = round(elapsed, 2)
-        write_json(summary, (out if name == names[0] else out / name) / SUMMARY_JSON)
+        folder = out if name == names[0] else out / name
+        with _results_to(folder):
+            summary = write_run(result, folder)
+            summary["simulation_wall_s"] = round(elapsed, 2)
+            write_json(summary, folder / SUMMARY_JSON)
         summaries[name] = summary
         if not args.json:
             rejected = summary["wait_s"]["all"]["rejected"]
@@ -113,7 +136,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"{name}: {len(trace)} jobs simulated in {elapsed:.1f} s{note} -> "
                   f"{out if name == names[0] else out / name}", file=sys.stderr)
     if len(names) > 1:
-        table = write_comparison(summaries, out)
+        with _results_to(out):
+            table = write_comparison(summaries, out)
         if not args.json:
             print(table)
     if args.json:

@@ -31,7 +31,7 @@ from scheduler.sim.workloads import (
     generate_trace,
     offered_gpu_seconds,
 )
-from workers.arg_types import finite, positive_float, read_input
+from workers.arg_types import finite, positive_float, read_input, same_file
 
 
 def add_trace_commands(subparsers) -> None:
@@ -107,10 +107,10 @@ def run_from_philly(args: argparse.Namespace) -> int:
     def make() -> tuple[list[TraceJob], int | None]:
         if not 0 < args.days <= MAX_GENERATED_DAYS:
             raise InputError("--days", None, None, f"must be above 0 and at most {MAX_GENERATED_DAYS}, got {args.days:g}")
-        if _same_file(args.input, args.out):
+        if same_file(args.input, args.out):
             raise InputError("--out", None, None, f"is the input {args.input}: it would be overwritten; "
                                                   "write the trace to another file")
-        if args.fleet_out is not None and _same_file(args.input, args.fleet_out):
+        if args.fleet_out is not None and same_file(args.input, args.fleet_out):
             raise InputError("--fleet-out", None, None, f"is the input {args.input}: it would be overwritten; "
                                                         "write the fleet to another file")
         text = read_input(args.input, "Philly trace")
@@ -139,7 +139,7 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
               file=sys.stderr)
         return 2
     span = args.days * DAY
-    if args.fleet_out is not None and _same_file(args.out, args.fleet_out):
+    if args.fleet_out is not None and same_file(args.out, args.fleet_out):
         print(f"error: --fleet-out: is --out ({args.out}): give the fleet a file of its own", file=sys.stderr)
         return 2
     writing = args.out  # the file a failed write names: a full disk raises no filename
@@ -209,10 +209,3 @@ def _in_place(path: Path) -> bool:
 
 def _fleet_gpus(fleet_yaml: str) -> int:
     return parse_fleet(fleet_yaml, "generated fleet").total_gpus
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return Path(a).resolve() == Path(b).resolve() or (Path(b).exists() and Path(a).samefile(b))
-    except OSError:
-        return False
