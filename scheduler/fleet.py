@@ -124,6 +124,7 @@ _UNREADABLE = object()  # a scalar its tag cannot read (`!!int abc`)
 MAX_GPUS_PER_MACHINE = 1024
 MAX_MACHINES_PER_BLOCK = 100_000
 MAX_MACHINES_PER_FLEET = 100_000  # across its clusters: 800,000 GPUs of 8, past any fleet there is
+MAX_GPUS_PER_FLEET = 1_000_000  # and so GPUs too: 100,000 machines of 1,024 would take gigabytes
 
 
 class _FleetReader:
@@ -133,6 +134,7 @@ class _FleetReader:
         self.source = source
         self.loader = loader
         self.machines = 0  # read so far, in every cluster
+        self.gpus = 0
 
     def fleet(self, root: yaml.Node) -> Fleet:
         top = self.mapping(root, "", allowed=_TOP_KEYS, required=("clusters",), what="the fleet file")
@@ -178,6 +180,11 @@ class _FleetReader:
             raise self.error(keys["racks"], f"{field}.racks",
                              f"brings the fleet to {self.machines} machines; a fleet file holds at most "
                              f"{MAX_MACHINES_PER_FLEET}: give fewer racks or machines_per_rack")
+        self.gpus += racks * per_rack * gpus
+        if self.gpus > MAX_GPUS_PER_FLEET:
+            raise self.error(keys["gpus_per_machine"], f"{field}.gpus_per_machine",
+                             f"brings the fleet to {self.gpus} GPUs; a fleet file holds at most "
+                             f"{MAX_GPUS_PER_FLEET}: give fewer machines or GPUs per machine")
         gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
         if "gpu_memory_gb" in keys:
             memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb")
@@ -213,7 +220,8 @@ class _FleetReader:
             return {}, None
         if isinstance(node, yaml.MappingNode):
             for key_node, _ in node.value:
-                if not isinstance(key_node, yaml.ScalarNode) or self.is_null(key_node) or not str(key_node.value).strip():
+                if (not isinstance(key_node, yaml.ScalarNode) or self.is_null(key_node)
+                        or not str(key_node.value).strip() or not str(key_node.value).isprintable()):
                     raise self.error(key_node, "quotas",
                                      f"a team's name must be plain text, got {self.shown(key_node)}")
         entries = self.mapping(node, "quotas", allowed=None, required=(), what="quotas")
@@ -365,9 +373,9 @@ class _FleetReader:
 
     def text(self, node: yaml.Node, field: str) -> str:
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
-        if isinstance(value, str) and value.strip():
+        if isinstance(value, str) and value.strip() and value.strip().isprintable():
             return value.strip()
-        raise self.error(node, field, f"must be a non-empty string, got {self.shown(node)}")
+        raise self.error(node, field, f"must be a non-empty string of printable characters, got {self.shown(node)}")
 
     def name(self, node: yaml.Node, field: str) -> str:
         """A path segment of machine ids, so it must not contain '/' or whitespace."""
@@ -375,12 +383,13 @@ class _FleetReader:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             # As written: YAML reads `010` as 8 and `0x1F` as 31, but the ids say what the file says.
             name = value if isinstance(value, str) else str(node.value)
-            if name and "/" not in name and not any(c.isspace() for c in name):
+            if name and "/" not in name and name.isprintable() and not any(c.isspace() for c in name):
                 return name
         raise self.error(
             node,
             field,
-            f"must be a short name without '/' or spaces (it becomes part of machine ids), got {self.shown(node)}",
+            f"must be a short name of printable characters without '/' or spaces (it becomes part of machine "
+            f"ids), got {self.shown(node)}",
         )
 
     def error(self, node: yaml.Node, field: str | None, message: str) -> InputError:

@@ -226,6 +226,12 @@ BAD_FLEETS = [
     ("clusters: " + "[" * 2000 + "]" * 2000 + "\n", 1, None, "nests lists or mappings too deeply"),
     (one_block(block(), "quotas:\n  vision:\n    guaranteed: " + "[" * 2000 + "]" * 2000 + "\n"), 7, None,
      "nests lists or mappings too deeply"),
+    (one_block(block(racks=1000, machines_per_rack=100, gpus_per_machine=1024)), 4,
+     "clusters[0].blocks[0].gpus_per_machine", "brings the fleet to 102400000 GPUs; a fleet file holds at most 1000000"),
+    (one_block(block(name='"b\\0"')), 4, "clusters[0].blocks[0].name", "printable characters"),
+    (one_block(block(gpu_type='"H100\\u202e"')), 4, "clusters[0].blocks[0].gpu_type", "printable characters"),
+    (one_block(block(), 'quotas:\n  "vis\\x07ion": {guaranteed: 8}\n'), 6, "quotas",
+     "a team's name must be plain text"),
 ]
 
 
@@ -269,6 +275,10 @@ BAD_FLEETS = [
         "an inference partition with a capital letter, which would make it a training one",
         "lists nested thousands deep, which the YAML reader would recurse into",
         "a quota nested thousands deep",
+        "machines of GPUs adding up to more than any fleet, refused before they are built",
+        "a block name with a NUL character",
+        "a GPU type with a right-to-left override",
+        "a team name with a control character",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
