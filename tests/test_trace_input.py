@@ -170,6 +170,10 @@ BAD_TRACES = [
     ("job_id,submit_time,duration,num_gpus,team\rj1,0,60,1,vision\rj2\r3,0,60,1,vision\n", 3, None,
      "one value per column"),
     (trace(row(team="x" * 200_000)), 2, None, "not valid CSV"),
+    (trace(row(team="vision\u202e")), 2, "team", "control character"),
+    (trace(row(job_id="j\u20281")), 2, "job_id", "control character"),
+    (trace(*(row(job_id=f"j{k}", duration="1e6", checkpoint_interval="1") for k in range(3))), 4,
+     "checkpoint_interval", "brings the trace to 3,000,000 checkpoints"),
 ]
 
 
@@ -209,6 +213,9 @@ BAD_TRACES = [
         "a GPU type with a control character",
         "old Mac line endings are line ends, and one inside a value splits its row",
         "a value longer than any CSV reader takes",
+        "a team with a right-to-left override",
+        "a job id with a line separator",
+        "jobs whose checkpoints add up to more than a trace holds, refused at the row that crosses it",
     ],
 )
 def test_a_bad_trace_names_line_column_and_fix(text, line, field, fix):

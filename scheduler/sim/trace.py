@@ -49,7 +49,8 @@ DECIMAL = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)"
 WHOLE = re.compile(r"\d+", re.ASCII)
 LONGEST_S = 3.2e8
 MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
-CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+# And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
+MOST_CHECKPOINTS_IN_TRACE = 2_000_000
 OPTIONAL_EXTRA_COLUMNS = ("cluster", "gpu_memory_gb")
 
 
@@ -92,6 +93,7 @@ def _read_rows(reader, source: str, check: TraceCheck | None) -> list[TraceJob]:
     header = _header(next(reader, None), source)
     jobs: list[TraceJob] = []
     first_line_of: dict[str, int] = {}
+    checkpoints = 0.0  # the writes its jobs ask for, summed
     ended = reader.line_num  # the line the last record ended on
     for row in reader:
         began, ended = ended + 1, reader.line_num
@@ -125,6 +127,13 @@ def _read_rows(reader, source: str, check: TraceCheck | None) -> list[TraceJob]:
                 f"{job_id!r} is already used on line {first_line_of[job_id]}; every job needs its own id",
             )
         first_line_of[job_id] = line
+        if job.spec.checkpoint_interval:
+            checkpoints += job.duration / job.spec.checkpoint_interval
+            if checkpoints > MOST_CHECKPOINTS_IN_TRACE:
+                raise InputError(source, line, "checkpoint_interval", (
+                    f"brings the trace to {checkpoints:,.0f} checkpoints (duration / checkpoint_interval, summed); "
+                    f"a trace holds at most {MOST_CHECKPOINTS_IN_TRACE:,}: give its jobs longer intervals, or "
+                    "split the trace"))
         problem = check(job) if check is not None else None
         if problem is not None:
             raise InputError(source, line, *problem)
@@ -256,7 +265,7 @@ class _RowReader:
         value = self.cells[column]
         if not value:
             raise self.error(column, f"is empty; every job needs a {column}")
-        if CONTROL_CHARACTER.search(value):
+        if not value.isprintable():  # ASCII controls, and Unicode's (U+0085, U+2028, U+202E, ...)
             raise self.error(column, f"holds a control character ({value!r}); give plain text")
         return value
 
