@@ -188,9 +188,11 @@ def test_on_a_gangs_other_machines_the_job_runs_on_and_leaves_saving_to_rank_0(t
     (["--steps", "1", "--step-seconds", "nan"], {}, "must be a finite number >= 0"),
     (["--steps", "1"], {"GPUSCHED_CHECKPOINT_INTERVAL": "abc"}, "is not a number of seconds"),
     (["--steps", "1"], {"GPUSCHED_CHECKPOINT_URI": "bogus"}, "only s3:// and file:// are supported"),
+    (["--steps", "1", "--fail-at-step", "0"], {}, "must be a finite number >= 1"),
 ], ids=["a negative count", "an infinite state", "a state bigger than memory", "a part size in superscript",
         "a step time that is not a number",
-        "a checkpoint interval that is not a number", "a checkpoint URI no store has"])
+        "a checkpoint interval that is not a number", "a checkpoint URI no store has",
+        "a failure at a step that never comes (steps count from 1)"])
 def test_bad_arguments_exit_2(args, env, words):
     rc, out = run_to_end(args, job_env(**env))
     assert rc == 2 and words in out[-1] and not any("Traceback" in line for line in out), out

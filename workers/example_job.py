@@ -233,11 +233,11 @@ def run(args: argparse.Namespace) -> int:
 # --- command line ----------------------------------------------------------------------------
 
 
-def _nonneg(kind, most: float = math.inf):
+def _nonneg(kind, most: float = math.inf, least: float = 0):
     def parse(text: str):
         value = kind(text)
-        if not 0 <= value < math.inf:  # NaN fails both
-            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        if not least <= value < math.inf:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {least:g}, got {text}")
         if value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
@@ -253,8 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of work per step (default 1)")
     parser.add_argument("--state-mb", type=_nonneg(float, MAX_STATE_MB), default=0.0,
                         help=f"pad each checkpoint to about this many MiB, at most {MAX_STATE_MB} (default 0)")
-    parser.add_argument("--fail-at-step", type=int, default=None, metavar="K",
-                        help="exit 3 when step K would run (for tests)")
+    parser.add_argument("--fail-at-step", type=_nonneg(int, least=1), default=None, metavar="K",
+                        help="exit 3 when step K (1 or more) would run (for tests)")
     parser.add_argument("--backend", choices=("auto", "python", "torch"), default="auto",
                         help="where the work runs: auto (torch+CUDA, torch, else python)")
 
