@@ -205,3 +205,13 @@ def test_a_fleet_that_cannot_be_written_leaves_no_trace_behind_and_the_command_i
     assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(spaced),
                "--fleet-out", str(fleet)) == 0
     assert f"--out '{spaced}' --fleet-out '{fleet}'" in fleet.read_text().splitlines()[0]
+
+
+def test_a_fleet_too_big_to_write_names_the_flags_that_size_it_not_a_file_never_written(tmp_path, capsys):
+    out, fleet_out = tmp_path / "t.csv", tmp_path / "f.yaml"
+    assert run("trace", "generate", "--gpus", "1000000", "--load", "0.01", "--out", str(out),
+               "--fleet-out", str(fleet_out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --fleet-out: the fleet this trace needs at this --load is more than") and \
+        "give a higher --load" in err and "generated fleet" not in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -208,4 +208,9 @@ def _in_place(path: Path) -> bool:
 
 
 def _fleet_gpus(fleet_yaml: str) -> int:
-    return parse_fleet(fleet_yaml, "generated fleet").total_gpus
+    try:
+        return parse_fleet(fleet_yaml, "generated fleet").total_gpus
+    except InputError as exc:  # it names a line of a file never written, and racks nobody gave
+        raise InputError("--fleet-out", None, None, (
+            f"the fleet this trace needs at this --load is more than a fleet file holds ({exc.message}); "
+            "give a higher --load, or a smaller workload (--gpus, --jobs, --days)")) from None
