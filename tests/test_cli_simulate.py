@@ -242,3 +242,8 @@ def test_results_that_cannot_be_written_after_the_run_are_one_line_not_a_traceba
     assert main(simulate_argv(*inputs, out)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "cannot write the results here" in err and "Traceback" not in err, name
+
+
+def test_a_policy_name_is_read_as_compare_reads_them_spaces_and_all(tmp_path, inputs, capsys):
+    assert main(simulate_argv(*inputs, tmp_path / "out", "--policy", " fifo ", "--compare", " easy ")) == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["policy"] == "fifo"

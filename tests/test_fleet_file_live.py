@@ -67,7 +67,10 @@ def test_fleet_apply_declares_the_file_s_machines_partitions_and_quotas(stack, t
     ("clusters:\n  - name: c1\n    blocks:\n      - {name: b0, racks: 1, machines_per_rack: 1, gpus_per_machine: 4, "
      "gpu_type: H100}\nquotas:\n  vision: {guaranteed: 8, max: 4}\n", "fleet.yaml:6"),
     ("clusters: [", "fleet.yaml:1: is not valid YAML"),
-], ids=["a cluster without blocks", "a maximum below the guarantee", "broken YAML"])
+    ("clusters:\n  - name: c1\n    blocks:\n      - {name: b0, racks: 1, machines_per_rack: 1, gpus_per_machine: 4, "
+     "gpu_type: H100}\nquotas:\n  " + "t" * 200 + ": {guaranteed: 8}\n", "a team's name has at most 128"),
+], ids=["a cluster without blocks", "a maximum below the guarantee", "broken YAML",
+        "a team's name longer than the live stack takes"])
 def test_fleet_apply_refuses_a_bad_file_naming_its_line_and_changes_nothing(stack, tmp_path, capsys, content, words):
     s = stack(machines=1, gpus=2)
     before = machines(s), s.run(s.client.quotas())

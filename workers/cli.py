@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = commands.add_parser("simulate", help="replay a trace on a fleet with a policy")
     sim.add_argument("--trace", required=True, help="trace CSV (see docs/traces.md)")
     sim.add_argument("--fleet", required=True, help="fleet YAML (see docs/traces.md)")
-    sim.add_argument("--policy", default="gpusched", help=f"one of {', '.join(POLICIES)} (default gpusched)")
+    sim.add_argument("--policy", default="gpusched", type=str.strip, help=f"one of {', '.join(POLICIES)} (default gpusched)")
     sim.add_argument("--compare", default=None, type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                      help="also run these policies, e.g. fifo,easy; each goes into DIR/<name>")
     sim.add_argument("--out", required=True, help="output folder")

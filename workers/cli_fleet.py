@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scheduler.errors import InputError
 from scheduler.fleet import parse_fleet
 from workers.arg_types import read_input
 from workers.cli_jobs import run_with_client
+from workflows.types import team_problem
 
 
 def add_fleet_commands(subparsers) -> None:
@@ -32,6 +34,9 @@ def add_fleet_commands(subparsers) -> None:
 def cmd_fleet_apply(args: argparse.Namespace) -> int:
     # Read before connecting: a bad file is refused (exit 2, file, line and field) with no stack.
     fleet = parse_fleet(read_input(args.file, "fleet file"), args.file)
+    for team in fleet.quotas:  # what the live stack takes of a team's name, beyond the simulator
+        if (problem := team_problem(team)) is not None:
+            raise InputError(args.file, None, f"quotas.{team[:40]}", problem)
 
     async def body(client) -> int:
         applied = await client.store.apply_fleet(fleet)
