@@ -215,3 +215,16 @@ def test_a_fleet_too_big_to_write_names_the_flags_that_size_it_not_a_file_never_
     assert err.startswith("error: --fleet-out: the fleet this trace needs at this --load is more than") and \
         "give a higher --load" in err and "generated fleet" not in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out, words", [
+    ("{d}/traces/", "'{d}/traces/' is a folder; give the name of a file"),
+    ("{d}", "'{d}' is a folder"),
+    ("", "argument --out: is empty; give a file name"),
+], ids=["a folder's name with its slash, which would have been written as a file", "a folder that is there",
+        "nothing"])
+def test_a_trace_is_written_to_a_file_not_to_a_folder_s_name(tmp_path, capsys, out, words):
+    with pytest.raises(SystemExit) as exited:
+        run("trace", "generate", "--jobs", "5", "--out", out.format(d=tmp_path))
+    assert exited.value.code == 2 and words.format(d=tmp_path) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -63,6 +63,16 @@ def positive_float(text: str) -> float:
 MAX_INPUT_BYTES = 2**29  # a trace or fleet file bigger than this is not what it seems
 
 
+def file_path(text: str) -> Path:
+    """A file to write: not empty, and not a folder's name (`out/`), which Path would quietly take
+    for the file `out`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a file name")
+    if text.endswith(("/", "\\")) or Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give the name of a file (in it, say)")
+    return Path(text)
+
+
 def read_input(path: str | Path, what: str) -> str:
     """The text of an input file, or an ``InputError`` saying why it cannot be read: missing,
     unreadable, or not UTF-8 (with the line of the first bad byte)."""

@@ -31,7 +31,7 @@ from scheduler.sim.workloads import (
     generate_trace,
     offered_gpu_seconds,
 )
-from workers.arg_types import finite, positive_float, read_input, same_file
+from workers.arg_types import file_path, finite, positive_float, read_input, same_file
 
 
 def add_trace_commands(subparsers) -> None:
@@ -46,7 +46,7 @@ def add_trace_commands(subparsers) -> None:
     generate = commands.add_parser(
         "generate", help="write a synthetic seed-scale trace (mix in docs/traces.md)"
     )
-    generate.add_argument("--out", required=True, type=Path, help="trace CSV to write")
+    generate.add_argument("--out", required=True, type=file_path, help="trace CSV to write")
     generate.add_argument("--jobs", type=int, default=3000, help="number of jobs (default 3000)")
     generate.add_argument("--days", type=finite, default=3.0, help="arrival window in days (default 3)")
     generate.add_argument(
@@ -59,7 +59,7 @@ def add_trace_commands(subparsers) -> None:
     generate.add_argument(
         "--inference-fraction", type=finite, default=0.0, help="share of inference jobs (default 0)"
     )
-    generate.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
+    generate.add_argument("--fleet-out", type=file_path, help="also write a fleet YAML sized for --load")
     generate.set_defaults(func=run_generate)
 
     philly = commands.add_parser(
@@ -68,7 +68,7 @@ def add_trace_commands(subparsers) -> None:
     philly.add_argument(
         "--input", required=True, type=Path, help="your copy of philly.csv (see docs/traces.md)"
     )
-    philly.add_argument("--out", required=True, type=Path, help="trace CSV to write")
+    philly.add_argument("--out", required=True, type=file_path, help="trace CSV to write")
     philly.add_argument(
         "--start", default=PHILLY_BUSIEST_WEEK, help=f"window start (default {PHILLY_BUSIEST_WEEK!r})"
     )
@@ -76,7 +76,7 @@ def add_trace_commands(subparsers) -> None:
     philly.add_argument(
         "--seed", type=int, default=1, help="seed for priorities and estimate errors (default 1)"
     )
-    philly.add_argument("--fleet-out", type=Path, help="also write a fleet YAML sized for --load")
+    philly.add_argument("--fleet-out", type=file_path, help="also write a fleet YAML sized for --load")
     philly.add_argument(
         "--load", type=positive_float, default=1.1, help="offered load the fleet is sized for (default 1.1)"
     )
