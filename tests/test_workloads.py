@@ -134,14 +134,18 @@ def test_a_generated_trace_round_trips_through_csv():
         ({"jobs": 0}, "jobs"),
         ({"load": 0}, "load"),
         ({"inference_fraction": 1.5}, "inference_fraction"),
+        ({"inference_fraction": 1.0}, "inference_fraction"),
         ({"jobs": 10, "gpus": 5120, "load": 50.0}, "load"),
     ],
-    ids=["no jobs", "no load", "a fraction above one", "more work than ten 3-day jobs can carry"],
+    ids=["no jobs", "no load", "a fraction above one", "only inference jobs, which leave none to carry the load",
+         "more work than ten 3-day jobs can carry"],
 )
 def test_impossible_generator_arguments_are_input_errors(arguments, field):
     with pytest.raises(InputError) as caught:
         generate_trace(**arguments)
     assert caught.value.field == field
+    if field == "inference_fraction":
+        assert "must be 0 or more and below 1" in caught.value.message
 
 
 # --- The Philly converter ----------------------------------------------------------------------

@@ -149,8 +149,8 @@ def _check_generator_arguments(jobs, days, gpus, load, teams, inference_fraction
         raise bad("gpus", f"must be between 1 and {MAX_GENERATED_GPUS:,}, got {gpus}")
     if not 0 < load <= MAX_LOAD:
         raise bad("load", f"must be above 0 and at most {MAX_LOAD:g}, got {load}")
-    if not 0 <= inference_fraction <= 1:
-        raise bad("inference_fraction", f"must be between 0 and 1, got {inference_fraction}")
+    if not 0 <= inference_fraction < 1:  # at 1 no training job is left to carry the load
+        raise bad("inference_fraction", f"must be 0 or more and below 1, got {inference_fraction}")
     if not teams or any(not w > 0 for w in teams.values()):
         raise bad("teams", "must name at least one team, each with a weight above 0")
 
