@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection
 
+from activities.outages import in_words
 from activities.store import Store
 from workflows.types import CheckpointAck, CheckpointReport
 
@@ -91,8 +92,19 @@ class CheckpointCommitter:
         return ack
 
     async def _clean_up(self, job_id: str, committed_seq: int, superseded: list[tuple[int, str]]) -> None:
-        await self._delete_superseded(job_id, superseded)
-        await self._abort_abandoned_uploads(job_id, committed_seq)
+        """Best effort, in the background: what stays, a later commit clears. Nobody awaits this
+        task, so it says itself what stopped it (before, asyncio's "Task exception was never
+        retrieved" and a traceback for every commit while Postgres restarted)."""
+        try:
+            await self._delete_superseded(job_id, superseded)
+            await self._abort_abandoned_uploads(job_id, committed_seq)
+        except Exception as e:
+            outage = in_words(e)
+            if outage is not None:
+                log.warning("could not clear %s's superseded checkpoints now (%s); a later commit tries again",
+                            job_id, outage)
+            else:
+                log.exception("could not clear %s's superseded checkpoints; a later commit tries again", job_id)
 
     async def _delete_superseded(self, job_id: str, superseded: list[tuple[int, str]]) -> None:
         """Delete the checkpoints below the two newest complete ones: those reported (their rows

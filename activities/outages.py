@@ -12,6 +12,7 @@ transaction surfaces as the transaction's own complaint that its connection is c
 from __future__ import annotations
 
 import logging
+import re
 
 import asyncpg
 from temporalio.service import RPCError, RPCStatusCode
@@ -22,6 +23,11 @@ DATABASE_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.OperatorInter
 # asyncpg's words when a transaction or statement finds its connection gone under it (the
 # database died mid-transaction); its other interface errors are the caller's mistakes.
 _CONNECTION_CLOSED = "the underlying connection is closed"
+# And when the database shut down under an idle pooled connection: the server's farewell error
+# left its protocol consuming an error (state 2) or failed, and the next query cannot start.
+# Busy with another of our queries (any other state) would be our bug.
+_PROTOCOL_LEFT_BROKEN = re.compile(r'cannot switch to state \d+; (another operation \(2\) is in progress|'
+                                   r'protocol is in the "failed" state)')
 _CHAIN_MOST = 8  # links followed: a chain is a few exceptions long, and may loop
 
 
@@ -39,6 +45,8 @@ def database_down(error: BaseException | None) -> BaseException | None:
         if isinstance(link, DATABASE_DOWN):
             return link
         if isinstance(link, asyncpg.InterfaceError) and _CONNECTION_CLOSED in str(link):
+            return link
+        if isinstance(link, asyncpg.InternalClientError) and _PROTOCOL_LEFT_BROKEN.match(str(link)):
             return link
     return None
 

@@ -185,6 +185,17 @@ def died_mid_transaction():
         raise asyncpg.InterfaceError("cannot call Transaction.__aexit__(): the underlying connection is closed")
 
 
+def shut_down_under_a_query():
+    """What asyncpg raises when Postgres shuts down while a pooled connection is idle, at its next
+    query outside a transaction (seen in a chaos run): the protocol still consumes the
+    server's farewell error (state 2)."""
+    raise asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+
+
+def busy():
+    raise asyncpg.InternalClientError("cannot switch to state 12; another operation (11) is in progress")
+
+
 def misused():
     raise asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
 
@@ -232,9 +243,12 @@ def test_an_api_whose_database_is_down_answers_503_in_words_and_waits_for_it_at_
     assert "the database does not answer now" in beat.json()["detail"] and "try again" in beat.json()["detail"]
 
 
-@pytest.mark.parametrize("fail, status", [(died_mid_transaction, 503), (misused, 500)],
+@pytest.mark.parametrize("fail, status", [(died_mid_transaction, 503), (shut_down_under_a_query, 503),
+                                           (misused, 500), (busy, 500)],
                          ids=["the database killed mid-transaction is an outage: 503",
-                              "any other interface error is a bug: 500"])
+                              "the database shut down under an idle connection is an outage: 503",
+                              "any other interface error is a bug: 500",
+                              "a protocol busy with another query is a bug: 500"])
 def test_a_connection_closed_under_a_transaction_is_a_503_not_a_500(monkeypatch, fail, status):
     from fastapi.testclient import TestClient
 

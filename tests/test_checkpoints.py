@@ -518,3 +518,25 @@ def test_the_jobs_words_are_recorded_even_with_a_nul_in_them(env):
 def test_a_checkpoint_the_attempt_did_not_resume_from_is_not_doubted(env):
     _resumed_twice(env, 1, 2)
     assert _doubt(env, seq=1) is None
+
+
+class _StoreDown:
+    async def kept_checkpoints(self, job_id):
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+
+
+class _StoreWithABug:
+    async def kept_checkpoints(self, job_id):
+        raise TypeError("unsupported operand")
+
+
+@pytest.mark.parametrize("store, said, traceback", [
+    (_StoreDown(), "could not clear j's superseded checkpoints now (the database does not answer: ", False),
+    (_StoreWithABug(), "could not clear j's superseded checkpoints; a later commit tries again", True),
+], ids=["Postgres down: one line", "a bug: its traceback, logged by the task itself"])
+def test_the_clean_up_after_a_commit_says_what_stopped_it_and_raises_nothing(caplog, store, said, traceback):
+    committer = CheckpointCommitter(store, s3=None, bucket="b")
+    with caplog.at_level("WARNING", logger="gpusched.checkpoints"):
+        asyncio.run(committer._clean_up("j", 3, []))  # would raise, and go unretrieved, before
+    [entry] = caplog.records
+    assert entry.getMessage().startswith(said) and (entry.exc_info is not None) is traceback

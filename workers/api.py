@@ -175,9 +175,11 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_exception_handler(error, unreachable)
 
     @app.exception_handler(asyncpg.InterfaceError)
+    @app.exception_handler(asyncpg.InternalClientError)
     async def closed_under_it(request: Request, error: Exception) -> JSONResponse:
-        # The database died mid-transaction: the transaction finds its connection closed. Any
-        # other interface error is a bug of ours, and a 500.
+        # The database died mid-transaction (the transaction finds its connection closed) or shut
+        # down under an idle connection (its protocol left broken). Any other interface or
+        # client error is a bug of ours, and a 500.
         if database_down(error) is None:
             raise error
         return await unreachable(request, error)
