@@ -464,3 +464,14 @@ def test_dev_up_refuses_a_fleet_file_it_cannot_run_before_it_starts_anything(arg
     assert main([*argv, "--data-dir", str(tmp_path / "stack")]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "stack").exists()
+
+
+@pytest.mark.parametrize("argv", [["dev", "up"], ["dev", "status"], ["dev", "down"], ["list"]])
+def test_a_damaged_stack_file_says_how_to_start_again_exit_2(argv, capsys, tmp_path):
+    """Before, it said `gpusched dev up` would write it again, and `dev up` refused it as well
+    (exit 1, with "the components that did start keep running")."""
+    (tmp_path / "stack.json").write_text("{bad")
+    assert main([*argv, "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"move it aside (`mv {tmp_path}/stack.json {tmp_path}/stack.json.damaged`)" in err, err
+    assert f"pgrep -af {tmp_path}" in err and "did start" not in err and "Traceback" not in err

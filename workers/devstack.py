@@ -38,6 +38,7 @@ from workers.settings import (
     STACK_FILE,
     Settings,
     SettingsError,
+    damaged_stack_fix,
     default_data_dir,
     env_overrides,
     machine_component,
@@ -163,7 +164,7 @@ def load_state(data_dir: Path | str | None = None) -> StackState | None:
         why = message if field == "request" else f"{field}: {message}"  # "request": the file as a whole
     except (OSError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e)
-    raise StackError(f"{path} is not a gpusched stack file ({why}); `gpusched dev up` writes it again")
+    raise DataDirError(f"{path} is not a gpusched stack file ({why}); {damaged_stack_fix(path)}")
 
 
 def _save(data_dir: Path, state: StackState) -> None:

@@ -95,6 +95,13 @@ _ENV = {
 }
 
 
+def damaged_stack_fix(stack: Path) -> str:
+    """What to do about a stack file nothing can read: `dev up` will not write over it, as the
+    servers and workers it names may still run."""
+    return (f"stop what it started if any of it runs (its processes name the folder: `pgrep -af {stack.parent}`), "
+            f"move it aside (`mv {stack} {stack}.damaged`), and `gpusched dev up` starts a new stack there")
+
+
 def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
     """Settings for this process: flags (``explicit``, None meaning unset) over environment over
     the embedded stack's stack.json in ``data_dir`` (or the default data directory)."""
@@ -104,11 +111,11 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
         try:
             state = json.loads(stack.read_text())
         except (OSError, ValueError) as e:
-            raise SettingsError(f"{stack} cannot be read ({e}); `gpusched dev up` writes it again, or "
+            raise SettingsError(f"{stack} cannot be read ({e}); {damaged_stack_fix(stack)}, or "
                                 "set GPUSCHED_* (see README)") from None
         if not isinstance(state, dict) or not isinstance(state.get("settings", {}), dict):
             raise SettingsError(f"{stack} is not a stack file (a JSON object with its settings); "
-                                "`gpusched dev up` writes it again")
+                                f"{damaged_stack_fix(stack)}")
         values.update(state.get("settings", {}))
         if state.get("temporal_ui_url"):
             values.setdefault("temporal_ui_url", state["temporal_ui_url"])
