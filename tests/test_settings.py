@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from workers.settings import SettingsError, load_settings
@@ -149,3 +150,48 @@ def test_a_worker_waits_for_a_server_that_is_restarting(name, failures, error, w
 
     assert asyncio.run(scenario()) == outcome
     assert len(calls) == tries
+
+
+class _Clusters:
+    """A store whose cluster list fails `failures` times with `error` first."""
+
+    def __init__(self, failures: int, error: BaseException):
+        self.failures, self.error, self.asked = failures, error, 0
+
+    async def cluster_names(self):
+        self.asked += 1
+        if self.asked <= self.failures:
+            raise self.error
+        return ["c1", "c2"]
+
+
+@pytest.mark.parametrize("name, store, outcome, configured", [
+    ("Postgres refusing just after the worker connected is waited for",
+     _Clusters(2, ConnectionRefusedError(111, "Connect call failed")), True, ["c1", "c2"]),
+    ("Postgres shutting down just after the worker connected is waited for",
+     _Clusters(1, asyncpg.AdminShutdownError("terminating connection")), True, ["c1", "c2"]),
+    ("a bug is not waited for", _Clusters(1, TypeError("unsupported operand")), "TypeError", []),
+])
+def test_the_control_worker_starts_the_clusters_loops_once_postgres_answers_again(monkeypatch, name, store, outcome,
+                                                                                  configured):
+    """Before, Postgres killed between the worker's connection and its first query ended the
+    worker with a traceback, and no control worker ran until it was started again."""
+    import asyncio
+
+    from workers import control
+
+    started = []
+
+    async def configure(client, cluster, prefix, loop):
+        started.append(cluster)
+
+    monkeypatch.setattr(control, "configure_scheduler", configure)
+
+    async def scenario():
+        try:
+            return await control.start_scheduler_loops(store, None, "", None, asyncio.Event())
+        except Exception as e:  # noqa: BLE001 - the row names what ends the start
+            return type(e).__name__
+
+    assert asyncio.run(scenario()) == outcome
+    assert started == configured

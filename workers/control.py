@@ -23,6 +23,7 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import s3_client
 from activities.jobs import JobActivities, configure_scheduler
+from activities.outages import DATABASE_DOWN
 from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
@@ -66,6 +67,24 @@ async def ensure_search_attributes(client) -> None:
         log.info("registered the search attributes %s on namespace %s", ", ".join(added), client.namespace)
 
 
+async def start_scheduler_loops(store, client, prefix: str, loop: SchedulerInput, stop: asyncio.Event) -> bool:
+    """Each cluster's loop runs even before the first job event (and after a restart). Its flags
+    reach a loop that runs already (started by another worker, or before a restart with other
+    flags), not only one it starts. Postgres or Temporal going down just after the worker
+    connected is waited for, as at the connection (before, the worker died with a traceback and
+    no control worker ran until it was started again: a cancel waited 90 s in a chaos run).
+    False if asked to stop meanwhile."""
+
+    async def configure_each() -> bool:
+        for cluster in await store.cluster_names():
+            await configure_scheduler(client, cluster, prefix, loop)
+        return True
+
+    started = await keep_connecting("Postgres and Temporal, to start the clusters' scheduler loops,", configure_each,
+                                    stop, within=CONNECT_WITHIN, retry_on=(*DATABASE_DOWN, RPCError))
+    return bool(started)
+
+
 async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput, stop: asyncio.Event) -> None:
     # Postgres or Temporal restarting as the worker starts is waited for (a refused connection,
     # or "the database system is starting up"); a wrong password or DSN fails at once.
@@ -75,7 +94,13 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
     if store is None:
         return
     try:
-        await store.migrate()
+        async def migrate() -> bool:
+            await store.migrate()
+            return True
+
+        if not await keep_connecting(f"Postgres at {without_password(settings.pg_dsn)}, to migrate it,", migrate,
+                                     stop, within=CONNECT_WITHIN, retry_on=DATABASE_DOWN):
+            return
         client = await keep_connecting(f"Temporal at {settings.temporal_address}",
                                        lambda: connect_temporal(settings), stop, within=CONNECT_WITHIN)
         if client is None:
@@ -99,11 +124,8 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
             max_concurrent_activities=64,
         )
         async with worker:
-            # Each cluster's loop runs even before the first job event (and after a restart).
-            # Its flags reach a loop that runs already (started by another worker, or before a
-            # restart with other flags), not only one it starts.
-            for cluster in await store.cluster_names():
-                await configure_scheduler(client, cluster, settings.task_queue_prefix, loop)
+            if not await start_scheduler_loops(store, client, settings.task_queue_prefix, loop, stop):
+                return
             mark_ready(data_dir, "control")
             log.info("control worker serving %s", settings.control_task_queue)
             await stop.wait()
