@@ -31,11 +31,14 @@ ON CONFLICT (id) DO UPDATE SET gpu_type = EXCLUDED.gpu_type,
     gpu_memory_gb = EXCLUDED.gpu_memory_gb, partition = EXCLUDED.partition"""
 # A machine declared by the fleet file (`gpusched fleet apply`): a new one joins as the file says;
 # one already known (its agent reported its GPUs, type and memory) takes only its partition.
+# Answers the partition it had (NULL: new), read before the write.
 DECLARE_MACHINE = """
+WITH before AS (SELECT partition FROM machines WHERE id = $1)
 INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partition)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
-ON CONFLICT (id) DO UPDATE SET partition = EXCLUDED.partition"""
-MACHINE_PARTITION = "SELECT partition FROM machines WHERE id = $1"
+ON CONFLICT (id) DO UPDATE SET partition = EXCLUDED.partition
+RETURNING (SELECT partition FROM before)"""
+MACHINE_IDS = "SELECT id FROM machines WHERE cluster = $1 ORDER BY id"
 UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"

@@ -199,21 +199,20 @@ class Store:
             for cluster in fleet.clusters:
                 await conn.execute(q.UPSERT_CLUSTER, cluster.name)
                 for m in cluster.machines:
-                    before = await conn.fetchval(q.MACHINE_PARTITION, m.id)
-                    await conn.execute(q.DECLARE_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
-                                        m.gpu_memory_gb, m.partition)
+                    before = await conn.fetchval(q.DECLARE_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
+                                                 m.gpu_memory_gb, m.partition)
                     if before is None:
                         await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
                         applied.added.append(m.id)
                     elif before != m.partition:
                         applied.moved.append(f"{m.id} ({before} -> {m.partition})")
-            teams = {**fleet.quotas, **({"*": fleet.default_quota} if fleet.default_quota is not None else {})}
+            teams = fleet.every_quota
             for team, quota in teams.items():
                 await conn.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)
             applied.quotas = sorted(teams)
             declared = {m.id for c in fleet.clusters for m in c.machines}
             for cluster in fleet.clusters:
-                applied.undeclared += [r["id"] for r in await conn.fetch(q.LIST_MACHINES, cluster.name, LISTEN_GAP)
+                applied.undeclared += [r["id"] for r in await conn.fetch(q.MACHINE_IDS, cluster.name)
                                        if r["id"] not in declared]
         return applied
 

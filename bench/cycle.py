@@ -92,10 +92,7 @@ def expected_duration(rng: random.Random) -> float:
 def load_fleet() -> tuple[list[Machine], dict]:
     fleet = parse_fleet(FLEET.read_text(), str(FLEET.relative_to(ROOT)))
     cluster = fleet.clusters[0]
-    quotas = dict(fleet.quotas)
-    if fleet.default_quota is not None:
-        quotas["*"] = fleet.default_quota
-    return list(cluster.machines), quotas
+    return list(cluster.machines), fleet.every_quota
 
 
 def last_checkpoint(started: float, interval: float, phase: float, now: float) -> float | None:

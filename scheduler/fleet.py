@@ -74,6 +74,12 @@ class Fleet(BaseModel):
     quotas: dict[str, Quota] = {}
     default_quota: Quota | None = None
 
+    @property
+    def every_quota(self) -> dict[str, Quota]:
+        """Each team's quota and, under ``"*"``, the default: as the store and the scheduler keep them."""
+        default = {DEFAULT_QUOTA_KEY: self.default_quota} if self.default_quota is not None else {}
+        return {**self.quotas, **default}
+
     def quota_for(self, team: str) -> Quota | None:
         """The team's own quota, else the default; None means the team has no quota at all."""
         return self.quotas.get(team, self.default_quota)

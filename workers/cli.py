@@ -58,7 +58,7 @@ def _check_writable(out: Path, policies: list[str], inputs: dict[str, str]) -> N
     for folder, files in folders.items():
         for name in files:
             for flag, given in inputs.items():
-                if same_file(Path(given), folder / name):
+                if same_file(given, folder / name):
                     raise InputError(str(folder / name), None, "--out", (
                         f"is the {flag} file {given}: the results would overwrite it; give --out another folder"))
     for folder, files in folders.items():

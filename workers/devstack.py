@@ -319,9 +319,9 @@ def _prepare_database(settings: Settings, state: StackState, fleet: Fleet | None
         store = await Store.connect(settings.pg_dsn)
         try:
             await store.migrate()
-            await store.register_fleet(state.cluster, state.machines)
-            if fleet is not None:
-                await store.apply_fleet(fleet)
+            await store.register_fleet(state.cluster, state.machines)  # a fleet file's machines among them
+            for team, quota in (fleet.every_quota if fleet is not None else {}).items():
+                await store.set_quota(team, quota)
         finally:
             await store.close()
 

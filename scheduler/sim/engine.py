@@ -168,9 +168,7 @@ class Simulation:
         self.policy = settings.policy  # what the scheduler is told; it may learn restart times
         self.restart_seen_at: float | None = None  # when the first restarted attempt had its state back
         self.fleet = fleet
-        self.quotas = dict(fleet.quotas)
-        if fleet.default_quota is not None:
-            self.quotas["*"] = fleet.default_quota
+        self.quotas = fleet.every_quota
         self.clusters = {c.name: ClusterState(c.name, c.machines) for c in fleet.clusters}
         self.jobs: dict[str, JobLife] = {}
         self.events: list[tuple[float, int, int, object]] = []
