@@ -388,6 +388,16 @@ def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
     assert "no stack in" in out and "nothing to stop" in out and "resumes on it" not in out
 
 
+@pytest.mark.parametrize("argv", [["dev", "up"], ["dev", "status"], ["dev", "down"]])
+def test_a_data_directory_that_is_a_file_is_refused_alike_by_every_dev_command_exit_2(argv, capsys, tmp_path):
+    """`dev status` said "no stack" of it, where up and down refuse it."""
+    (tmp_path / "afile").write_text("keep me")
+    assert main([*argv, "--data-dir", str(tmp_path / "afile")]) == 2
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'afile'} is a file, not a data directory" in captured.err and "no stack" not in captured.out
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 # A worker that ends its first ``ends`` starts as asked (``how``), then serves: it marks itself
 # ready, as the real workers do, and sleeps.
 FLAKY_WORKER = """

@@ -72,6 +72,8 @@ def _check_writable(out: Path, policies: list[str], inputs: dict[str, str]) -> N
                     raise IsADirectoryError(21, f"{name} there is a folder")
                 if path.exists() and not os.access(path, os.W_OK):
                     raise PermissionError(13, f"{name} there is read-only")
+                if path.is_fifo() or path.is_socket():  # writing would wait for a reader forever
+                    raise OSError(6, f"{name} there is a {'pipe' if path.is_fifo() else 'socket'}, not a file")
         except OSError as e:
             raise InputError(str(folder), None, "--out", f"cannot write the results here ({e.strerror}); "
                                                          "give --out a folder you can write") from None

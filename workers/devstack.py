@@ -174,13 +174,17 @@ def _save(data_dir: Path, state: StackState) -> None:
 @contextmanager
 def _locked(data_dir: Path) -> Iterator[None]:
     """One stack operation at a time per data directory (two `up`s would start everything twice)."""
-    if data_dir.exists() and not data_dir.is_dir():  # mkdir would say only "File exists"
-        raise DataDirError(f"{data_dir} is a file, not a data directory; give --data-dir a folder "
-                         "(a new one, or the one a stack was started in)")
+    _refuse_a_file(data_dir)  # mkdir would say only "File exists"
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "stack.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def _refuse_a_file(data_dir: Path) -> None:
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DataDirError(f"{data_dir} is a file, not a data directory; give --data-dir a folder "
+                           "(a new one, or the one a stack was started in)")
 
 
 def _log(data_dir: Path, name: str) -> Path:
@@ -549,6 +553,7 @@ def _print_summary(result: UpResult, out: IO[str]) -> None:
 
 def status(data_dir: Path | str | None = None) -> list[ComponentStatus]:
     data_dir = resolve_data_dir(data_dir)
+    _refuse_a_file(data_dir)  # not "no stack": up and down refuse it too
     state = load_state(data_dir)
     return [] if state is None else _statuses(data_dir, state)
 
