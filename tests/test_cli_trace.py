@@ -217,6 +217,18 @@ def test_a_fleet_too_big_to_write_names_the_flags_that_size_it_not_a_file_never_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_philly_window_too_short_for_its_jobs_says_to_lengthen_it(tmp_path, capsys):
+    source = tmp_path / "philly.csv"
+    source.write_text(PHILLY_HEADER + "2017-10-16 00:00:10,3000000.0,128,384000000.0,abc\n")
+    out, fleet_out = tmp_path / "t.csv", tmp_path / "f.yaml"
+    assert run("trace", "from-philly", "--input", str(source), "--out", str(out), "--days", "0.0002",
+               "--fleet-out", str(fleet_out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --fleet-out: the fleet this trace needs at this --load is more than") and \
+        "GPUs; a fleet file holds at most 1,000,000" in err and "(a longer --days)" in err, err
+    assert not out.exists() and not fleet_out.exists()
+
+
 @pytest.mark.parametrize("out, words", [
     ("{d}/traces/", "'{d}/traces/' is a folder; give the name of a file"),
     ("{d}", "'{d}' is a folder"),

@@ -266,6 +266,13 @@ def test_a_fleet_is_sized_in_whole_racks_for_the_load():
     assert offered_load(jobs, fleet.total_gpus, DAY) == pytest.approx(1.25)
 
 
+def test_a_fleet_bigger_than_a_fleet_file_holds_is_refused_before_its_racks_are_laid_out():
+    """A week-long job in a window of a minute asked for millions of GPUs: laying out their racks
+    took minutes and gigabytes before the fleet file's limit refused them."""
+    with pytest.raises(InputError, match="would have 4,838,400 GPUs; a fleet file holds at most 1,000,000"):
+        fleet_for(uniform_jobs(1, 8, 7 * DAY), load=1.0, span=1.0)
+
+
 def test_a_big_fleet_is_split_into_blocks_of_eight_racks():
     jobs = uniform_jobs(100, 8, 20 * 128 * DAY / 800)  # 20 racks' worth at load 1
     blocks = Counter(

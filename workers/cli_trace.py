@@ -147,9 +147,10 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
         jobs, gpus = make()
         files = [(args.out, format_trace(jobs))]
         if args.fleet_out is not None:
-            fleet = fleet_for(jobs, load=args.load, span=span, comment=f"Made by: {command}")
+            # generate's workload has its own flags; a Philly window is made smaller only by its length
+            smaller = "--gpus, --jobs, --days" if hasattr(args, "jobs") else "a longer --days"
+            fleet, gpus = _sized_fleet(jobs, args.load, span, f"Made by: {command}", smaller)
             files.append((args.fleet_out, fleet))
-            gpus = _fleet_gpus(fleet)
         _write_all(files)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -207,10 +208,12 @@ def _in_place(path: Path) -> bool:
         return False
 
 
-def _fleet_gpus(fleet_yaml: str) -> int:
+def _sized_fleet(jobs: list, load: float, span: float, comment: str, smaller: str) -> tuple[str, int]:
+    """The fleet YAML sized for `load`, and its GPUs."""
     try:
-        return parse_fleet(fleet_yaml, "generated fleet").total_gpus
+        fleet = fleet_for(jobs, load=load, span=span, comment=comment)
+        return fleet, parse_fleet(fleet, "generated fleet").total_gpus
     except InputError as exc:  # it names a line of a file never written, and racks nobody gave
         raise InputError("--fleet-out", None, None, (
             f"the fleet this trace needs at this --load is more than a fleet file holds ({exc.message}); "
-            "give a higher --load, or a smaller workload (--gpus, --jobs, --days)")) from None
+            f"give a higher --load, or a smaller workload ({smaller})")) from None

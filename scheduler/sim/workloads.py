@@ -43,6 +43,7 @@ from datetime import datetime
 import yaml
 
 from scheduler.errors import InputError
+from scheduler.fleet import MAX_GPUS_PER_FLEET
 from scheduler.models import JobKind, JobSpec, Priority, Topology
 from scheduler.sim.trace import TraceJob
 
@@ -510,6 +511,9 @@ def fleet_for(
     racks_per_block = max(racks_per_block, math.ceil(in_one_block / rack_gpus))
     inference_machines = sized(JobKind.inference, gpus_per_machine)
     total_gpus = training_racks * rack_gpus + inference_machines * gpus_per_machine
+    if total_gpus > MAX_GPUS_PER_FLEET:  # before its racks are laid out: a long job in a short window asks billions
+        raise InputError("generated fleet", None, None, f"would have {total_gpus:,} GPUs; a fleet file holds at most "
+                                                        f"{MAX_GPUS_PER_FLEET:,}")
 
     blocks = []
     for b, first in enumerate(range(0, training_racks, racks_per_block)):
