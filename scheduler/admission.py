@@ -412,16 +412,24 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         if note:
             state.protected_notes[key] = note
         return False
+    # The victims' placement may use the reserved pool: a claimant entitled to displace work
+    # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
+    # Asked before the victims are searched: with a victim's GPUs given back, best fit would
+    # choose the victim's now tighter machine over the pool's free one.
+    slots = placement.find_gpus(cap, spec, avoid=avoid) if state.keep_whole else None
+    if slots is not None:
+        cap.take(slots)
+        usage.add(spec.team, spec.num_gpus)
+        state.placed.append((job, slots, _on_hold(state, slots)))
+        return True
     state.searches += 1
-    # The victims' placement may use the reserved pool: a claimant entitled to displace work may
-    # take free GPUs kept whole there (earmarked, with nobody displaced) rather than cost a job
-    # its work (policy.md, Preemption 1).
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
     if choice is None:
         state.no_victims.add(key)
         return False
     if not choice.victims:
-        # Room the reserved pool kept whole, all free: it starts there now, displacing nobody.
+        # The placement with the victims gone needs none of their GPUs after all: it starts now,
+        # displacing nobody.
         cap.take(choice.gpus)
         usage.add(spec.team, spec.num_gpus)
         state.placed.append((job, choice.gpus, _on_hold(state, choice.gpus)))

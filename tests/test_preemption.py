@@ -319,11 +319,15 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
     assert pending(result)["claim"].reason.startswith(reason)
 
 
-def test_a_claimant_gets_the_reserved_pool_s_free_gpus_rather_than_displace_anyone():
+@pytest.mark.parametrize("running", [
+    [_run("r0", M1, started=0)],
+    [_run("r0", M1, gpus=[7], started=0), _guard(M1, gpus=range(7))],
+], ids=["the victim holds a whole machine",
+        "the victim's machine is otherwise full, so best fit with the victim gone would choose it"])
+def test_a_claimant_gets_the_reserved_pool_s_free_gpus_rather_than_displace_anyone(running):
     # The reserved pool keeps m0 whole while the 8-GPU job waits; the high 1-GPU job, entitled to
     # displace r0, starts on a free GPU of m0 instead: at once, and nobody loses work.
-    snap = snapshot(fleet(machines=2, gpus=8), reserved_pool_fraction=0.005,
-                    running=[_run("r0", M1, started=0)],
+    snap = snapshot(fleet(machines=2, gpus=8), reserved_pool_fraction=0.005, running=running,
                     queue=[job("small").gpus(1).priority("high").submitted(9000),
                            job("big").gpus(8).priority("low").submitted(9000)])
     result = cycle(snap)
