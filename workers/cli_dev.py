@@ -37,7 +37,7 @@ def add_dev_commands(subparsers) -> None:
     up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")
     up.add_argument("--gpu-type", default=None, help="GPU type (default: as before, else H100)")
     up.add_argument("--fleet", default=None, metavar="F.yaml",
-                    help="the machines of a fleet file (design.md; at most 64), with their places, GPU types "
+                    help="the machines of a fleet file (docs/traces.md, \"Fleet YAML\"; at most 64), with their places, GPU types "
                          "and partitions, and its quotas; instead of --machines, --gpus-per-machine, "
                          "--cluster and --gpu-type")
     up.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)

@@ -26,7 +26,7 @@ def add_fleet_commands(subparsers) -> None:
     commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="{apply}")
     apply = commands.add_parser(
         "apply", help="register the file's machines (place, GPU type, partition) and set its quotas")
-    apply.add_argument("file", help="a fleet YAML file (design.md), e.g. examples/fleet-small.yaml")
+    apply.add_argument("file", help="a fleet YAML file (docs/traces.md, \"Fleet YAML\"), e.g. examples/fleet-small.yaml")
     apply.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
     apply.set_defaults(func=cmd_fleet_apply)
 
