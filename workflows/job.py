@@ -1,6 +1,6 @@
 """JobWorkflow: the durable life of one job, from admission to a terminal state.
 
-    queued → placed → running ⇄ checkpointing → preempted → queued (resuming) → …
+    queued → placed → running → checkpointing (told to stop, in its grace) → preempted → queued (resuming) → …
            → succeeded | failed | cancelled
 
 Algorithm overview
