@@ -382,6 +382,7 @@ class Store:
         complete checkpoint to resume from or None). Launch is False when the allocation is not
         this job's live placement (a duplicate or stale signal): nothing is launched."""
         async with self.pool.acquire() as conn, conn.transaction():
+            await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)  # the job before its allocation, as end_attempt
             attempt = await conn.fetchval(q.START_ATTEMPT, allocation_id, job_id)
             if attempt is None:
                 row = await conn.fetchrow(q.ALLOCATION, allocation_id)
@@ -428,6 +429,10 @@ class Store:
         fence against zombie writers). Returns the answer and the superseded checkpoints whose
         bytes may now be deleted."""
         async with self.pool.acquire() as conn, conn.transaction():
+            # The job's row before its allocation's, in the order an attempt's end takes them
+            # (end_attempt): taken the other way round, a commit and an end at once deadlocked
+            # (bench/chaos.py: the API answered the checkpoint's report 500, with a traceback).
+            await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             alloc = await conn.fetchrow(q.ALLOCATION_FOR_FENCE, allocation_id)
             # The fence's word comes first: a zombie writer is told it is one, whatever became of
             # its bytes (superseded checkpoints' clean-up may have deleted them meanwhile).

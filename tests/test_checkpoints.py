@@ -159,6 +159,28 @@ def test_a_zombie_writers_checkpoint_is_refused_once_its_allocation_is_revoked(e
     assert "checkpoint_refused" in events and "checkpoint_committed" in events
 
 
+def test_a_commit_and_the_attempt_s_end_at_once_do_not_deadlock(env):
+    """The end holds the job, then ends its allocation; the commit used to hold the allocation,
+    then wait for the job: Postgres broke the deadlock after a second by failing one of them."""
+    from activities import queries as q
+
+    report = env.write(1, b"step=1")
+
+    async def scenario():
+        async with env.store.pool.acquire() as ending, ending.transaction():
+            await ending.fetchrow(q.JOB_FOR_UPDATE, env.job)
+            commit = asyncio.ensure_future(env.committer.commit(env.job, env.allocation, report))
+            await asyncio.sleep(0.5)  # the commit takes what it takes first
+            ended = await asyncio.wait_for(
+                ending.fetchval(q.END_ALLOCATION, env.allocation, EndReason.preempted.value, None), 10)
+        return ended, await asyncio.wait_for(commit, 10)
+
+    ended, ack = env.run(scenario())
+    env.run(env.committer.settled())
+    assert ended == env.job
+    assert not ack.committed and "no longer the job's current one" in ack.reason, ack
+
+
 def test_a_checkpoint_written_but_never_committed_is_never_resumed_from(env):
     assert env.commit(env.write(1, b"one")).committed
     env.write(2, b"two, never reported")

@@ -540,6 +540,25 @@ def test_a_job_held_for_its_change_does_not_hold_up_rows_that_only_name_it(store
     assert run(scenario()) is not None
 
 
+def test_an_attempt_s_start_and_its_end_at_once_do_not_deadlock(store_env):
+    """The end holds the job, then ends its allocation; the start used to take the allocation,
+    then wait for the job: Postgres broke the deadlock after a second by failing one of them."""
+    run, store = store_env
+    run(store.admit(job("a", gpus=2)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+
+    async def scenario():
+        async with store.pool.acquire() as ending, ending.transaction():
+            await ending.fetchrow(q.JOB_FOR_UPDATE, "a")
+            start = asyncio.ensure_future(store.start_attempt("a", alloc))
+            await asyncio.sleep(0.5)  # the start takes what it takes first
+            ended = await asyncio.wait_for(ending.fetchval(q.END_ALLOCATION, alloc, "preempted", None), 10)
+        return ended, await asyncio.wait_for(start, 10)
+
+    ended, (launch, _) = run(scenario())
+    assert ended == "a" and not launch
+
+
 def test_the_snapshot_expects_the_last_days_submissions_again_a_day_later(store_env):
     run, store = store_env
     run(store.admit(job("a", priority="high", expected_duration=1800.0)))
