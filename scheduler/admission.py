@@ -164,7 +164,7 @@ def _after_the_pool_served(state: Admission) -> bool:
 
 def admit(state: Admission, job: QueuedJob) -> None:
     spec = job.spec
-    cap, usage = state.cap, state.usage
+    usage = state.usage
     # a. maximum (a job's own earmark is promised to it already)
     more = 0 if spec.job_id in state.earmarks else spec.num_gpus
     if not usage.within_max(spec.team, more):
@@ -207,9 +207,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
         return
     slots = _place(state, job, avoid)
     if slots is not None:
-        cap.take(slots)
-        usage.add(spec.team, spec.num_gpus)
-        state.placed.append((job, slots, _on_hold(state, slots)))
+        _start_on(state, job, slots)
         return
     # d. victims still draining
     if state.draining_for.get(spec.job_id):
@@ -380,6 +378,13 @@ def _place(state: Admission, job: QueuedJob, avoid: frozenset[int]):
     return slots
 
 
+def _start_on(state: Admission, job: QueuedJob, slots) -> None:
+    """Place the job on free GPUs now."""
+    state.cap.take(slots)
+    state.usage.add(job.spec.team, job.spec.num_gpus)
+    state.placed.append((job, slots, _on_hold(state, slots)))
+
+
 def _on_hold(state: Admission, slots) -> bool:
     """Whether a placement lands on machines held for a reservation: backfilled ahead of it."""
     index = state.cap.index
@@ -418,9 +423,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     # choose the victim's now tighter machine over the pool's free one.
     slots = placement.find_gpus(cap, spec, avoid=avoid) if state.keep_whole else None
     if slots is not None:
-        cap.take(slots)
-        usage.add(spec.team, spec.num_gpus)
-        state.placed.append((job, slots, _on_hold(state, slots)))
+        _start_on(state, job, slots)
         return True
     state.searches += 1
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
@@ -430,9 +433,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     if not choice.victims:
         # The placement with the victims gone needs none of their GPUs after all: it starts now,
         # displacing nobody.
-        cap.take(choice.gpus)
-        usage.add(spec.team, spec.num_gpus)
-        state.placed.append((job, choice.gpus, _on_hold(state, choice.gpus)))
+        _start_on(state, job, choice.gpus)
         return True
     _promise_claimant(state, spec, choice.gpus)
     for victim in choice.victims:

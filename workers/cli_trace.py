@@ -100,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"--load {args.load} --seed {args.seed} --inference-fraction {args.inference_fraction} "
         f"--out {shlex.quote(str(args.out))} --fleet-out {shlex.quote(str(args.fleet_out))}"
     )
-    return _write(args, make, command)
+    return _write(args, make, command, smaller="--gpus, --jobs, --days")
 
 
 def run_from_philly(args: argparse.Namespace) -> int:
@@ -129,11 +129,12 @@ def run_from_philly(args: argparse.Namespace) -> int:
         f"--days {args.days} --seed {args.seed} --out {shlex.quote(str(args.out))} "
         f"--fleet-out {shlex.quote(str(args.fleet_out))} --load {args.load}"
     )
-    return _write(args, make, command)
+    return _write(args, make, command, smaller="a longer --days")  # a window is made smaller only by its length
 
 
-def _write(args: argparse.Namespace, make, command: str) -> int:
-    """Build the trace, write it (and the fleet), print the summary; bad input exits 2."""
+def _write(args: argparse.Namespace, make, command: str, smaller: str) -> int:
+    """Build the trace, write it (and the fleet), print the summary; bad input exits 2. `smaller`:
+    the flags that make the workload smaller, named when its fleet would be too big."""
     if args.fleet_out is not None and not MIN_LOAD <= args.load <= MAX_LOAD:
         print(f"error: --load: must be between {MIN_LOAD:g} and {MAX_LOAD:g} to size a fleet, got {args.load:g}",
               file=sys.stderr)
@@ -147,8 +148,6 @@ def _write(args: argparse.Namespace, make, command: str) -> int:
         jobs, gpus = make()
         files = [(args.out, format_trace(jobs))]
         if args.fleet_out is not None:
-            # generate's workload has its own flags; a Philly window is made smaller only by its length
-            smaller = "--gpus, --jobs, --days" if hasattr(args, "jobs") else "a longer --days"
             fleet, gpus = _sized_fleet(jobs, args.load, span, f"Made by: {command}", smaller)
             files.append((args.fleet_out, fleet))
         _write_all(files)
