@@ -259,13 +259,15 @@ class NodeActivities:
         """Watch an attempt that runs here again, as ``run_job`` does, after the server gave up on
         the first watch; never starts a process. Fails (non-retryable) when there is nothing to
         watch: no such process (this agent restarted since: the earlier one's processes were
-        reaped), or one this agent stopped because nobody watched it again in time."""
+        reaped; or the server handed the task out as Temporal died and it never arrived), or one
+        this agent stopped because nobody watched it again in time."""
         alloc = order.allocation_id
         run = self.processes.get(alloc)
         if run is None and alloc not in self.finished:
             raise ApplicationError(f"agent of {self.machine_id} runs no process of allocation {alloc} "
-                                   "(the agent restarted since it started)", type=ATTEMPT_NOT_HERE,
-                                   non_retryable=True, category=ApplicationErrorCategory.BENIGN)
+                                   "(the agent restarted since, or its task was lost with Temporal)",
+                                   type=ATTEMPT_NOT_HERE, non_retryable=True,
+                                   category=ApplicationErrorCategory.BENIGN)
         if run is not None:
             log.info("allocation %d: watched again (pid %s)", alloc, run.pid)
             result = await self._watch(run)

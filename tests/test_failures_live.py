@@ -158,7 +158,9 @@ def test_jobs_run_on_through_a_temporal_outage_longer_than_their_heartbeat_timeo
                               control_args=["--tick", "0.5"]))
         s.submit("steady", 1, example_job(60, 0.5), checkpoint_interval=2)
         s.submit("gang-of-one", 1, sleeper(35))
-        s.until(lambda: all(s.status(j).state == "running" for j in ("steady", "gang-of-one")), timeout=60)
+        # Running by the store's word is not enough: an agent whose task was lost with Temporal
+        # never started the process, and the job is rightly requeued. Both must have printed.
+        s.until(lambda: "starting at step" in s.log("steady") and "RAN" in s.log("gang-of-one"), timeout=60)
         for component in ["temporal", *also_down]:
             devstack.stop_component(data_dir, component, signal.SIGKILL)
         time.sleep(HEARTBEAT_TIMEOUT + 4)
