@@ -102,9 +102,10 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
    deadline less a small reserve for exiting (``min(1 s, grace / 10)``). No ack in time:
    ``committed=None``. No report dir: ``save()`` returns at once with ``committed=None``.
 4. Only committed checkpoints are resumed from: the control plane picks ``GPUSCHED_RESUME_FROM``.
-   ``restore()`` downloads that object and checks its bytes against its ``sha256`` metadata (and
-   its size), raising :class:`CheckpointUnusable` (a :class:`CheckpointError`) when they differ,
-   the metadata is missing or the object is gone. It first writes
+   ``restore()`` downloads that object and checks its bytes against its ``sha256`` metadata,
+   raising :class:`CheckpointUnusable` (a :class:`CheckpointError`) when they differ, the
+   metadata is missing or the object is gone (an S3 read cut short of the object's size is a
+   plain :class:`CheckpointError`: the store's fault, not the checkpoint's). It first writes
    ``$GPUSCHED_REPORT_DIR/unusable.json`` = ``{"seq": 3, "reason": "..."}``: the agent hands it to
    gpusched with the attempt's end, which takes checkpoint 3 for incomplete and queues the job
    again, to resume from the newest complete checkpoint before it (or from the start).

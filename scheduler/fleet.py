@@ -1,6 +1,6 @@
 """The fleet: which machines exist, how they are grouped, and what each team may use.
 
-A fleet file is the YAML described in design.md ("Fleet YAML"). It declares machines by shape, not
+A fleet file is the YAML described in docs/traces.md ("Fleet YAML"). It declares machines by shape, not
 one by one: a block is ``racks × machines_per_rack`` identical machines, and every machine gets the
 topology path ``cluster/block/rN/mM`` from its position. ``parse_fleet`` turns the text into frozen
 models; it never opens a file, so the caller decides where the text comes from and what ``source``

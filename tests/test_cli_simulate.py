@@ -1,4 +1,4 @@
-"""`gpusched simulate …`: the files design.md promises ("Simulator output"), `--json`, and exit code 2
+"""`gpusched simulate …`: the files docs/metrics.md promises, `--json`, and exit code 2
 with one `error:` line for bad input."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fleet file on the live stack (design.md: "Fleet YAML (simulator and dev stack)"):
+"""The fleet file on the live stack (docs/traces.md: "Fleet YAML"):
 `gpusched fleet apply` declares machines, partitions and quotas; `gpusched dev up --fleet`
 runs a stack of the file's machines; inference jobs run on the inference partition only."""
 

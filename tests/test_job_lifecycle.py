@@ -183,7 +183,7 @@ def test_a_cancellation_asked_of_temporal_cancels_the_job_like_gpusched_cancel(s
 
 
 def test_the_design_s_query_finds_a_running_job_by_its_state_and_team(stack):
-    """`temporal workflow list --query "JobState='Running' AND Team='vision'"` (design.md): the
+    """`temporal workflow list --query "JobState='Running' AND Team='vision'"` (docs/live.md): the
     state is published as that query writes it, and the query finds the job and no other."""
     s = stack(machines=1)
     s.run(s.client.set_quota("speech", Quota(guaranteed=4, max=8)))

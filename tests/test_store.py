@@ -355,9 +355,11 @@ def test_a_stored_policy_override_out_of_todays_bounds_takes_its_default_and_the
     (job("a", deadline=-5), "deadline", "epoch seconds"),
     (job("a", command=["echo", "x" * 200_000]), "command", "bytes"),
     (job("a", env={"BIG": "x" * 200_000}), "env", "bytes"),
+    (job("a", command=["EPOCHS=3", "python", "train.py"]), "command", "a variable's assignment, not a program"),
 ], ids=["an environment value with a NUL", "a command word with a NUL", "a team with a NUL",
         "a GPU type with a NUL", "a cluster with a NUL", "a submit time in milliseconds",
-        "a negative deadline", "a command of 200 kB", "an environment of 200 kB"])
+        "a negative deadline", "a command of 200 kB", "an environment of 200 kB",
+        "a command that starts with a variable, which no process runs without a shell"])
 def test_a_request_the_database_or_a_process_could_not_take_is_refused_at_admission(store_env, request_, field, words):
     run, store = store_env
     verdict = run(store.admit(request_))

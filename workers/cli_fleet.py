@@ -1,5 +1,5 @@
 """`gpusched fleet apply F.yaml`: declare the live fleet with the fleet file the simulator reads
-(design.md's fleet YAML): each machine's place (cluster, block, rack), GPU type and partition,
+(the fleet YAML of docs/traces.md): each machine's place (cluster, block, rack), GPU type and partition,
 and the teams' quotas.
 
 Machines still join the live fleet by their agents' heartbeats (`--machine-id` names the place,

@@ -1,1 +1,1 @@
-"""Temporal workflows (JobWorkflow, ClusterSchedulerWorkflow). They orchestrate only; see design.md."""
+"""Temporal workflows (JobWorkflow, ClusterSchedulerWorkflow). They orchestrate only; see docs/live.md."""

@@ -8,6 +8,7 @@ activities); the agent of machine M listens on ``agent_task_queue(M)`` (the node
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import ClassVar
 
@@ -87,7 +88,7 @@ class JobState(str, Enum):
 
     @property
     def attribute(self) -> str:
-        """As the `JobState` search attribute holds it, the way design.md's queries write it
+        """As the `JobState` search attribute holds it, the way a Temporal query writes it
         (`JobState='Running'`); workflows before 2026-12-05 wrote the value itself."""
         return self.value.capitalize()
 
@@ -174,6 +175,9 @@ AGENT_SET_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 JOB_SET_ENV = frozenset({"GPUSCHED_S3_RETRY_S", "GPUSCHED_S3_PART_MB", "GPUSCHED_S3_UPLOAD_THREADS"})
 
 
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
@@ -195,6 +199,11 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
         return "command", "starts with an empty word; give the program to run first"
     if any("\0" in word for word in request.command):
         return "command", "holds a NUL character, which no program argument can carry"
+    if _ASSIGNMENT.match(request.command[0]):
+        # The agent runs the command without a shell: `A=1 python train.py` would fail to start.
+        # On the command line it is also what `--env X=1 A=1 -- ...` leaves (one pair per --env).
+        return "command", (f"starts with {request.command[0]!r}, a variable's assignment, not a program; "
+                           "set each variable with its own --env (the API's env), and start with the program")
     for name, value in request.env.items():
         if not name or "=" in name or "\0" in name:
             return "env", f"has the variable name {name!r}; a name is not empty and holds no '=' or NUL"

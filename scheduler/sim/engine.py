@@ -62,7 +62,7 @@ class SimSettings(BaseModel):
 
     policy: PolicyConfig = PolicyConfig()
     checkpoint_write_s: float = Field(default=30.0, ge=0)  # time to write one checkpoint
-    checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB, as in design.md
+    checkpoint_bytes_per_gpu: float = Field(default=25e9, ge=0)  # 8 GPUs: 200 GB (docs/simulator.md)
     sigterm_exit_s: float = Field(default=5.0, ge=0)  # a job that cannot checkpoint just exits
     # An attempt after the first starts again before it progresses; a day at most (longer is no
     # restart, and a simulation of one ran for ever).

@@ -1,6 +1,6 @@
 """The simulator's input: a trace of jobs, each with when it arrives and how much work it truly needs.
 
-The CSV format is a contract (design.md, "Trace CSV"); this module reads and writes it without any
+The CSV format is a contract (docs/traces.md, "Trace CSV"); this module reads and writes it without any
 file I/O. One row is one job:
 
     job_id,submit_time,duration,num_gpus,team,priority,gpu_type,topology,checkpoint_interval,
