@@ -223,9 +223,10 @@ WHERE allocation_id = $1 AND upper_inf(held)"""
 # --- the scheduling cycle -----------------------------------------------------------------------
 
 # Taken first in the cycle's transaction: cycles of one cluster run one at a time, and a cycle
-# whose number is not the next one commits nothing.
+# whose number is not the next one commits nothing. Not FOR UPDATE: that would also hold off the
+# key-share lock every insert of a job or machine of the cluster takes on its row.
 CLUSTER = "SELECT cycle_seq, earmarks, policy, machine_timeout FROM clusters WHERE name = $1"
-LOCK_CLUSTER = CLUSTER + " FOR UPDATE"
+LOCK_CLUSTER = CLUSTER + " FOR NO KEY UPDATE"
 SNAPSHOT_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        {reachable_sql("$2", "$3")} AS reachable, {TAKES_WORK} AS takes_work,

@@ -680,6 +680,9 @@ class Store:
         orders += [(r.job_id, snapshot.config.grace_period if r.graceful else 0.0, r.reason, None,
                     EndReason.machine_failure) for r in result.requeues]
         for job_id, grace, reason, for_job, end in orders:
+            # The job's row before its allocation's, as an attempt's start and end take them:
+            # the other way round, a cycle taking a placement back as its attempt ended deadlocked.
+            await conn.fetchrow(q.JOB_FOR_UPDATE, job_id)
             live = await conn.fetchrow(q.LIVE_ALLOCATIONS_OF_JOB, job_id)
             if live is None:
                 continue

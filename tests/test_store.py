@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from activities import queries as q
-from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, GpuReport, Store, held_back
+from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, GpuReport, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from workflows.types import EndReason, JobRequest, JobState
@@ -114,6 +114,20 @@ def test_admitting_the_same_job_twice_keeps_one_job(store_env):
     assert run(store.admit(job("a"))).accepted
     assert run(store.admit(job("a"))).accepted
     assert len(run(store.list_jobs())) == 1
+
+
+def test_an_admission_does_not_wait_for_the_cycle_that_holds_its_cluster(store_env):
+    """A job's row refers to its cluster's: the cycle's lock on that row kept every admission
+    (and a new machine's first heartbeat) waiting for the whole cycle, and made a third party
+    of deadlocks between the cycle and an attempt's end."""
+    run, store = store_env
+
+    async def during_a_cycle():
+        async with store.pool.acquire() as cycle, cycle.transaction(isolation="repeatable_read"):
+            await cycle.fetchrow(q.LOCK_CLUSTER, "c1")
+            return await asyncio.wait_for(store.admit(job("a")), 5)
+
+    assert run(during_a_cycle()).accepted
 
 
 def test_two_admissions_of_one_job_at_once_both_accept_it_even_at_the_last_queue_slot(store_env):
@@ -559,6 +573,30 @@ def test_an_attempt_s_start_and_its_end_at_once_do_not_deadlock(store_env):
 
     ended, (launch, _) = run(scenario())
     assert ended == "a" and not launch
+
+
+def test_a_cycle_taking_a_placement_back_as_its_attempt_ends_does_not_deadlock(store_env):
+    """An attempt's end (not started, cancelled) holds the job, then ends its allocation; a cycle
+    that took the same placement back ended the allocation, then waited for the job: Postgres
+    broke the deadlock after a second by failing the cycle. The cycle now waits for the job
+    first, and only conflicts with what the end changed (and is run again)."""
+    run, store = store_env
+    run(store.admit(job("a", gpus=2)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+
+    async def scenario():
+        async with store.pool.acquire() as ending, ending.transaction():
+            await ending.fetchrow(q.JOB_FOR_UPDATE, "a")
+            cycle = asyncio.ensure_future(store.plan_cycle("c1", 2, stop("a", planner=lambda s: CycleResult())))
+            await asyncio.sleep(0.5)  # the cycle takes what it takes first
+            ended = await asyncio.wait_for(ending.fetchval(q.END_ALLOCATION, alloc, "not_started", None), 10)
+        return ended, (await asyncio.wait_for(asyncio.gather(cycle, return_exceptions=True), 10))[0]
+
+    ended, cycle = run(scenario())
+    assert ended == "a"
+    assert isinstance(cycle, CycleConflict) and not isinstance(cycle.__cause__, asyncpg.DeadlockDetectedError), \
+        repr(cycle.__cause__ if isinstance(cycle, Exception) else cycle)
+    assert run(store.plan_cycle("c1", 2, run_cycle)).committed  # run again, on what the end left
 
 
 def test_the_snapshot_expects_the_last_days_submissions_again_a_day_later(store_env):
