@@ -556,22 +556,29 @@ def test_a_job_held_for_its_change_does_not_hold_up_rows_that_only_name_it(store
     assert run(scenario()) is not None
 
 
+def placed(run, store) -> int:
+    """Job a (2 GPUs) placed by a cycle, not started yet: its allocation's id."""
+    run(store.admit(job("a", gpus=2)))
+    return run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+
+
+async def ending_as(store, alloc: int, other):
+    """An attempt's end, taken as end_attempt takes it (job a's row, then its allocation's),
+    while `other` runs: what the end returned, and what `other` returned or raised."""
+    async with store.pool.acquire() as ending, ending.transaction():
+        await ending.fetchrow(q.JOB_FOR_UPDATE, "a")
+        meanwhile = asyncio.ensure_future(other)
+        await asyncio.sleep(0.5)  # the other takes what it takes first
+        ended = await asyncio.wait_for(ending.fetchval(q.END_ALLOCATION, alloc, "not_started", None), 10)
+    return ended, (await asyncio.wait_for(asyncio.gather(meanwhile, return_exceptions=True), 10))[0]
+
+
 def test_an_attempt_s_start_and_its_end_at_once_do_not_deadlock(store_env):
     """The end holds the job, then ends its allocation; the start used to take the allocation,
     then wait for the job: Postgres broke the deadlock after a second by failing one of them."""
     run, store = store_env
-    run(store.admit(job("a", gpus=2)))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-
-    async def scenario():
-        async with store.pool.acquire() as ending, ending.transaction():
-            await ending.fetchrow(q.JOB_FOR_UPDATE, "a")
-            start = asyncio.ensure_future(store.start_attempt("a", alloc))
-            await asyncio.sleep(0.5)  # the start takes what it takes first
-            ended = await asyncio.wait_for(ending.fetchval(q.END_ALLOCATION, alloc, "preempted", None), 10)
-        return ended, await asyncio.wait_for(start, 10)
-
-    ended, (launch, _) = run(scenario())
+    alloc = placed(run, store)
+    ended, (launch, _) = run(ending_as(store, alloc, store.start_attempt("a", alloc)))
     assert ended == "a" and not launch
 
 
@@ -581,18 +588,8 @@ def test_a_cycle_taking_a_placement_back_as_its_attempt_ends_does_not_deadlock(s
     broke the deadlock after a second by failing the cycle. The cycle now waits for the job
     first, and only conflicts with what the end changed (and is run again)."""
     run, store = store_env
-    run(store.admit(job("a", gpus=2)))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
-
-    async def scenario():
-        async with store.pool.acquire() as ending, ending.transaction():
-            await ending.fetchrow(q.JOB_FOR_UPDATE, "a")
-            cycle = asyncio.ensure_future(store.plan_cycle("c1", 2, stop("a", planner=lambda s: CycleResult())))
-            await asyncio.sleep(0.5)  # the cycle takes what it takes first
-            ended = await asyncio.wait_for(ending.fetchval(q.END_ALLOCATION, alloc, "not_started", None), 10)
-        return ended, (await asyncio.wait_for(asyncio.gather(cycle, return_exceptions=True), 10))[0]
-
-    ended, cycle = run(scenario())
+    alloc = placed(run, store)
+    ended, cycle = run(ending_as(store, alloc, store.plan_cycle("c1", 2, stop("a", planner=lambda s: CycleResult()))))
     assert ended == "a"
     assert isinstance(cycle, CycleConflict) and not isinstance(cycle.__cause__, asyncpg.DeadlockDetectedError), \
         repr(cycle.__cause__ if isinstance(cycle, Exception) else cycle)
