@@ -349,6 +349,8 @@ def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_wi
         devstack._save(data_dir, state)
         devstack.stop_component(data_dir, server)
         assert srv.wait_ports_free({"port": old_port})
+        if server == "postgres":  # stopped as `down` stops it (fast), not left to wait for its clients and killed
+            assert "database system is shut down" in (data_dir / "logs" / "postgres.log").read_text()
         with socket.socket() as squatter:
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             squatter.bind((srv.HOST, old_port))

@@ -633,9 +633,11 @@ def _stop(data_dir: Path, name: str, comp: Component, sig: int | None = None) ->
     return was
 
 
-def stop_component(data_dir: Path | str | None, name: str, sig: int = signal.SIGTERM) -> bool:
-    """Stop one component (``sig`` SIGKILL: kill it at once, as a crash would); returns whether
-    it was running. Its record stays, so `start_component` or `up` brings it back."""
+def stop_component(data_dir: Path | str | None, name: str, sig: int | None = None) -> bool:
+    """Stop one component, by default as `down` stops it (its own signal: SIGINT for Postgres,
+    whose SIGTERM waits for every client to leave; ``sig`` SIGKILL: kill it at once, as a crash
+    would); returns whether it was running. Its record stays, so `start_component` or `up`
+    brings it back."""
     data_dir = resolve_data_dir(data_dir)
     with _locked(data_dir):
         state = _require(data_dir, name)
