@@ -45,6 +45,30 @@ def test_a_command_that_exits_3_fails_the_job_with_code_3_and_its_last_log_lines
     assert "exit code 3" in view.reason and "loss went NaN" in view.reason
 
 
+# Rank 0 says why and exits 3; rank 1 runs on until the gang is stopped, or exits 4 a moment later.
+GANG_RANK_FAILS = [sys.executable, "-c", (
+    "import os, sys, time; rank = os.environ['GPUSCHED_NODE_RANK']; print('RAN rank', rank, flush=True)\n"
+    "if rank == '0': time.sleep(1); print('rank 0: loss went NaN', flush=True); sys.exit(3)\n"
+    "time.sleep(float(sys.argv[1])); sys.exit(4)")]
+
+
+@pytest.mark.parametrize("name, rank_1_runs_for", [
+    ("the other rank still running, stopped with the gang", "600"),
+    ("the other rank failing too, after it", "2"),
+])
+def test_a_gang_whose_first_machine_fails_fails_with_that_machine_s_exit_code_and_lines(stack, name, rank_1_runs_for):
+    """The reason's words came from whichever rank was looked at last (a name reused inside the
+    look for a rank's word on its checkpoint): a rank stopped with the gang had none, and the
+    workflow failed on every replay, holding its GPUs, its job shown running for ever."""
+    s = stack(machines=2, gpus=2)
+    s.submit("gang", 4, GANG_RANK_FAILS + [rank_1_runs_for], topology="any")
+    view = s.wait("gang", timeout=60)
+    assert {g.rsplit("/", 1)[0] for g in view.attempts[0].gpus} == {"c1/b0/r0/m0", "c1/b0/r0/m1"}
+    assert view.state == "failed" and view.exit_code == 3, view.reason
+    assert "exit code 3" in view.reason and "rank 0: loss went NaN" in view.reason
+    assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
+
+
 def test_each_job_workflow_ends_as_its_job_did_so_the_temporal_ui_lists_how_jobs_ended(stack):
     s = stack(machines=1)
     s.submit("fine", 1, sleeper(0))

@@ -457,8 +457,10 @@ class JobWorkflow:
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
             # Any rank's word, those that ended as the rest of the gang was stopped included: the
             # first to fail may be one whose peer never came up from its restore.
-            unusable, reporter = next(((result.resume_unusable, machine) for r, machine in zip(runs, machines)
-                                       if (result := _result_of(r)) is not None and result.resume_unusable),
+            # (Not `result`: a name bound by := in a generator is the function's, and would take
+            # the place of the failed rank's result with the last rank looked at.)
+            unusable, reporter = next(((said.resume_unusable, machine) for r, machine in zip(runs, machines)
+                                       if (said := _result_of(r)) is not None and said.resume_unusable),
                                       (None, None))
             if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
                 if workflow.patched("unusable-checkpoint-doubted"):
