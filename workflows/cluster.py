@@ -114,8 +114,10 @@ class ClusterSchedulerWorkflow:
             # 4. Continue as new before the history grows large.
             if self.cycles >= inp.cycles_per_run or workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(inp.model_copy(update={"cycle_seq": self.cycle_seq,
-                                                                "reconciled_at": self.reconciled_at}))
+                # The settings as they are now, not as the iteration began: a control worker's,
+                # sent during the cycle, would be dropped until another worker started.
+                workflow.continue_as_new(self.inp.model_copy(update={"cycle_seq": self.cycle_seq,
+                                                                     "reconciled_at": self.reconciled_at}))
             # 3. Sleep until woken, the tick, or the core's next wake-up.
             sleep = inp.tick_seconds
             if outcome.next_wake_in is not None:
