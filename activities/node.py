@@ -79,6 +79,7 @@ from typing import Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from activities import run_processes
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
 from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
 from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, AttachOrder, RunJobInput,
@@ -684,7 +685,7 @@ class NodeActivities:
                 self._request_stop(run, run.stop_deadline - asyncio.get_running_loop().time())
             forwarder = asyncio.create_task(self._forward_while_running(run))
             try:
-                returncode = await run.process.wait()
+                returncode = await self._exit_status(run)
             finally:
                 forwarder.cancel()
             if run.stopper is not None:
@@ -816,8 +817,29 @@ class NodeActivities:
                 run.members.signal(signal.SIGKILL)
                 break
             await asyncio.sleep(POLL)
-        await run.process.wait()
+        try:
+            await asyncio.wait_for(asyncio.shield(run.process.wait()), run_processes.KILL_WAIT)
+        except asyncio.TimeoutError:
+            # Stuck in the kernel (the driver, a hung file system): the run ends all the same,
+            # its GPUs reported sick while the process lingers (_execute).
+            log.error("allocation %d: the job's process (pid %s) outlived SIGKILL by %g s",
+                      run.req.allocation_id, run.pid, run_processes.KILL_WAIT)
         await run.members.gone()
+
+    async def _exit_status(self, run: _Run) -> int:
+        """The main process's exit status, or -SIGKILL once a stop has given up on it (it
+        outlived SIGKILL): an attempt must end even when its process cannot."""
+        exited = asyncio.ensure_future(run.process.wait())
+        try:
+            while True:
+                await asyncio.wait([exited] if run.stopper is None else [exited, run.stopper],
+                                   timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if exited.done():
+                    return exited.result()
+                if run.stopper is not None and run.stopper.done():
+                    return -signal.SIGKILL
+        finally:
+            exited.cancel()
 
     def _write_pid_file(self, run: _Run) -> None:
         # Lets the next agent stop this process group if this agent dies without doing so.

@@ -1087,6 +1087,43 @@ def test_a_run_whose_processes_outlive_sigkill_keeps_its_gpus_reported_sick_unti
     assert node.lingering_gpus() == set() and not list(node.pid_dir.glob("1.json"))
 
 
+def test_a_stopped_job_whose_process_outlives_sigkill_ends_its_run_and_keeps_its_gpus_reported_sick(
+        tmp_path, monkeypatch):
+    """The job's own process stuck in the kernel: the run waited for its exit for ever, so the
+    workflow's stop never completed, a next job on its GPUs never started, and the agent could
+    not shut down. (SIGKILL is not delivered here, which is what such a process makes of it.)"""
+    import activities.run_processes as rp
+
+    real_signal = rp.RunProcesses.signal
+    monkeypatch.setattr(rp, "KILL_WAIT", 0.2)
+    monkeypatch.setattr(rp.RunProcesses, "signal",
+                        lambda self, sig: None if sig == signal.SIGKILL else real_signal(self, sig))
+    node = node_in(tmp_path)
+    req = job(IGNORES_TERM, allocation_id=16, grace_period=0.2)
+
+    pids = []
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        pids.append(node.processes[16].pid)
+        env.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return node.finished[16]
+
+    try:
+        result = run(scenario())
+        assert (result.stopped, result.signal) == (True, signal.SIGKILL)
+        assert node.lingering_gpus() == {3, 1}
+        assert alive(pids[0]), "it lingers: the GPUs stay reported sick until it is gone"
+        assert list(node.pid_dir.glob("16.json")), "kept for an agent started after this one to reap"
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_gpu_that_an_ended_jobs_processes_still_hold_is_reported_sick():
     from workers.agent import LINGERING, with_lingering
     from workers.devices import GpuHealth
