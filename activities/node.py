@@ -494,13 +494,21 @@ class NodeActivities:
             left.signal(signal.SIGKILL)
             await left.gone()
             reaped = alloc
+            if left.alive():
+                # Stuck in the kernel, as it was for the agent before: its GPUs stay reported sick
+                # while it lingers, and its pid file stays for the next agent (lingering_gpus).
+                gpus = [int(g) for g in info.get("gpus", [])]
+                self.lingering[alloc] = (left, gpus)
+                log.error("allocation %d: processes left by an earlier agent outlived SIGKILL; GPUs %s are "
+                          "reported sick until they are gone", alloc, ",".join(map(str, gpus)) or "(not recorded)")
         if info.get("report_dir") and info.get("job_id"):
             # What the orphan reported while nobody listened: the control plane decides (a
             # revoked allocation's checkpoints are refused: a zombie writer). Tried again
             # while the control plane is unreachable (the agents of a restarted stack come
             # up first): nothing forwards them later.
             await self._forward_last(info["job_id"], alloc, Path(info["report_dir"]))
-        pid_file.unlink(missing_ok=True)
+        if alloc not in self.lingering:
+            pid_file.unlink(missing_ok=True)
         return reaped
 
     # -- one run ----------------------------------------------------------------------------
@@ -848,7 +856,7 @@ class NodeActivities:
             (self.pid_dir / f"{run.req.allocation_id}.json").write_text(json.dumps({
                 "pid": run.pid, "allocation_id": run.req.allocation_id, "job_id": run.req.job_id,
                 "report_dir": str(self._report_dir(run.req)), "start_ticks": start_ticks(run.pid),
-                "token": run.token}))
+                "token": run.token, "gpus": [g.index for g in run.req.gpus]}))
         except OSError as err:
             log.warning("cannot write pid file: %s", err)
 

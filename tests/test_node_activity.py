@@ -840,6 +840,36 @@ def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
             leftover.kill()
 
 
+def test_a_process_left_by_an_earlier_agent_that_outlives_sigkill_keeps_its_gpus_reported_sick(tmp_path, monkeypatch):
+    """An agent gives up on such a process and leaves its pid file for the next one: the next
+    one gave up too, then deleted the file and reported the GPUs healthy beside it."""
+    import activities.run_processes as rp
+
+    real_signal = rp.RunProcesses.signal
+    monkeypatch.setattr(rp, "KILL_WAIT", 0.2)
+    monkeypatch.setattr(rp.RunProcesses, "signal",
+                        lambda self, sig: None if sig == signal.SIGKILL else real_signal(self, sig))
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(30)"],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert stuck.stdout.readline() == "ready\n"
+    (node.pid_dir / "14.json").write_text(json.dumps(
+        {"pid": stuck.pid, "allocation_id": 14, "job_id": "old", "start_ticks": rp.start_ticks(stuck.pid),
+         "gpus": [2, 5]}))
+    try:
+        assert run(node.reap_leftovers(grace=0.1)) == [14]
+        assert node.lingering_gpus() == {2, 5} and list(node.pid_dir.glob("14.json"))
+        stuck.kill()
+        stuck.wait(timeout=5)
+        assert node.lingering_gpus() == set() and not list(node.pid_dir.glob("14.json"))
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+        stuck.stdout.close()
+
+
 def test_the_process_groups_of_an_earlier_agent_are_reaped_together_not_one_after_the_other(tmp_path):
     """Each may wait its grace and a minute for the control plane to take its reports: one
     after the other, a machine of eight jobs did not serve for minutes after its agent restarted
