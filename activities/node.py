@@ -598,7 +598,10 @@ class NodeActivities:
         except Exception as err:  # the control plane is unreachable: try again next time
             log.warning("allocation %d: cannot forward its restart time: %s", allocation_id, err)
             return
-        sent.touch()
+        try:
+            sent.touch()
+        except OSError as err:  # a full disk: sent again next time (the first report counts), never a failed run
+            log.warning("allocation %d: cannot mark its restart time sent: %s", allocation_id, err)
         log.info("allocation %d: restored in %.1f s", allocation_id, float(report["seconds"]))
 
     async def _forward_before_stop(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
