@@ -335,7 +335,10 @@ class NodeActivities:
             if _forgotten(details) and not ended_before and run.stopper is None:
                 run.abandoned = True
             if not run.ordered_stop:  # the order's grace stands over the one launched with
-                self._request_stop(run, req.grace_period)
+                grace = req.grace_period
+                if activity.is_worker_shutdown() and self.shutdown_grace is not None:
+                    grace = min(grace, self.shutdown_grace)  # as a shutdown stops a watched job
+                self._request_stop(run, grace)
             # An attempt the server has given up on takes no heartbeats.
             result = await self._stopped(run, heartbeat=not _forgotten(details))
             if ended_before and run.stopper is None:
@@ -363,6 +366,8 @@ class NodeActivities:
         while asyncio.get_running_loop().time() < deadline and not run.outcome.done():
             if run.watchers > 1:
                 return True
+            if activity.is_worker_shutdown():
+                return False  # the worker polls no more: no watch can come
             try:
                 await asyncio.sleep(POLL)
             except asyncio.CancelledError:

@@ -7,6 +7,7 @@ Jobs are small Python programs (``sys.executable -c``); the activity runs in Tem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -743,6 +744,29 @@ def _stop_by_cancel(env):
 def _stop_by_a_second_cancel_too(env):
     env.cancel()
     asyncio.get_running_loop().call_later(0.3, env.cancel)
+
+
+def test_an_agent_shutting_down_stops_a_job_the_server_gave_up_on_with_its_shutdown_grace(tmp_path):
+    """Such a job runs on for a watch to come again; the agent shutting down polls no more, so
+    none can come. It waited the whole wait, then stopped the job with its launch grace, past
+    the time the agent's supervisor gives it to stop."""
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, reattach_wait=30, shutdown_grace=0.5)
+    req = job(IGNORES_TERM, allocation_id=18, grace_period=20)
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        env.cancel(ActivityCancellationDetails(not_found=True))
+        await asyncio.sleep(0.3)
+        start = time.monotonic()
+        env.worker_shutdown()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(task, 10)
+        return time.monotonic() - start
+
+    assert run(scenario()) < 3
+    assert (node.finished[18].signal, node.finished[18].stopped) == (signal.SIGKILL, True)
 
 
 def _stop_by_worker_shutdown(env):
