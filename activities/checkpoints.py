@@ -121,7 +121,10 @@ class CheckpointCommitter:
         kept = await self.store.kept_checkpoints(job_id)
         if len(kept) < 2:
             return
-        named = {seq for seq, _ in superseded}
+        # Every number with a row, not only those this commit found superseded: a later commit
+        # may have moved the two kept on meanwhile (reports forwarded in a row after an outage),
+        # and a reported checkpoint's object deleted here would leave its row showing it complete.
+        named = await self.store.reported_checkpoints(job_id)
         await self._each_below(
             job_id, "list_objects_v2", "Contents", min(kept),
             lambda entry, seq: None if seq in named else self.s3.delete_object(Bucket=self.bucket, Key=entry["Key"]),

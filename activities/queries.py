@@ -319,6 +319,8 @@ UPDATE allocations SET last_checkpoint_at = greatest(last_checkpoint_at, $2) WHE
 KEPT_CHECKPOINTS = """
 SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL
 ORDER BY seq DESC LIMIT 2"""
+# Every number a report named (refused, deleted and unusable ones included).
+REPORTED_CHECKPOINTS = "SELECT seq FROM checkpoints WHERE job_id = $1"
 # What a job that has ended keeps: every complete checkpoint not deleted yet.
 COMPLETE_CHECKPOINTS = """
 SELECT seq FROM checkpoints WHERE job_id = $1 AND complete AND deleted_at IS NULL ORDER BY seq"""

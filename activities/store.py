@@ -477,6 +477,10 @@ class Store:
         """The two newest complete checkpoints, which garbage collection keeps (fewer if fewer)."""
         return [r["seq"] for r in await self.pool.fetch(q.KEPT_CHECKPOINTS, job_id)]
 
+    async def reported_checkpoints(self, job_id: str) -> set[int]:
+        """Every checkpoint number a report named, whatever became of it."""
+        return {r["seq"] for r in await self.pool.fetch(q.REPORTED_CHECKPOINTS, job_id)}
+
     async def complete_checkpoints(self, job_id: str) -> list[int]:
         """Every complete checkpoint whose bytes were not deleted as superseded."""
         return [r["seq"] for r in await self.pool.fetch(q.COMPLETE_CHECKPOINTS, job_id)]

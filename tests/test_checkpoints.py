@@ -231,6 +231,22 @@ def test_checkpoints_written_but_never_reported_are_deleted_once_two_newer_ones_
     assert env.exists(later.key), "above the older kept one (4): it may still be reported"
 
 
+def test_a_clean_up_that_runs_after_a_later_commit_deletes_no_checkpoint_its_row_shows_complete(env):
+    """Reports forwarded in a row (after an outage): the clean-up of the commit of 3 (which
+    found 1 superseded) ran after 4 was committed, took 2 for an object no report named, below
+    the two now kept, and deleted it; 2's row stayed complete, not deleted."""
+    reports = [env.write(seq, f"step={seq}".encode()) for seq in (1, 2, 3, 4)]
+    for report in reports[:2]:
+        assert env.commit(report).committed
+    ack, superseded = env.run(env.store.commit_checkpoint(env.job, env.allocation, reports[2], None))
+    assert ack.committed and [seq for seq, _ in superseded] == [1]
+    assert env.run(env.store.commit_checkpoint(env.job, env.allocation, reports[3], None))[0].committed
+    env.run(env.committer._clean_up(env.job, 3, superseded))  # the first clean-up, late
+    views = env.run(env.store.checkpoints(env.job))
+    shown = [c.seq for c in views if c.complete and not c.deleted]
+    assert all(env.exists(reports[seq - 1].key) for seq in shown), (shown, [env.exists(r.key) for r in reports])
+
+
 def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
     env.run(asyncio.sleep(0.3))
     assert env.commit(env.write(1, b"x")).committed
