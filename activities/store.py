@@ -458,7 +458,8 @@ class Store:
                 same = existing["allocation_id"] == allocation_id and existing["sha256"] == report.sha256
                 if same:  # the same report again (the agent retried): the same answer
                     return CheckpointAck(committed=existing["complete"], reason=existing["reason"] or "committed"), []
-                refusal = f"checkpoint {report.seq} of job {job_id} was already reported by another writer"
+                # A refusal of its own (the fence's) says more than that the number is taken.
+                refusal = refusal or f"checkpoint {report.seq} of job {job_id} was already reported by another writer"
                 await conn.execute(q.AUDIT, None, job_id, "checkpoint_refused", refusal,
                                    json.dumps({"seq": report.seq, "allocation_id": allocation_id}))
                 return CheckpointAck(committed=False, reason=refusal), []

@@ -159,6 +159,19 @@ def test_a_zombie_writers_checkpoint_is_refused_once_its_allocation_is_revoked(e
     assert "checkpoint_refused" in events and "checkpoint_committed" in events
 
 
+def test_a_zombie_writers_report_of_a_number_already_committed_is_told_it_is_a_zombie_s(env):
+    """It was told the number was another writer's, the fence's word lost."""
+    zombie = env.allocation
+    env.requeue()
+    env.allocation = env.start()
+    report = env.write(1, b"from the live attempt")
+    assert env.commit(report).committed
+    ack = env.commit(report, allocation=zombie)
+    assert not ack.committed and "no longer the job's current one" in ack.reason, ack.reason
+    refusals = [e["reason"] for e in env.run(env.store.audit_trail(env.job)) if e["event"] == "checkpoint_refused"]
+    assert refusals == [ack.reason]
+
+
 def test_a_commit_and_the_attempt_s_end_at_once_do_not_deadlock(env):
     """The end holds the job, then ends its allocation; the commit used to hold the allocation,
     then wait for the job: Postgres broke the deadlock after a second by failing one of them."""
