@@ -21,6 +21,7 @@ from scheduler.admission import Admission
 from scheduler.capacity import Capacity
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
+from scheduler.preemptible import first_past
 
 
 def run_cycle(snapshot: Snapshot) -> CycleResult:
@@ -143,15 +144,17 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
     releases = []
     for job, end, machines in admission.expected_ends(state):
         at = now + config.grace_period if job.spec.job_id in state.going else end
+        # A mover's team keeps its count when it leaves its old GPUs: it runs on, on its new ones.
+        counted = 0 if job.spec.job_id in state.earmarks else job.spec.num_gpus
         if promised and not promised.keys().isdisjoint(job.gpus):
             for slot in job.gpus:
                 holder = promised.get(slot)
                 if holder is not None:
                     leave_at[holder] = max(leave_at.get(holder, now), at)
             kept = [slot for slot in job.gpus if slot not in promised]
-            releases.append(eta.Release(at, kept, job.spec.team, job.spec.num_gpus))
+            releases.append(eta.Release(at, kept, job.spec.team, counted))
             continue
-        releases.append(eta.Release(at, job.gpus, job.spec.team, job.spec.num_gpus, machines, cap.masks_of(job)))
+        releases.append(eta.Release(at, job.gpus, job.spec.team, counted, machines, cap.masks_of(job)))
     for (job, slots, _), p in zip(state.placed, placements):
         at = now + eta.remaining_work(job, restart)
         releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
@@ -168,11 +171,12 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
     for job in state.running if len(claimants) < len(state.earmarks) else ():
         earmark = state.earmarks.get(job.spec.job_id)
         if earmark is not None:
-            # A mover: it restarts on its new GPUs as it leaves its old ones (whose release gives
-            # its team's count back), then runs out its estimate.
+            # A mover: it restarts on its new GPUs as it leaves its old ones, then runs out its
+            # estimate; its team's count comes back as it ends.
             leaves = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
             rest = job.model_copy(update={"draining_until": None}).expected_end(now) - now
-            releases.append(eta.Release(leaves + max(rest, eta.MIN_RUN) + restart, earmark.gpus, job.spec.team, 0))
+            releases.append(eta.Release(leaves + max(rest, eta.MIN_RUN) + restart, earmark.gpus, job.spec.team,
+                                        job.spec.num_gpus))
     starts = eta.estimate_starts(
         walked,
         releases,
@@ -213,14 +217,14 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
         spec = job.spec
         n = spec.num_gpus
         if n >= big:
-            times.append(job.queued_since + threshold)
+            times.append(_past(job.queued_since, threshold))
         if moves and n > 1 and job.queued_since + wait > now:
             kind = (spec.kind, spec.gpu_type, spec.gpu_memory_gb)
             free = free_for.get(kind)
             if free is None:
                 free = free_for[kind] = cap.total_free(cap.eligible_pools(spec))
             if free >= n:
-                times.append(job.queued_since + wait)  # idle GPUs enough, but scattered: a move may help
+                times.append(_past(job.queued_since, wait))  # idle GPUs enough, but scattered: a move may help
         classes.add(spec.priority)
         if n < smallest.get(spec.team, n + 1):
             smallest[spec.team] = n
@@ -234,7 +238,7 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
             continue
         if job.spec.priority.rank <= most_important and job.spec.job_id not in borrowed:
             continue  # nobody waiting may displace it, protected or not
-        protected_until = job.started_at + min_runtime
+        protected_until = _past(job.started_at, min_runtime)
         if protected_until > now:  # most ran longer long ago: only the future counts
             times.append(protected_until)
         if not job.preemptions:
@@ -244,3 +248,10 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
             times.append(recent[-most] + window + 1.0)
     future = [t for t in times if t > now]
     return min(future) if future else None
+
+
+def _past(since: float, length: float) -> float:
+    """When `length` has passed since `since` as the decisions ask it (t - since >= length):
+    since + length, unless floats round that below."""
+    t = since + length
+    return t if t - since >= length else first_past(since, length, strictly=False)

@@ -121,6 +121,8 @@ def estimate_starts(
     seq = len(calendar)
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
     held = dict(usage.used)
+    for team, gpus in usage.promised.items():  # GPUs earmarked for a team's claimants count, as admission counts them
+        held[team] = held.get(team, 0) + gpus
     block_free = cap.block_free
     has_room = cap.has_room
     gpus_per_machine = cap.gpus_per_machine

@@ -157,7 +157,9 @@ class ArrivalLoad:
             elif arrival is not None and arrival <= t:
                 at, rank, gpus = events[self.next]
                 for lower in range(rank + 1, _CLASSES):
-                    ahead[lower] += gpus
+                    # Rounded: arrivals counted in part (a fraction of their GPUs) added and taken
+                    # off again left a residue (7e-18) that held jobs back after every one had ended.
+                    ahead[lower] = round(ahead[lower] + gpus, 9)
                 self.next += 1
                 if gpus > 0:
                     continue

@@ -23,18 +23,18 @@ from scheduler.since_last_cycle import PerCluster, PerRunningJob
 
 def exposed_span(job: RunningJob, config: PolicyConfig) -> tuple[float, float]:
     """(start, end): `protection(job, now, config)` is None exactly when start <= now < end."""
-    start = _first_past(job.started_at, config.min_runtime, strictly=False)
+    start = first_past(job.started_at, config.min_runtime, strictly=False)
     most = config.thrash_max_preemptions
     if len(job.preemptions) >= most:
         # Protected while `most` preemptions lie within the window: until the window has passed
         # the most-th latest of them.
         latest = sorted(job.preemptions)[-most]
-        start = max(start, _first_past(latest, config.thrash_window, strictly=True))
-    end = math.inf if job.spec.checkpoints else _first_past(job.started_at, config.max_unsaved_run, strictly=True)
+        start = max(start, first_past(latest, config.thrash_window, strictly=True))
+    end = math.inf if job.spec.checkpoints else first_past(job.started_at, config.max_unsaved_run, strictly=True)
     return start, end
 
 
-def _first_past(since: float, length: float, strictly: bool) -> float:
+def first_past(since: float, length: float, strictly: bool) -> float:
     """The least time t with t - since >= length (> length when `strictly`), as floats compute it."""
     if not math.isfinite(length):
         return math.inf if length > 0 else -math.inf

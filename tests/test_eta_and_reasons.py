@@ -384,6 +384,19 @@ def test_the_gpus_earmarked_for_a_claimant_are_not_estimated_to_go_to_the_next_j
     assert pending(result)["J"].estimated_start == NOW + 120 + 3600
 
 
+def test_a_job_whose_teams_maximum_is_promised_to_its_claimant_is_estimated_to_start_after_the_claimant():
+    """The walk counted what a team holds without the GPUs earmarked for its claimant (admission
+    counts both): D was told its team is at its maximum, and estimated to start now."""
+    low = running(job("L").gpus(8).priority("low").team("x").expected(90000)).on(M[0], range(8)).started(0)
+    queue = [job("C").gpus(8).priority("high").team("hi").expected(3600).submitted(NOW - 100),
+             job("D").gpus(4).priority("high").team("hi").expected(3600).submitted(NOW - 50)]
+    result = cycle(snapshot(fleet(machines=2), running=[low, filler("F", M[1], range(4), expected=NOW + 20000)],
+                            queue=queue, quotas={"hi": {"max": 8}}, reserved_pool_fraction=0))
+    assert preempted(result) == ["L"]
+    assert "at its maximum" in pending(result)["D"].reason
+    assert pending(result)["D"].estimated_start == NOW + 120 + 3600
+
+
 def test_a_moved_jobs_new_gpus_are_estimated_back_when_it_has_run_out_its_estimate_there():
     """G (6 GPUs) has waited long enough to have `a` moved off machine 0 onto machine 1's free
     half; `a` has outrun its estimate, so it is expected to need a fifth of it again (1,000 s)."""
@@ -394,6 +407,19 @@ def test_a_moved_jobs_new_gpus_are_estimated_back_when_it_has_run_out_its_estima
     result = cycle(snapshot(fleet(machines=2), running=[a, b], queue=queue, now=NOW + 200, reserved_pool_fraction=0))
     assert [(p.job_id, {m for m, _ in p.moved_to}) for p in result.preemptions] == [("a", {M[1]})]
     assert pending(result)["G"].estimated_start == NOW + 200 + 120
+    assert pending(result)["K"].estimated_start == NOW + 200 + 120 + 1000
+
+
+def test_a_moved_job_counts_to_its_team_until_it_has_run_out_its_estimate_on_its_new_gpus():
+    """As the move above, with `a`'s team at its maximum: the walk gave the team's count back as
+    `a` left its old GPUs, and K, of the same team, was estimated to start then, beside it."""
+    a = running(job("a").gpus(4).team("hi").expected(5000)).on(M[0], range(4)).started(0)
+    b = running(job("b").gpus(4).expected(90000)).on(M[1], range(4)).started(0)
+    queue = [job("G").gpus(6).expected(3600).submitted(NOW - 100),
+             job("K").gpus(2).team("hi").priority("low").expected(600).submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=2), running=[a, b], queue=queue, now=NOW + 200, reserved_pool_fraction=0,
+                            quotas={"hi": {"max": 4}}))
+    assert [(p.job_id, {m for m, _ in p.moved_to}) for p in result.preemptions] == [("a", {M[1]})]
     assert pending(result)["K"].estimated_start == NOW + 200 + 120 + 1000
 
 

@@ -33,6 +33,7 @@ CASES = [
     (_waiting(), [arrival(NOW, "normal", 8, 10_000)], 3600, NOW + 1000),
     (_waiting(), [arrival(NOW + 500, "normal", 16, 10_000)], 1000, NOW + 2000),
     (_waiting(), [arrival(NOW + 500, "normal", 16, 10_000)], 500, NOW + 3000),
+    (_waiting(), [arrival(NOW + 100, "normal", 1, 800), arrival(NOW + 400, "normal", 3, 100)], 7200, NOW + 1000),
 ]
 IDS = [
     "with no arrivals expected, the estimate is the walk's",
@@ -48,6 +49,7 @@ IDS = [
     "an arrival due now counts for nothing: it starts by preemption",
     "an arrival due halfway through the ramp counts for half its GPUs",
     "an arrival due at the end of the ramp counts in full",
+    "arrivals counted in part hold nothing back once they have ended (no rounding residue)",
 ]
 
 

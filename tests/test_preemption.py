@@ -364,6 +364,20 @@ def test_a_claimant_does_not_wait_for_a_job_ending_on_a_machine_taking_no_work()
     assert preempted(result) == ["low"]
 
 
+@pytest.mark.parametrize("started", [1_000_000.0, 65462.326605751245],
+                         ids=["a start whose protection's end floats add exactly",
+                              "a start whose protection's end floats round down"])
+def test_a_claimant_waiting_for_a_protection_to_end_is_looked_at_again_when_it_has(started):
+    """The wake was written start + min_runtime, which floats may round below what the decision
+    asks (now - start >= min_runtime): the cycle woke to find the job still protected, and the
+    claimant waited for something else to happen (21 minutes in the case found)."""
+    young = _run("young", M0, started=started)
+    claim = job("claim").gpus(8).priority("critical").submitted(started + 50)
+    result = cycle(snapshot(fleet(machines=1), running=[young], queue=[claim], now=started + 100))
+    assert not preempted(result) and result.next_wake is not None
+    assert preempted(cycle(snapshot(fleet(machines=1), running=[young], queue=[claim], now=result.next_wake))) == ["young"]
+
+
 def test_a_claimant_waiting_for_jobs_expected_to_end_is_looked_at_again_as_that_half_grace_ends():
     """Estimates are wrong both ways: if the job that should have ended has not, the claimant
     displaces it then, not whenever something else happens."""
