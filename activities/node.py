@@ -218,6 +218,7 @@ class NodeActivities:
         # reported sick until they are gone, so no job is placed beside them.
         self.lingering: dict[int, tuple[RunProcesses, list[int]]] = {}
         self._unforwarded: set[Path] = set()  # reports already said to be unforwardable
+        self._restarts_sent: set[Path] = set()  # report folders whose restart time was sent
         self.remember_finished = remember_finished
         # One directory per machine: the dev stack runs many agents over one log directory,
         # and an agent must reap only what an earlier agent *of its machine* left.
@@ -235,9 +236,10 @@ class NodeActivities:
         out, or not found: what a server back from an outage says of a watch it timed out):
         unless Temporal says the workflow has ended (terminated), the process keeps running for
         ``reattach_wait`` seconds for the workflow to watch it again (``attach_job``), which it
-        does when the control plane heard this machine all along; if no watch comes, or the
-        workflow has ended, stop with grace. A paused attempt keeps running. Worker shutdown: stop with grace, then fail with the non-retryable
-        ``AgentShutdown`` so the workflow requeues the job."""
+        does when the control plane heard this machine all along; if no watch comes, the
+        workflow has ended, or the agent shuts down (no watch can come), stop with grace. A
+        paused attempt keeps running. Worker shutdown: stop with grace (the shutdown's at most),
+        then fail with the non-retryable ``AgentShutdown`` so the workflow requeues the job."""
         alloc = req.allocation_id
         if alloc in self.finished:
             return self.finished[alloc]
@@ -301,9 +303,7 @@ class NodeActivities:
                 if run.outcome in done:
                     return run.outcome.result()
                 if shutdown in done:
-                    grace = req.grace_period
-                    if self.shutdown_grace is not None:
-                        grace = min(grace, self.shutdown_grace)
+                    grace = self._grace(req)
                     log.info("allocation %d: agent shutting down, stopping the job (%gs grace)",
                              alloc, grace)
                     self._request_stop(run, grace)
@@ -325,19 +325,16 @@ class NodeActivities:
                 if await self._watched_again(run):
                     log.info("allocation %d: watched again; this watch ends", alloc)
                     raise _server_gave_up(alloc, "another activity watches the job now") from None
+            grace = self._grace(req)
             if _forgotten(details):
                 log.warning("allocation %d: the server gave up on this attempt (%s); stopping "
-                            "it with %gs grace", alloc, details, req.grace_period)
+                            "it with %gs grace", alloc, details, grace)
             else:
-                log.info("allocation %d: cancelled, stopping with %gs grace",
-                         alloc, req.grace_period)
+                log.info("allocation %d: cancelled, stopping with %gs grace", alloc, grace)
             ended_before = run.outcome.done() or (run.process is not None and run.process.returncode is not None)
             if _forgotten(details) and not ended_before and run.stopper is None:
                 run.abandoned = True
             if not run.ordered_stop:  # the order's grace stands over the one launched with
-                grace = req.grace_period
-                if activity.is_worker_shutdown() and self.shutdown_grace is not None:
-                    grace = min(grace, self.shutdown_grace)  # as a shutdown stops a watched job
                 self._request_stop(run, grace)
             # An attempt the server has given up on takes no heartbeats.
             result = await self._stopped(run, heartbeat=not _forgotten(details))
@@ -349,6 +346,13 @@ class NodeActivities:
         finally:
             run.watchers -= 1
             shutdown.cancel()
+
+    def _grace(self, req: RunJobInput) -> float:
+        """The grace a stop gives the job now: the one it was launched with, at most the
+        shutdown's while the agent shuts down (its supervisor waits no longer)."""
+        if activity.is_worker_shutdown() and self.shutdown_grace is not None:
+            return min(req.grace_period, self.shutdown_grace)
+        return req.grace_period
 
     async def _workflow_may_watch_again(self, workflow_id: str | None) -> bool:
         """Unless the workflow is known to have ended (terminated, say), it may watch again."""
@@ -478,7 +482,8 @@ class NodeActivities:
         try:
             info = json.loads(pid_file.read_text())
             pgid, alloc = int(info["pid"]), int(info["allocation_id"])
-        except (OSError, ValueError, KeyError) as err:
+            gpus = [int(g) for g in info.get("gpus", [])]
+        except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("ignoring bad pid file %s: %s", pid_file, err)
             pid_file.unlink(missing_ok=True)
             return None
@@ -502,7 +507,6 @@ class NodeActivities:
             if left.alive():
                 # Stuck in the kernel, as it was for the agent before: its GPUs stay reported sick
                 # while it lingers, and its pid file stays for the next agent (lingering_gpus).
-                gpus = [int(g) for g in info.get("gpus", [])]
                 self.lingering[alloc] = (left, gpus)
                 log.error("allocation %d: processes left by an earlier agent outlived SIGKILL; GPUs %s are "
                           "reported sick until they are gone", alloc, ",".join(map(str, gpus)) or "(not recorded)")
@@ -590,7 +594,7 @@ class NodeActivities:
     async def _forward_restart(self, job_id: str, allocation_id: int, report_dir: Path) -> None:
         """Forward the job's restart time (``restored.json``) once; a failure is tried again."""
         report_file, sent = report_dir / RESTORED_REPORT, report_dir / (RESTORED_REPORT + ".sent")
-        if self.restart_sink is None or sent.exists() or not report_file.exists():
+        if self.restart_sink is None or report_dir in self._restarts_sent or sent.exists() or not report_file.exists():
             return
         try:
             report = json.loads(report_file.read_text())
@@ -603,9 +607,10 @@ class NodeActivities:
         except Exception as err:  # the control plane is unreachable: try again next time
             log.warning("allocation %d: cannot forward its restart time: %s", allocation_id, err)
             return
+        self._restarts_sent.add(report_dir)  # the marker below is for an agent started after this one
         try:
             sent.touch()
-        except OSError as err:  # a full disk: sent again next time (the first report counts), never a failed run
+        except OSError as err:  # a full disk: never a failed run (a later agent sends it again; the first counts)
             log.warning("allocation %d: cannot mark its restart time sent: %s", allocation_id, err)
         log.info("allocation %d: restored in %.1f s", allocation_id, float(report["seconds"]))
 
@@ -685,6 +690,12 @@ class NodeActivities:
         try:
             try:
                 await self._stop_overlapping(run)
+                stuck = {g.index for g in run.req.gpus} & self.lingering_gpus()
+                if stuck:
+                    # Reported sick from the next heartbeat on, but placed before it: the job goes
+                    # back to the queue rather than share a GPU with processes SIGKILL did not end.
+                    raise ApplicationError(f"agent of {self.machine_id}: GPUs {sorted(stuck)} are still held by "
+                                           "processes that outlived SIGKILL", type=AGENT_FAULT)
                 self._prepare(run)
                 run.process = await self._spawn(run)
                 run.members = RunProcesses(run.process.pid, run.token)
@@ -833,14 +844,14 @@ class NodeActivities:
                 run.members.signal(signal.SIGKILL)
                 break
             await asyncio.sleep(POLL)
-        try:
-            await asyncio.wait_for(asyncio.shield(run.process.wait()), run_processes.KILL_WAIT)
-        except asyncio.TimeoutError:
+        await run.members.gone()  # KILL_WAIT at most
+        if run.members.alive():
             # Stuck in the kernel (the driver, a hung file system): the run ends all the same,
             # its GPUs reported sick while the process lingers (_execute).
-            log.error("allocation %d: the job's process (pid %s) outlived SIGKILL by %g s",
+            log.error("allocation %d: the job's processes (group %s) outlived SIGKILL by %g s",
                       run.req.allocation_id, run.pid, run_processes.KILL_WAIT)
-        await run.members.gone()
+        else:
+            await run.process.wait()  # gone: reaped at once
 
     async def _exit_status(self, run: _Run) -> int:
         """The main process's exit status, or -SIGKILL once a stop has given up on it (it

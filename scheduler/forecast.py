@@ -35,6 +35,7 @@ from scheduler.models import ExpectedArrival, PolicyConfig, Priority
 
 _CLASSES = len(Priority)
 _RANK = {p: p.rank for p in Priority}
+_GRID = 2.0 ** 20  # fractions of a GPU counted in part are multiples of 1 / _GRID
 
 
 class SubmissionLog:
@@ -95,7 +96,9 @@ class ArrivalLoad:
             at, rank = a.at, _RANK[a.priority]
             if at <= now or rank == last:
                 continue  # counts for nothing, or of the last class: goes before nobody
-            gpus = a.num_gpus if at >= full else a.num_gpus * (at - now) / ramp
+            # In part: on a grid of 2**-20 GPU, which floats add and take off again exactly (no
+            # residue holds a job back once every arrival has ended).
+            gpus = a.num_gpus if at >= full else round(a.num_gpus * (at - now) / ramp * _GRID) / _GRID
             events.append((at, rank, gpus))
             events.append((at + a.expected_duration, rank, -gpus))
         events.sort()
@@ -157,9 +160,7 @@ class ArrivalLoad:
             elif arrival is not None and arrival <= t:
                 at, rank, gpus = events[self.next]
                 for lower in range(rank + 1, _CLASSES):
-                    # Rounded: arrivals counted in part (a fraction of their GPUs) added and taken
-                    # off again left a residue (7e-18) that held jobs back after every one had ended.
-                    ahead[lower] = round(ahead[lower] + gpus, 9)
+                    ahead[lower] += gpus
                 self.next += 1
                 if gpus > 0:
                     continue

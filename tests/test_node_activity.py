@@ -22,7 +22,7 @@ from temporalio.activity import ActivityCancellationDetails
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import SERVER_GAVE_UP, NodeActivities, job_env
+from activities.node import AGENT_FAULT, SERVER_GAVE_UP, NodeActivities, job_env
 from jobkit import STOP_ORDER
 from workflows.types import ATTEMPT_NOT_HERE, AttachOrder, GpuGrant, RunJobInput, StopOrder
 
@@ -130,9 +130,9 @@ RESTORE = """
 
 
 @pytest.mark.parametrize("marker_written", [True, False],
-                         ids=["once, its marker written", "again and again, its marker not written (a full disk), "
-                              "without turning the job's success into a failure"])
-def test_a_resumed_jobs_restart_time_is_forwarded(tmp_path, monkeypatch, marker_written):
+                         ids=["its marker written", "its marker not written (a full disk), without turning the "
+                              "job's success into a failure"])
+def test_a_resumed_jobs_restart_time_is_forwarded_once(tmp_path, monkeypatch, marker_written):
     from jobkit import Checkpointer
 
     if not marker_written:
@@ -162,9 +162,7 @@ def test_a_resumed_jobs_restart_time_is_forwarded(tmp_path, monkeypatch, marker_
               env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     result = run(ActivityEnvironment().run(node.run_job, req))
     assert result.exit_code == 0, result.last_log_lines
-    # Looked for every 0.2 s while it ran, and after: sent once if the marker could be written.
-    assert len(sent) == 1 if marker_written else len(sent) > 1, sent
-    job_id, alloc, report = sent[0]
+    [(job_id, alloc, report)] = sent  # looked for every 0.2 s while it ran, and after: sent once
     assert (job_id, alloc, report["seq"], report["size"]) == ("train-1", 7, 1, 5)
     assert 0 <= report["seconds"] < 30
 
@@ -1191,6 +1189,21 @@ def test_a_stopped_job_whose_process_outlives_sigkill_ends_its_run_and_keeps_its
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_placed_on_a_gpu_processes_outliving_sigkill_still_hold_goes_back_without_running(tmp_path):
+    """Placed before the next heartbeat reported the GPU sick: it must not start beside them."""
+    class Stuck:
+        def alive(self) -> bool:
+            return True
+
+    node = node_in(tmp_path)
+    node.lingering[99] = (Stuck(), [1])
+    req = job("print('ran', flush=True)", allocation_id=19)  # GPUs 3 and 1
+    with pytest.raises(ApplicationError) as refused:
+        run(ActivityEnvironment().run(node.run_job, req))
+    assert refused.value.type == AGENT_FAULT and "[1]" in str(refused.value)
+    assert "ran" not in (node._log_path(req).read_text() if node._log_path(req).exists() else "")
 
 
 def test_a_gpu_that_an_ended_jobs_processes_still_hold_is_reported_sick():

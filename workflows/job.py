@@ -457,11 +457,18 @@ class JobWorkflow:
             how = f"exit code {result.exit_code}" if result.exit_code is not None else f"signal {result.signal}"
             # Any rank's word, those that ended as the rest of the gang was stopped included: the
             # first to fail may be one whose peer never came up from its restore.
-            # (Not `result`: a name bound by := in a generator is the function's, and would take
-            # the place of the failed rank's result with the last rank looked at.)
-            unusable, reporter = next(((said.resume_unusable, machine) for r, machine in zip(runs, machines)
-                                       if (said := _result_of(r)) is not None and said.resume_unusable),
-                                      (None, None))
+            unusable = reporter = None
+            looked_at = result
+            for r, machine in zip(runs, machines):
+                looked_at = _result_of(r)
+                if looked_at is not None and looked_at.resume_unusable:
+                    unusable, reporter = looked_at.resume_unusable, machine
+                    break
+            if not workflow.patched("gang-failure-is-the-failed-ranks"):
+                # Builds before it took the last rank looked at for the failed one (a := in a
+                # generator rebound `result`); their histories replay so. A stopped rank has no
+                # result, and such a run failed on every replay: those resume on the fixed path.
+                result = looked_at
             if unusable and self.resume_seq is not None and workflow.patched("unusable-checkpoint-falls-back"):
                 if workflow.patched("unusable-checkpoint-doubted"):
                     doubt = await workflow.execute_activity(
