@@ -436,12 +436,13 @@ class Store:
             alloc = await conn.fetchrow(q.ALLOCATION_FOR_FENCE, allocation_id)
             # The fence's word comes first: a zombie writer is told it is one, whatever became of
             # its bytes (superseded checkpoints' clean-up may have deleted them meanwhile).
-            fenced = alloc is None or alloc["job_id"] != job_id or alloc["state"] not in ("running", "draining")
+            fence = None
             if alloc is None or alloc["job_id"] != job_id:
-                refusal = f"allocation {allocation_id} is not job {job_id}'s"
-            elif fenced:
-                refusal = (f"allocation {allocation_id} is no longer the job's current one "
-                           f"({alloc['state']}): a zombie writer's checkpoint is never committed")
+                fence = f"allocation {allocation_id} is not job {job_id}'s"
+            elif alloc["state"] not in ("running", "draining"):
+                fence = (f"allocation {allocation_id} is no longer the job's current one "
+                         f"({alloc['state']}): a zombie writer's checkpoint is never committed")
+            refusal = fence or refusal
             work = as_of = None
             if refusal is None:
                 now = await conn.fetchval(q.NOW)
@@ -461,8 +462,7 @@ class Store:
                     return CheckpointAck(committed=existing["complete"], reason=existing["reason"] or "committed"), []
                 # The fence's word says more than that the number is taken; the bytes' check does not
                 # (they are another writer's).
-                if not fenced:
-                    refusal = f"checkpoint {report.seq} of job {job_id} was already reported by another writer"
+                refusal = fence or f"checkpoint {report.seq} of job {job_id} was already reported by another writer"
                 await conn.execute(q.AUDIT, None, job_id, "checkpoint_refused", refusal,
                                    json.dumps({"seq": report.seq, "allocation_id": allocation_id}))
                 return CheckpointAck(committed=False, reason=refusal), []

@@ -31,10 +31,15 @@ def job(job_id: str, gpus: int = 2, team: str = "vision", **kw) -> JobRequest:
     return JobRequest(job_id=job_id, team=team, num_gpus=gpus, **{"command": ["true"], **kw})
 
 
-def started(run, store, job_id: str = "a", gpus: int = 2) -> int:
-    """Admit a job alone in the queue, place it in cycle 1 and start it; its allocation id."""
+def placed(run, store, job_id: str = "a", gpus: int = 2) -> int:
+    """Admit a job alone in the queue and place it in cycle 1, not started yet; its allocation id."""
     run(store.admit(job(job_id, gpus=gpus)))
-    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    return run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+
+
+def started(run, store, job_id: str = "a", gpus: int = 2) -> int:
+    """As `placed`, and started; its allocation id."""
+    alloc = placed(run, store, job_id, gpus)
     run(store.start_attempt(job_id, alloc))
     return alloc
 
@@ -554,12 +559,6 @@ def test_a_job_held_for_its_change_does_not_hold_up_rows_that_only_name_it(store
                     q.INSERT_ALLOCATION, "b", "c1", 1, ["c1/b0/r0/m0/0"], 7, None, 0.0, 1.0, "a cycle's placement"), 5)
 
     assert run(scenario()) is not None
-
-
-def placed(run, store) -> int:
-    """Job a (2 GPUs) placed by a cycle, not started yet: its allocation's id."""
-    run(store.admit(job("a", gpus=2)))
-    return run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
 
 
 async def ending_as(store, alloc: int, other):
