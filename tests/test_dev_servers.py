@@ -22,7 +22,7 @@ from workers import devstack
 from workers import servers as srv
 from workers.cli import main
 from workers.cli_dev import add_dev_commands
-from workers.settings import ready_path
+from workers.settings import ready_path, settings_env
 
 
 def fetch(dsn: str, sql: str, *args):
@@ -290,6 +290,38 @@ def test_free_port_pairs_have_their_grpc_port_free_too_and_are_never_handed_out_
 
 # --- the dev stack, without workers -----------------------------------------------------------
 
+@pytest.mark.parametrize("fake_devices, nvml_gpus, kernel_shows, machines, agents_fake", [
+    (False, 0, False, 2, True),
+    (False, 8, True, 1, False),
+    (False, 0, True, 1, False),
+    (True, 8, True, 3, True),
+], ids=["no GPU here: fake GPUs", "real GPUs: the one machine's agent watches them",
+        "GPUs NVML cannot read: the agent is left to refuse, not given fake ones",
+        "fake GPUs asked for on a GPU host: several machines"])
+def test_the_dev_agents_fake_their_gpus_only_where_the_host_has_none_or_when_asked(
+        tmp_path, monkeypatch, fake_devices, nvml_gpus, kernel_shows, machines, agents_fake):
+    monkeypatch.setattr(devstack, "_nvml_gpu_count", lambda: nvml_gpus)
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: kernel_shows)
+    state = devstack.StackState(fake_devices=fake_devices, machines=devstack.fleet_machines("c1", machines, 8, "H100"))
+    commands = devstack._worker_commands(tmp_path, state, 8080)
+    agents = [cmd for cmd, machine_id in commands.values() if machine_id]
+    assert len(agents) == machines
+    assert all(("--fake-devices" in cmd) == agents_fake for cmd in agents)
+
+
+@pytest.mark.parametrize("nvml_gpus, kernel_shows", [(8, True), (0, True)],
+                         ids=["NVML reads them", "NVML fails"])
+def test_dev_up_refuses_several_machines_on_a_gpu_host_before_it_starts_anything(
+        tmp_path, monkeypatch, capsys, nvml_gpus, kernel_shows):
+    """Each agent would offer the host's GPUs as its own: two jobs on one GPU."""
+    monkeypatch.setattr(devstack, "_nvml_gpu_count", lambda: nvml_gpus)
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: kernel_shows)
+    assert main(["dev", "up", "--data-dir", str(tmp_path / "stack"), "--machines", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "this host has NVIDIA GPUs" in err and "--machines 1" in err and "--fake-devices" in err
+    assert devstack.load_state(tmp_path / "stack") is None
+
+
 def test_the_dev_fleet_names_machines_by_racks_of_16():
     fleet = devstack.fleet_machines("c2", 18, 4, "A100")
     assert [m.id for m in fleet][:2] == ["c2/b0/r0/m0", "c2/b0/r0/m1"]
@@ -324,17 +356,23 @@ def test_the_status_of_an_external_server_at_an_impossible_port_is_unhealthy_not
     assert [(s.name, s.healthy) for s in devstack.status(tmp_path)] == [("postgres", False), ("temporal", False)]
 
 
-@pytest.mark.parametrize("server, agents_too", [("s3", True), ("postgres", False)],
-                         ids=["S3, which every worker reads", "Postgres, which agents never read"])
-def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_with_it(tmp_path, server, agents_too):
+@pytest.mark.parametrize("server, agents_too, exported", [("s3", True, False), ("postgres", False, True)],
+                         ids=["S3, which every worker reads",
+                              "Postgres, which agents never read, its old address exported in the shell"])
+def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_with_it(
+        tmp_path, monkeypatch, server, agents_too, exported):
     """Its own port taken while it was down, a server comes back elsewhere: the workers still
     running with its old address are started again with the new one (also those an older build
-    started, which recorded no settings); the other servers are left alone. Temporal moves the
-    same way; these two are the quick ones to stop workers from."""
+    started, which recorded no settings); the other servers are left alone. The shell's exported
+    lines of the first `up` name the old address: still ours, it moves with it. Temporal moves
+    the same way; these two are the quick ones to stop workers from."""
     import socket
 
     data_dir = tmp_path / "stack"
     first = devstack.up(data_dir, machines=1, gpus_per_machine=1, fast=True, ui=False, fake_devices=True)
+    if exported:
+        for var, value in settings_env(first.settings).items():
+            monkeypatch.setenv(var, value)
     try:
         assert first.restarted == [] and first.revived == []
         state = devstack.load_state(data_dir)

@@ -94,7 +94,7 @@ def run_up(args: argparse.Namespace) -> int:
         devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
                     cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
                     timeout=args.timeout, fake_devices=args.fake_devices, fleet=fleet, out=sys.stdout)
-    except devstack.DataDirError as e:
+    except (devstack.DataDirError, devstack.NotForThisHost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except devstack.StackError as e:

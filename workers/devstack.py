@@ -66,6 +66,10 @@ class StackError(Exception):
     ends with the tail of its log."""
 
 
+class NotForThisHost(StackError):
+    """What was asked cannot run on this host; nothing was started."""
+
+
 class DataDirError(StackError):
     """The data directory given cannot hold a stack (a file, a folder this user may not read):
     nothing was started or stopped."""
@@ -228,6 +232,11 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
             if extra is not None:
                 state.worker_args[role] = list(extra)
 
+        if len(state.machines) > 1 and not state.fake_devices and _real_gpus_here():
+            raise NotForThisHost(
+                f"this host has NVIDIA GPUs: each of the stack's {len(state.machines)} machines would offer "
+                f"the same ones, and two jobs would share a GPU; run one machine (--machines 1), whose agent "
+                f"watches them, or --fake-devices for several simulated machines")
         explicit = {**env_overrides(), **{k: v for k, v in (settings or {}).items() if v is not None}}
         before = Settings(**state.settings)
         _start_servers(data_dir, state, explicit, ui=ui, standard_ports=standard_ports, timeout=timeout)
@@ -256,6 +265,10 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
             # A value equal to what our own server had is ours (e.g. the shell exported the
             # lines `dev up` printed), not an external server.
             external = ours is None or state.settings.get(field) != explicit[field]
+            if not external:
+                # Ours: where it starts now (another port, if its own is taken) wins over the
+                # old address the shell still has.
+                del explicit[field]
         else:
             external = name in state.external
         if external:
@@ -346,7 +359,9 @@ def _worker_commands(data_dir: Path, state: StackState,
         "api": (base + ["workers.api", "--data-dir", d, "--port", str(api_port)]
                 + state.worker_args.get("api", []), None),
     }
-    fake = ["--fake-devices"] if state.fake_devices or _nvml_gpu_count() == 0 else []
+    # Where the host has NVIDIA GPUs the agent watches them through NVML, or refuses to start
+    # when NVML fails: fake, healthy GPUs in place of real ones nobody watches would hide that.
+    fake = ["--fake-devices"] if state.fake_devices or not _real_gpus_here() else []
     for m in state.machines:
         cmds[machine_component(m.id)] = (
             base + ["workers.agent", "--data-dir", d, "--machine-id", m.id, "--gpus", str(m.gpus),
@@ -354,6 +369,12 @@ def _worker_commands(data_dir: Path, state: StackState,
             m.id,
         )
     return cmds
+
+
+def _real_gpus_here() -> bool:
+    from workers.devices import nvidia_gpus_present
+
+    return nvidia_gpus_present() or _nvml_gpu_count() > 0
 
 
 def _nvml_gpu_count() -> int:
