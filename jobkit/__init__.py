@@ -131,7 +131,9 @@ restores. A ``save()`` on any other rank raises :class:`CheckpointError` before 
 would take its own sequence number and be reported, and a restore, which returns the newest only,
 would give every rank the bytes of whichever saved last (sharded state would not be kept
 together). Gather the state on rank 0 and save it there; ``ck.saves`` says whether this process
-is the one.
+is the one. Every rank may ask ``due()``: on the others it is True once per scheduled time, at
+the time rank 0's is (on machines whose clocks differ by more than a step, broadcast rank 0's
+answer instead).
 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
 ``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
@@ -142,6 +144,7 @@ infrastructure failure (five in a row fail it), not failed as its own.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -391,8 +394,19 @@ class _FileStore:
                 if isinstance(source, (bytes, bytearray, memoryview)):
                     f.write(source)
                 else:
+                    # Checked as copied, as the S3 store's Content-MD5 checks it: a file the job
+                    # writes on after it was hashed would be kept under the old hash, and found
+                    # corrupted only by the restore.
+                    copied, size = hashlib.sha256(), 0
                     with open(source, "rb") as src:
-                        shutil.copyfileobj(src, f, CHUNK)
+                        for chunk in iter(lambda: src.read(CHUNK), b""):
+                            copied.update(chunk)
+                            size += len(chunk)
+                            f.write(chunk)
+                    if (size, copied.hexdigest()) != (digest.size, digest.sha256):
+                        raise CheckpointError(f"the checkpoint file {source} changed while it was saved (its "
+                                              "bytes are not those hashed before the copy): save a file nothing "
+                                              "writes to meanwhile")
                 f.flush()
                 os.fsync(f.fileno())
             try:
@@ -647,12 +661,37 @@ def _unreachable(e: Exception) -> str:
 
 
 def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A temporary name of its own: a job's local ranks all write restored.json at once, and on a
+    # shared name one truncated the file another had just put in place.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _looking_before_a_resend(store: Any, bucket: str, key: str, data: Source, digest: Any,
+                             metadata: Mapping[str, str]) -> Callable[[], bool]:
+    """The store's ``put_new`` for a caller that asks again while the store is unreachable. An
+    upload whose answer was lost may have been made: a big one is looked up before it is sent
+    again (tens of GiB twice could outlast the grace), and what is there is judged as any number
+    found taken (this writer's own, or another's)."""
+    sent = False
+
+    def put() -> bool:
+        nonlocal sent
+        if sent and digest.size > LOOK_FIRST_BYTES and store.head(bucket, key) is not None:
+            return False
+        sent = True
+        return store.put_new(bucket, key, data, digest, metadata)
+
+    return put
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -915,9 +954,17 @@ class Checkpointer:
         return phase + k * interval
 
     def due(self) -> bool:
-        """Whether a scheduled checkpoint time has come (see the module docstring)."""
+        """Whether a scheduled checkpoint time has come (see the module docstring). On a rank
+        that does not save, True once per scheduled time: no save of its own moves its
+        reference on, so the time is taken as rank 0's save takes it, and its ``if ck.due()``
+        (a gather, say) comes at the steps rank 0's does."""
         nxt = self.next_due()
-        return nxt is not None and self._clock() >= nxt
+        if nxt is None or self._clock() < nxt:
+            return False
+        if not self.saves:
+            with self._lock:
+                self._reference = self._clock()
+        return True
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -967,8 +1014,8 @@ class Checkpointer:
                     # of tens of GiB, perhaps in the grace. The conditional write still decides.
                     theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
                 if theirs is None:
-                    if patiently(f"writing checkpoint {seq}", store.put_new, location.bucket, key, data, digest,
-                                 metadata):
+                    put = _looking_before_a_resend(store, location.bucket, key, data, digest, metadata)
+                    if patiently(f"writing checkpoint {seq}", put):
                         break
                     theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
                 if theirs is not None and all(theirs.get(k) == v for k, v in metadata.items()):

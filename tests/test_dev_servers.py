@@ -316,10 +316,14 @@ def test_dev_up_refuses_several_machines_on_a_gpu_host_before_it_starts_anything
     """Each agent would offer the host's GPUs as its own: two jobs on one GPU."""
     monkeypatch.setattr(devstack, "_nvml_gpu_count", lambda: nvml_gpus)
     monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: kernel_shows)
-    assert main(["dev", "up", "--data-dir", str(tmp_path / "stack"), "--machines", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "this host has NVIDIA GPUs" in err and "--machines 1" in err and "--fake-devices" in err
-    assert devstack.load_state(tmp_path / "stack") is None
+    try:
+        assert main(["dev", "up", "--data-dir", str(tmp_path / "stack"), "--machines", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "this host has NVIDIA GPUs" in err and "--machines 1" in err and "--fake-devices" in err
+        assert devstack.load_state(tmp_path / "stack") is None
+    finally:  # a stack that did start (the refusal missing) is not left running
+        if devstack.load_state(tmp_path / "stack") is not None:
+            devstack.down(tmp_path / "stack")
 
 
 def test_the_dev_fleet_names_machines_by_racks_of_16():

@@ -154,6 +154,23 @@ def test_a_taken_number_costs_a_big_checkpoint_no_upload(tmp_path, size, written
     assert (tmp_path / "ck" / "0000000005").stat().st_size == size
 
 
+def test_a_big_checkpoint_whose_upload_answer_was_lost_is_looked_up_not_uploaded_again(tmp_path):
+    """The store made the object but the answer never came (a timeout): asked again, the writer
+    finds its own object. Before, it sent every byte again (twice the upload in the grace)."""
+    class AnswerLost(Counting):
+        def put_new(self, bucket, key, *args):
+            made = super().put_new(bucket, key, *args)
+            if len(self.writes) == 1:
+                raise CheckpointStoreUnreachable("writing: read timeout")
+            return made
+
+    ck = local(tmp_path, grace_period=60, sleep=lambda s: None)
+    store = ck._stores["file"] = AnswerLost(ck._store("file"))
+    ck.request_stop()
+    result = ck.save(b"x" * (jobkit.LOOK_FIRST_BYTES + 1))
+    assert (result.seq, result.refused, store.writes) == (1, (), ["0000000001"])
+
+
 def test_after_a_refusal_the_writer_jumps_past_every_taken_number(tmp_path):
     other = local(tmp_path, allocation_id="alloc-other")
     for i in range(30):  # more than the 20 tries one by one would allow
@@ -329,6 +346,29 @@ def test_ranks_restoring_to_one_path_at_once_each_leave_whole_verified_bytes(tmp
         t.join()
     assert errors == [] and dest.read_bytes() == data
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("state.bin")) == ["state.bin"]
+
+
+def test_ranks_writing_their_restart_report_at_once_leave_one_whole_report(tmp_path):
+    """Every local rank writes restored.json as it gets its state back. Before, all wrote through
+    one temporary name: one rank truncated the file another had just put in place, and the
+    agent, unable to read it, lost the restart time (220 broken of 300 such rounds)."""
+    import threading
+
+    report = tmp_path / "restored.json"
+    for round_ in range(40):
+        start = threading.Barrier(8)
+
+        def rank(k: int) -> None:
+            start.wait()
+            jobkit._write_json_atomic(report, {"seq": round_, "seconds": 10.0 ** k, "size": 1234})
+
+        ranks = [threading.Thread(target=rank, args=(k,)) for k in range(8)]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join()
+        assert json.loads(report.read_text())["seq"] == round_
+    assert [p.name for p in tmp_path.iterdir()] == ["restored.json"]
 
 
 @pytest.mark.parametrize("restore, launched, reported", [
@@ -651,6 +691,22 @@ def test_due_without_a_phase_counts_from_the_start(tmp_path):
     assert ck.due()
 
 
+def test_a_rank_that_does_not_save_is_due_at_the_times_rank_0_is_not_at_every_step_after_the_first(tmp_path):
+    """Before, no save moved its reference on: after the first scheduled time it was due at every
+    step, and a gather under `if ck.due()` fell out of step with rank 0's (a hang in the collective)."""
+    clock = Clock(1000.0)
+    first, other = (local(tmp_path, interval=60, phase=0, clock=clock, rank=rank) for rank in (0, 1))
+    seen = {0: [], 1: []}
+    for t in range(1000, 1200, 10):
+        clock.t = float(t)
+        for ck, said in ((first, seen[0]), (other, seen[1])):
+            if ck.due():
+                said.append(t)
+                if ck.saves:
+                    ck.save(b"state")
+    assert seen[0] == seen[1] == [1080, 1140]
+
+
 def test_never_due_without_an_interval(tmp_path):
     clock = Clock(1000.0)
     ck = local(tmp_path, interval=0, clock=clock)
@@ -777,6 +833,26 @@ def test_a_checkpoint_bigger_than_a_part_goes_up_in_parts_and_is_still_written_o
     back = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=saved.uri,
                                         GPUSCHED_RESUME_SHA256=saved.sha256))
     assert back.restore_to(tmp_path / "back.bin").read_bytes() == data
+
+
+def test_a_file_that_changes_while_it_is_saved_to_a_folder_is_refused_and_nothing_kept(tmp_path, monkeypatch):
+    """As the S3 store refuses it (below). Before, the folder kept the new bytes under the old
+    hash, and the restore found the checkpoint corrupted."""
+    source = tmp_path / "state.bin"
+    source.write_bytes(noise(3 * MIB))
+    hashed = jobkit._digest_of
+
+    def then_changed(src, part_size=None):
+        digest = hashed(src, part_size)
+        with open(source, "r+b") as f:
+            f.seek(2 * MIB)
+            f.write(b"later bytes")
+        return digest
+
+    monkeypatch.setattr(jobkit, "_digest_of", then_changed)
+    with pytest.raises(CheckpointError, match="changed while it was saved"):
+        local(tmp_path).save(str(source))
+    assert os.listdir(tmp_path / "ck") == []
 
 
 @pytest.mark.live
