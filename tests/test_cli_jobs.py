@@ -11,8 +11,14 @@ import sys
 from datetime import datetime
 from types import SimpleNamespace
 
+import asyncpg
 import pytest
-from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedError
+from temporalio.client import (
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -20,7 +26,7 @@ from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
 from workers.client import ClientError, GpuschedClient
 from scheduler.models import Priority, Quota
-from workflows.types import JobView
+from workflows.types import JOB_FAILED, JobView
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -47,6 +53,12 @@ from workflows.types import JobView
     (["submit", "--team", "vision", "--gpus", "1", "--env", "MY VAR=1", "--", "true"],
      "env: has the variable name 'MY VAR'; a name holds no spaces"),
     (["submit", "--team", "vision", "--gpus", "1", "--", "echo", "a\0b"], "command: holds a NUL"),
+    (["submit", "--team", "vision", "--gpus", "1", "--", "python", "caf\udce9.py"],
+     "command: holds bytes that are not UTF-8"),
+    (["submit", "--team", "vision", "--gpus", "1", "--env", "A=caf\udce9", "--", "true"],
+     "env: variable 'A': holds bytes that are not UTF-8"),
+    (["submit", "--team", "vision", "--gpus", "1", "--gpu-type", "H\udce9", "--", "true"],
+     "gpu_type: holds bytes that are not UTF-8"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "A=1", "B=2", "--", "python", "train.py"],
      "command: starts with 'B=2', a variable's assignment, not a program; set each variable with its own --env"),
     (["submit", "--team", "vision", "--gpus", "2147483648", "--", "true"], "num_gpus: is 2147483648"),
@@ -83,6 +95,9 @@ from workflows.types import JobView
     "jobkit's own settings are the job's to set",
     "an environment variable name with a space",
     "a command word with a NUL character",
+    "a command word in another encoding than UTF-8 (a Latin-1 file name)",
+    "an environment value in another encoding",
+    "a GPU type in another encoding",
     "a second variable after one --env becomes the command, which is refused",
     "more GPUs than any fleet has",
     "a blank cluster",
@@ -332,6 +347,58 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert (done.returncode, done.stderr) == (1, "")
 
 
+@pytest.mark.parametrize("error", [
+    asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+    asyncpg.CannotConnectNowError("the database system is starting up"),
+    asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress"),
+], ids=["shutting down", "starting up", "a pooled connection the shutdown left broken"])
+def test_a_database_restarting_under_a_command_is_said_in_one_line_not_a_traceback(monkeypatch, capsys, tmp_path,
+                                                                                    error):
+    """What the API answers 503 for. Before, these three went out as tracebacks."""
+    async def list_jobs(**kw):
+        raise error
+
+    async def connect(cls, settings=None):
+        return GpuschedClient(settings=settings, temporal=None, store=SimpleNamespace(list_jobs=list_jobs))
+
+    async def close(self):
+        pass
+
+    monkeypatch.setattr(GpuschedClient, "connect", classmethod(connect))
+    monkeypatch.setattr(GpuschedClient, "close", close)
+    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://x@127.0.0.1:1/x")
+    assert main(["list", "--data-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: the database did not answer ({error});")
+
+
+@pytest.mark.parametrize("error", [RPCError("unavailable", RPCStatusCode.UNAVAILABLE, b""),
+                                   asyncpg.CannotConnectNowError("the database system is starting up")],
+                         ids=["Temporal gone", "the database restarting"])
+def test_a_submit_cut_short_names_the_job_id_it_made_so_that_sending_it_again_is_not_a_second_job(
+        monkeypatch, capsys, tmp_path, error):
+    """The workflow may have started before the error (the submit waits up to 30 s for the
+    admission). Before, the id made for it was never shown: the same command again made a second job."""
+    sent = []
+
+    async def submit(self, request):
+        sent.append(request.job_id)
+        raise error
+
+    async def connect(cls, settings=None):
+        return GpuschedClient(settings=settings, temporal=None, store=None)
+
+    async def close(self):
+        pass
+
+    monkeypatch.setattr(GpuschedClient, "connect", classmethod(connect))
+    monkeypatch.setattr(GpuschedClient, "close", close)
+    monkeypatch.setattr(GpuschedClient, "submit", submit)
+    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://x@127.0.0.1:1/x")
+    assert main(["submit", "--team", "vision", "--gpus", "1", "--data-dir", str(tmp_path), "--", "true"]) == 1
+    [job_id] = sent
+    assert f"give --job-id {job_id} (the same submit under its id is that job" in capsys.readouterr().err
+
+
 class CancelledHandle:
     """A job workflow's handle: takes the cancel signal, answers (or fails) the question whether
     a cancellation asked of Temporal is the job's cancel, and records such a cancellation."""
@@ -376,6 +443,35 @@ def test_gpusched_cancel_signals_the_reason_and_asks_temporal_only_a_workflow_th
 
 async def _running(job_id):
     return SimpleNamespace(job_id=job_id, state="running")
+
+
+class RefusedHandle:
+    """The workflow of a job refused at its admission: ended, failed with the job's reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    async def describe(self):
+        return SimpleNamespace(status=WorkflowExecutionStatus.FAILED)
+
+    async def result(self):
+        raise WorkflowFailureError(cause=ApplicationError(self.reason, type=JOB_FAILED))
+
+
+@pytest.mark.parametrize("ask", ["status", "wait", "cancel"])
+def test_a_job_refused_at_its_admission_after_its_submit_answered_is_said_to_be_refused_not_unknown(monkeypatch, ask):
+    """A submit not admitted in time answers that the job will be; the admission may then refuse
+    it (the team's queue cap reached meanwhile). Before, status, wait and cancel said "no job"."""
+    async def nothing(job_id):
+        return None
+
+    reason = "team vision has 2 jobs waiting, its queue cap"
+    client = GpuschedClient(settings=SimpleNamespace(), temporal=None,
+                            store=SimpleNamespace(job_view=nothing, request_of=nothing))
+    monkeypatch.setattr(client, "_handle", lambda job_id: RefusedHandle(reason))
+    with pytest.raises(ClientError) as refused:
+        asyncio.run(getattr(client, ask)("j"))
+    assert str(refused.value) == f"job j was refused at its admission: {reason}; nothing of it ran"
 
 
 class BumpedHandle:

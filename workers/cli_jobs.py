@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
+from activities.outages import database_down
 from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
 from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topology
@@ -187,7 +188,12 @@ def run_with_client(args, body) -> int:
                 return EXIT_REFUSED
             except BrokenPipeError:  # our reader went away (`gpusched list | head`): main stops quietly
                 raise
-            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as e:
+            except Exception as e:
+                # Also a database shutting down or starting up (a restart during a submit's wait
+                # for its admission), and a pooled connection it left broken: the API's 503s.
+                if not (isinstance(e, (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError))
+                        or database_down(e)):
+                    raise
                 print(f"error: the database did not answer ({e}); is the stack up? `gpusched dev status` "
                       "shows it", file=sys.stderr)
                 return EXIT_UNREACHABLE
@@ -239,6 +245,18 @@ def cmd_submit(args) -> int:
         except NotYetAdmitted as e:  # not refused: submitting again would make a second job
             print(f"error: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
+        except ClientError:
+            raise  # refused: nothing was submitted
+        except BaseException:
+            # Cut short (Temporal or the database gone while it waited for the admission, ^C):
+            # the job may be in, under an id its user has not seen; a second submit without it
+            # would be a second job.
+            if args.job_id is None:
+                print(f"note: this submit's job id is {request.job_id}, and the job may have been submitted: "
+                      f"`gpusched status {request.job_id}` says whether; to send it again, give "
+                      f"--job-id {request.job_id} (the same submit under its id is that job, not a second)",
+                      file=sys.stderr)
+            raise
         if args.json:
             print(json.dumps({"job_id": sub.job_id, "position": sub.position,
                               "estimated_start": sub.estimated_start, "cluster": sub.cluster, "state": sub.state}))

@@ -170,15 +170,20 @@ class GpuschedClient:
     async def _taken_because(self, job_id: str) -> str:
         """Why an id cannot be used again, in words: an id names one job for good, even one that
         was refused (its workflow ended without a job row)."""
-        if await self.store.request_of(job_id) is None:
-            try:
-                desc = await self._handle(job_id).describe()
-            except RPCError:
-                desc = None
-            if desc is not None and desc.status != WorkflowExecutionStatus.RUNNING:
-                why = await _why_it_ended(self._handle(job_id), desc.status)
-                return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
+        if await self.store.request_of(job_id) is None and (why := await self._refused_because(job_id)):
+            return f"job id '{job_id}' was used by a submit that was refused ({why}); choose another id"
         return f"a job with id '{job_id}' already exists; choose another id"
+
+    async def _refused_because(self, job_id: str) -> str | None:
+        """For an id without a job row: why its job workflow ended without one (refused at
+        admission, say), or None when there is no such workflow, or it still runs."""
+        try:
+            desc = await self._handle(job_id).describe()
+        except RPCError:
+            return None
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            return None
+        return await _why_it_ended(self._handle(job_id), desc.status)
 
     async def _same_submit(self, request: JobRequest) -> bool:
         """Whether the job already under this id was asked for with this very request: the one
@@ -273,6 +278,9 @@ class GpuschedClient:
                 raise NotYetAdmitted(f"job {job_id} is submitted but not admitted yet: no control worker has "
                                      "taken it up (is one running? `gpusched dev status` shows it); it is admitted "
                                      "and queued once one runs")
+            if why := await self._refused_because(job_id):
+                # Its submit answered before the admission (not admitted in time), which then refused it.
+                raise UnknownJob(f"job {job_id} was refused at its admission: {why}; nothing of it ran")
             raise UnknownJob(f"no job '{job_id}'; `gpusched list` shows the jobs")
         return view
 

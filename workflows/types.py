@@ -155,6 +155,19 @@ LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), a
 MAX_TEAM_CHARS = 128
 
 
+# A word read from a command line in a locale it is not written in (a Latin-1 file name under
+# UTF-8) carries its bytes as lone surrogates, which no job history can hold.
+_NOT_UTF8 = "holds bytes that are not UTF-8 (text in another encoding: a file's name, say); give it in UTF-8"
+
+
+def _not_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def team_problem(team: str) -> str | None:
     """What is wrong with a team's name (and how to fix it), or None. ``*`` passes: it names the
     default quota, which a quota may be set for."""
@@ -185,6 +198,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for field in ("team", "gpu_type", "cluster"):
         if "\0" in (getattr(request, field) or ""):
             return field, "holds a NUL character, which no name can carry"
+        if _not_utf8(getattr(request, field) or ""):
+            return field, _NOT_UTF8
     if (problem := team_problem(request.team)) is not None:
         return "team", problem
     if request.team == DEFAULT_QUOTA:
@@ -199,6 +214,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
         return "command", "starts with an empty word; give the program to run first"
     if any("\0" in word for word in request.command):
         return "command", "holds a NUL character, which no program argument can carry"
+    if any(_not_utf8(word) for word in request.command):
+        return "command", _NOT_UTF8
     if _ASSIGNMENT.match(request.command[0]):
         # The agent runs the command without a shell: `A=1 python train.py` would fail to start.
         # On the command line it is also what `--env X=1 A=1 -- ...` leaves (one pair per --env).
@@ -214,6 +231,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
                            "job's checkpoints: see docs/live.md); leave it out, or name yours otherwise")
         if "\0" in value:
             return "env", f"variable {name} holds a NUL character, which no environment value can carry"
+        if _not_utf8(name) or _not_utf8(value):
+            return "env", f"variable {name!r}: {_NOT_UTF8}"
     interval = request.checkpoint_interval
     if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
         return "checkpoint_interval", f"is {interval:g} s; give 0 (only when stopped) or at least 1 second"
