@@ -381,6 +381,22 @@ def test_a_machine_that_fails_while_a_checkpoint_is_still_being_written_loses_th
     assert first.lost_work == pytest.approx((3710.0 - 1900.0) * 8)
 
 
+def test_easy_backfills_a_resuming_job_only_where_its_restart_too_ends_before_the_reservation():
+    """Every estimate exact: H (16 GPUs) holds both machines from 1,000; R, backfilled on m1 at
+    20, loses m1 at 660 with 300 s of work left, and each restart takes 600 s. Before, EASY left
+    the restart out: R came back at 670 "to end at 970", ended at 1,570, and H started then."""
+    settings = SimSettings(restart_s=600.0, policy=PolicyConfig(expected_restart_s=600.0))
+    trace = [tj("A", 0.0, 1000.0), tj("H", 10.0, 1000.0, gpus=16), tj("R", 20.0, 900.0, interval=100.0)]
+    fleet = small_fleet(machines=2)
+    [machine] = machine_of(allocs(simulate(trace, fleet, "easy", settings), "R")[0])
+    sim = Simulation(trace, fleet, "easy", settings)
+    sim.push(660.0, engine.MACHINE_DOWN, ("c1", machine, 0))
+    sim.push(670.0, engine.MACHINE_UP, ("c1", machine, 0))
+    result = sim.run()
+    assert allocs(result, "R")[0].end == 660.0
+    assert job_record(result, "H").first_start == 1000.0
+
+
 def test_a_machine_that_fails_during_a_preemptions_grace_loses_the_work_since_the_last_finished_checkpoint():
     """Low checkpoints at 1,800; critical preempts it at 2,500, and its machine dies at 2,510,
     before the grace's checkpoint is written. Low stopped working at 2,500: it loses 700 s."""

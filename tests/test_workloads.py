@@ -294,11 +294,20 @@ def test_a_job_kept_to_one_block_larger_than_eight_racks_gets_a_block_it_fits():
     assert blocks == {"b0": 256}
 
 
-def test_inference_work_gets_its_own_partition():
-    # one rack of training work, three machines of inference work
-    jobs = uniform_jobs(64, 8, DAY / 4) + uniform_jobs(24, 1, DAY, team="serve", kind=JobKind.inference)
-    machines = parse_fleet(fleet_for(jobs, load=1.0, span=DAY), "f").clusters[0].machines
-    assert Counter(m.partition for m in machines) == {"training": 16, "inference": 3}
+@pytest.mark.parametrize("inference_machines, laid_out", [(3, 3), (23, 24), (32, 32)],
+                         ids=["fewer than a rack", "more than a rack: two racks of 12",
+                              "two whole racks"])
+def test_inference_work_gets_its_own_partition_and_the_load_and_quotas_count_its_machines(inference_machines,
+                                                                                           laid_out):
+    """Before, 23 machines of inference work were laid out as two racks of 16 (32), while the
+    header's load and every quota's max counted 23."""
+    jobs = (uniform_jobs(64, 8, DAY / 4)  # one rack of training work
+            + uniform_jobs(inference_machines, 8, DAY, team="serve", kind=JobKind.inference))
+    text = fleet_for(jobs, load=1.0, span=DAY)
+    fleet = parse_fleet(text, "f")
+    assert Counter(m.partition for m in fleet.clusters[0].machines) == {"training": 16, "inference": laid_out}
+    assert all(q.max == fleet.total_gpus for q in fleet.quotas.values())
+    assert f"on {fleet.total_gpus} GPUs" in text
 
 
 def test_quotas_follow_each_teams_share_of_the_work():

@@ -4,7 +4,8 @@ Both use the same health handling and the same topology-aware placement as gpusc
 comparison isolates the policy: ordering, preemption, quotas and reservations.
   - fifo: strict submit order; the first job that does not fit blocks everyone behind it.
   - easy: EASY backfill — submit order; the first blocked job reserves the place it fits
-    soonest, and later jobs start only where they do not delay it. No preemption, no quotas.
+    soonest, and later jobs start only where they do not delay it (by their expected runs, with
+    the restart a resumed job needs, as gpusched's estimates have it). No preemption, no quotas.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from scheduler import health, placement, reservation
 from scheduler.capacity import Capacity
 from scheduler.eta import remaining_work
+from scheduler.expected_ends import plain_end
 from scheduler.models import CycleResult, Pending, Placement, Reservation, Snapshot
 
 
@@ -47,12 +49,15 @@ def fifo_cycle(snapshot: Snapshot) -> CycleResult:
 def easy_cycle(snapshot: Snapshot) -> CycleResult:
     requeues, running, cap = _start(snapshot)
     now = snapshot.now
+    # The restart a resumed job needs before it works again, as gpusched's own estimates allow for
+    # it: left out, a job backfilled as it resumed ran past the reservation it was to keep out of.
+    restart = snapshot.config.expected_restart_s
     placements, pending = [], []
     placed_ends = []  # (expected end, (machine, GPU count)) of the jobs this cycle started
     hold = None
     for job in _submit_order(snapshot):
         avoid = placement.NO_AVOID
-        if hold is not None and now + remaining_work(job) > hold.expected_start:
+        if hold is not None and now + remaining_work(job, restart) > hold.expected_start:
             avoid = hold.machines
         slots = placement.find_gpus(cap, job.spec, avoid=avoid)
         if slots is None:
@@ -60,7 +65,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
             if hold is None:
                 # The jobs started ahead of it in this cycle give their GPUs back too: left out,
                 # its reservation came later than it should, or not at all, and backfill delayed it.
-                book = reservation.ReleaseBook([*((j.expected_end(now), cap.machines_of(j)) for j in running),
+                book = reservation.ReleaseBook([*((_expected_end(j, now, restart), cap.machines_of(j)) for j in running),
                                                 *placed_ends])
                 hold = reservation.plan_hold(cap, job.spec, book, now, frozenset())
             pending.append(Pending(job_id=job.spec.job_id, position=len(pending) + 1, estimated_start=None,
@@ -68,7 +73,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
             continue
         cap.take(slots)
         if hold is None:
-            placed_ends.append((now + remaining_work(job), cap.counts_of(slots)))
+            placed_ends.append((now + remaining_work(job, restart), cap.counts_of(slots)))
         placements.append(Placement(job_id=job.spec.job_id, gpus=slots, reason="easy",
                                     backfilled=hold is not None))
     reservations = ()
@@ -78,3 +83,8 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
     return CycleResult(placements=tuple(placements), requeues=tuple(requeues), pending=tuple(pending),
                        reservations=reservations)
 
+
+
+def _expected_end(job, now: float, restart: float) -> float:
+    end = plain_end(job, restart)
+    return end if end > now else job.expected_end(now)

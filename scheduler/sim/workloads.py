@@ -482,7 +482,8 @@ def fleet_for(
       blocks ``b0, b1, …`` of up to ``racks_per_block`` racks (more, where a job kept to one block
       needs more).
     - Inference jobs, if any, get a block ``inf`` with ``partition: inference`` sized the same
-      way but in whole machines.
+      way but in whole machines, in racks of at most ``machines_per_rack`` alike (so a few more
+      machines where the count does not divide evenly).
     - Each team's guarantee is its share of the trace's GPU-seconds × ``guarantee_share`` of the
       fleet, rounded down, so guarantees sum to at most that share; every team may use the whole
       fleet (``max``) and queue ``queue_cap`` jobs. A ``"*"`` entry covers teams not in the trace.
@@ -510,6 +511,12 @@ def fleet_for(
                         and j.spec.topology in (None, Topology.block)), default=0)
     racks_per_block = max(racks_per_block, math.ceil(in_one_block / rack_gpus))
     inference_machines = sized(JobKind.inference, gpus_per_machine)
+    # A block's racks are alike: more machines than a rack holds go in racks of equal size, and
+    # the count is what they hold (a few more, never a whole rack more), which the load and
+    # quotas below are worked out on.
+    inference_racks = math.ceil(inference_machines / machines_per_rack)
+    inference_per_rack = math.ceil(inference_machines / inference_racks) if inference_machines else 0
+    inference_machines = inference_racks * inference_per_rack
     total_gpus = training_racks * rack_gpus + inference_machines * gpus_per_machine
     if total_gpus > MAX_GPUS_PER_FLEET:  # before its racks are laid out: a long job in a short window asks billions
         raise InputError("generated fleet", None, None, f"would have {total_gpus:,} GPUs; a fleet file holds at most "
@@ -520,8 +527,7 @@ def fleet_for(
         racks = min(racks_per_block, training_racks - first)
         blocks.append((f"b{b}", racks, machines_per_rack, None))
     if inference_machines:
-        per_rack = min(inference_machines, machines_per_rack)
-        blocks.append(("inf", math.ceil(inference_machines / per_rack), per_rack, "inference"))
+        blocks.append(("inf", inference_racks, inference_per_rack, "inference"))
 
     work_by_team: dict[str, float] = defaultdict(float)
     for job in jobs:
