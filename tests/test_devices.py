@@ -109,6 +109,7 @@ class Gpu:
     lost: bool = False
     lost_at_start: bool = False
     mig: tuple[int, int] | Exception = (0, 0)  # MIG mode (current, pending)
+    handle_fails: int = 0  # how many asks for its handle fail first (a transient driver error)
 
 
 @dataclass
@@ -145,6 +146,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         if self.gpus[i].lost_at_start:
             raise pynvml.NVMLError_GpuIsLost()
+        if self.gpus[i].handle_fails:
+            self.gpus[i].handle_fails -= 1
+            raise pynvml.NVMLError_Unknown()
         return i
 
     def nvmlDeviceGetIndex(self, handle):
@@ -244,14 +248,59 @@ def test_nvml_inventory_reads_type_memory_and_uuid():
     ("a GPU without MIG is checked otherwise", Gpu(mig=NOT_SUPPORTED, ecc=1), [], 1, ["ecc_uncorrectable"]),
     ("faults add up", Gpu(ecc=1, reasons=POWER_BRAKE | HW_THERMAL), [(0, 94)], 3,
      ["ecc_uncorrectable", "power_throttle", "thermal_throttle", "xid:94"]),
+    ("readings the driver fails heartbeat after heartbeat are no healthy readings",
+     Gpu(ecc=pynvml.NVMLError_Unknown()), [], 3, ["nvml_error"]),
+    ("a GPU that needs a reset to answer is no healthy one either",
+     Gpu(reasons=pynvml.NVMLError_ResetRequired(), mig=pynvml.NVMLError_ResetRequired()), [], 3, ["nvml_error"]),
+    ("one failed reading alone does not move a job", Gpu(ecc=pynvml.NVMLError_Unknown()), [], 2, []),
+    ("a reading refused for want of a privilege is skipped, as one not supported",
+     Gpu(ecc=pynvml.NVMLError_NoPermission()), [], 1, []),
 ])
 def test_nvml_health(name, gpu, xids, polls, faults):
     nvml = FakeNvml([gpu, Gpu()])
-    devices = NvmlDevices(nvml, throttle_after=3)
+    now = [0.0]
+    devices = NvmlDevices(nvml, throttle_after=3, clock=lambda: now[0])
     nvml.pending.extend(xids)
     for _ in range(polls):
         health = devices.health()
+        now[0] += 2.0  # a heartbeat
     assert health[0] == GpuHealth(index=0, healthy=not faults, faults=faults)
+
+
+def test_a_gpu_unhealthy_for_failing_readings_is_healthy_again_at_its_first_whole_reading():
+    now = [0.0]
+    nvml = FakeNvml([Gpu(ecc=pynvml.NVMLError_Unknown())])
+    devices = NvmlDevices(nvml, throttle_after=2, clock=lambda: now[0])
+    assert devices.health()[0].healthy
+    now[0] += 2.0
+    assert devices.health()[0].faults == ["nvml_error"]
+    nvml.gpus[0].ecc = 0
+    now[0] += 2.0
+    assert devices.health()[0].healthy
+
+
+def test_throttled_readings_moments_apart_do_not_add_up_to_a_trip():
+    """Between heartbeats the agent reads health again when a job fails (is its GPU to blame?):
+    before, three such readings in a second held a GPU in a passing slowdown out for 10 minutes."""
+    now = [0.0]
+    nvml = FakeNvml([Gpu(reasons=SW_THERMAL)])
+    devices = NvmlDevices(nvml, throttle_after=3, clock=lambda: now[0])
+    assert [devices.health()[0].healthy for _ in range(5)] == [True] * 5
+    now[0] += 2.0
+    assert devices.health()[0].healthy  # the second heartbeat's reading
+    now[0] += 2.0
+    assert devices.health()[0].faults == ["thermal_throttle"]  # the third
+
+
+def test_a_gpu_whose_handle_comes_late_has_its_xids_watched_from_then():
+    """Before, only GPUs with a handle at the start were registered: an XID 79 on a GPU whose
+    handle came a poll later was never seen (and with no handle at the start, none were)."""
+    nvml = FakeNvml([Gpu(handle_fails=1), Gpu(handle_fails=1)])
+    devices = NvmlDevices(nvml)
+    assert nvml.registered == [] and [h.faults for h in devices.health()] == [[], []]
+    assert nvml.registered == [0, 1]
+    nvml.pending.append((1, 79))
+    assert [h.faults for h in devices.health()] == [[], ["xid:79"]]
 
 
 @pytest.mark.parametrize("name, boot_then, boot_now, sticks", [

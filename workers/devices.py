@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -228,11 +229,16 @@ def nominal_memory_gb(gpu_type: str, total_bytes: int) -> float:
 # 40 ... at most a day), and forgotten after a day without one.
 THROTTLE_COOL_DOWN = 600.0
 THROTTLE_FORGIVEN = 86400.0
+# A throttle trips after `throttle_after` throttled readings at least this far apart (the
+# heartbeats'), not after readings taken moments apart between them.
+THROTTLE_READING_GAP = 1.0
 
 
 class NvmlDevices:
     """The machine's GPUs through NVML. Every query tolerates NVML_ERROR_NOT_SUPPORTED (that
-    check is then skipped); a GPU that answers NVML_ERROR_GPU_IS_LOST is ``lost`` for good.
+    check is then skipped), and NVML_ERROR_NO_PERMISSION (logged); a GPU that answers
+    NVML_ERROR_GPU_IS_LOST is ``lost`` for good; any other error of its health readings, on
+    ``throttle_after`` heartbeats in a row, makes the GPU ``nvml_error`` while it lasts.
 
     ``nvml`` is the pynvml module, or a stand-in with the same names (tests)."""
 
@@ -263,19 +269,27 @@ class NvmlDevices:
             if i in self.sticky:
                 self.sticky[i] |= codes
         self.throttle_streak: dict[tuple[int, str], int] = {}
+        # When each (GPU, throttle or failing readings) streak last grew: readings between
+        # heartbeats (a failing job's check, an immediate beat) come seconds apart or less, and
+        # must not add up to a trip.
+        self.throttle_counted_at: dict[tuple[int, str], float] = {}
         self.handles: dict[int, object] = {}
         self._warned: set[tuple[int, str]] = set()
+        self._failing: set[int] = set()  # GPUs a health reading failed for in this poll
         self._reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        self.event_set: object | None = None
+        self._events_unavailable = False
         for i in range(self.count):
             self._handle(i)
-        self.event_set = self._register_xid_events()
 
     def _handle(self, i: int) -> object | None:
-        """GPU i's handle, fetched again while it could not be had (a transient driver error)."""
+        """GPU i's handle, fetched again while it could not be had (a transient driver error);
+        a GPU's XID events are watched from when its handle is had."""
         if i not in self.handles and LOST not in self.sticky[i]:
             handle = self._query(i, self.nvml.nvmlDeviceGetHandleByIndex, i)
             if handle is not None:
                 self.handles[i] = handle
+                self._watch_xids(i, handle)
         return self.handles.get(i)
 
     # -- inventory --------------------------------------------------------------------------
@@ -306,9 +320,16 @@ class NvmlDevices:
             if handle is None and LOST not in self.sticky[i]:
                 current.add(NVML_ERROR)  # the driver will not even hand out the GPU
             if handle is not None and LOST not in self.sticky[i]:
+                self._failing.discard(i)
                 current |= self._ecc_faults(i, handle)
                 current |= self._throttle_faults(i, handle)
                 current |= self._mig_faults(i, handle)
+                failing = i in self._failing and LOST not in self.sticky[i]
+                if self._streak((i, NVML_ERROR), failing, self.clock()) >= self.throttle_after:
+                    # Readings the driver fails (not those it does not support), heartbeat after
+                    # heartbeat: a GPU that cannot be read is not called healthy, as one without
+                    # a handle is not. One failed reading alone does not move its job.
+                    current.add(NVML_ERROR)
             faults = sorted(self.sticky[i] | current)
             out.append(GpuHealth(index=i, healthy=not faults, faults=faults))
         return out
@@ -348,8 +369,7 @@ class NvmlDevices:
         now = self.clock()
         for word in (THERMAL_THROTTLE, POWER_THROTTLE):
             key = (i, word)
-            streak = self.throttle_streak.get(key, 0) + 1 if word in seen else 0
-            self.throttle_streak[key] = streak
+            streak = self._streak(key, word in seen, now)
             until = self.throttled_until.get(key)
             if until is not None and now - until > THROTTLE_FORGIVEN:
                 self.trips.pop(key, None)  # a day without it: the next trip starts over
@@ -362,33 +382,43 @@ class NvmlDevices:
                 faults.add(word)
         return faults
 
+    def _streak(self, key: tuple[int, str], seen: bool, now: float) -> int:
+        """For how many readings in a row, at least THROTTLE_READING_GAP apart, ``key`` (a GPU
+        and what it showed) has been seen."""
+        streak = self.throttle_streak.get(key, 0)
+        if not seen:
+            streak = 0
+        elif now - self.throttle_counted_at.get(key, -math.inf) >= THROTTLE_READING_GAP:
+            streak += 1
+            self.throttle_counted_at[key] = now
+        self.throttle_streak[key] = streak
+        return streak
+
     # -- XID events -------------------------------------------------------------------------
 
-    def _register_xid_events(self) -> object | None:
+    def _watch_xids(self, i: int, handle: object) -> None:
+        """Register GPU i for critical XID events, on the event set made at the first."""
         nvml = self.nvml
-        try:
-            event_set = nvml.nvmlEventSetCreate()
-        except nvml.NVMLError as err:
-            log.warning("NVML events unavailable (%s): XIDs will not be watched", err)
-            return None
-        registered = 0
-        for i, handle in self.handles.items():
-            supported = self._query(i, nvml.nvmlDeviceGetSupportedEventTypes, handle)
-            if supported is not None and not supported & nvml.nvmlEventTypeXidCriticalError:
-                continue  # unknown (None): try registering anyway
+        if self._events_unavailable:
+            return
+        if self.event_set is None:
             try:
-                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
-                registered += 1
-            except nvml.NVMLError_GpuIsLost:
-                self.sticky[i].add(LOST)
-            except nvml.NVMLError_NotSupported:
-                pass
+                self.event_set = nvml.nvmlEventSetCreate()
             except nvml.NVMLError as err:
-                log.warning("GPU %d: cannot watch XID events: %s", i, err)
-        if not registered:
-            _free_event_set(nvml, event_set)
-            return None
-        return event_set
+                log.warning("NVML events unavailable (%s): XIDs will not be watched", err)
+                self._events_unavailable = True
+                return
+        supported = self._query(i, nvml.nvmlDeviceGetSupportedEventTypes, handle)
+        if supported is not None and not supported & nvml.nvmlEventTypeXidCriticalError:
+            return  # unknown (None): try registering anyway
+        try:
+            nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self.event_set)
+        except nvml.NVMLError_GpuIsLost:
+            self.sticky[i].add(LOST)
+        except nvml.NVMLError_NotSupported:
+            pass
+        except nvml.NVMLError as err:
+            log.warning("GPU %d: cannot watch XID events: %s", i, err)
 
     def _poll_xid_events(self) -> None:
         """Drain the XID events that arrived since the last poll, without blocking."""
@@ -440,6 +470,8 @@ class NvmlDevices:
         except nvml.NVMLError as err:
             if fallible and isinstance(err, nvml.NVMLError_FunctionNotFound):
                 raise
+            if not isinstance(err, getattr(nvml, "NVMLError_NoPermission", ())):
+                self._failing.add(i)  # not for want of a privilege: what it says of the GPU is unknown
             name = getattr(fn, "__name__", str(fn))
             if (i, name) not in self._warned:
                 self._warned.add((i, name))
