@@ -178,6 +178,11 @@ class _Run:
         return self.process.pid if self.process else None
 
 
+def pid_dir(log_dir: Path, machine_id: str) -> Path:
+    """Where an agent of the machine records the process groups of its runs."""
+    return log_dir / ".pids" / machine_id.strip("/").replace("/", "-")
+
+
 class NodeActivities:
     """The node activities of one machine (``run_job``) and the state of its live processes."""
 
@@ -222,7 +227,7 @@ class NodeActivities:
         self.remember_finished = remember_finished
         # One directory per machine: the dev stack runs many agents over one log directory,
         # and an agent must reap only what an earlier agent *of its machine* left.
-        self.pid_dir = self.log_dir / ".pids" / machine_id.strip("/").replace("/", "-")
+        self.pid_dir = pid_dir(self.log_dir, machine_id)
 
     # -- the activity -----------------------------------------------------------------------
 

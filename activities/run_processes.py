@@ -14,8 +14,10 @@ container or cgroup per job is the complete answer where jobs cannot be trusted.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -70,6 +72,35 @@ class RunProcesses:
         deadline = loop.time() + KILL_WAIT
         while self.alive() and loop.time() < deadline:
             await asyncio.sleep(POLL)
+
+
+def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
+    """Stop, all at once, the runs whose pid files are in ``pid_dir`` and whose processes still
+    run with no agent to stop them (it was killed): SIGTERM, ``grace`` for them to checkpoint
+    and exit, then SIGKILL. Their pid files stay, for the machine's next agent to forward what
+    they reported. Returns the allocations stopped. For `gpusched dev down`, which has no event
+    loop; an agent reaps its machine's at its start (NodeActivities.reap_leftovers)."""
+    left = {}
+    for pid_file in sorted(pid_dir.glob("*.json")) if pid_dir.is_dir() else ():
+        try:
+            info = json.loads(pid_file.read_text())
+            pgid, alloc = int(info["pid"]), int(info["allocation_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # the next agent says so, and removes it
+        run = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
+        if run.alive():
+            left[alloc] = run
+    for run in left.values():
+        run.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(run.alive() for run in left.values()) and time.monotonic() < deadline:
+        time.sleep(POLL)
+    for run in left.values():
+        run.signal(signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT
+    while any(run.alive() for run in left.values()) and time.monotonic() < deadline:
+        time.sleep(POLL)
+    return sorted(left)
 
 
 def marked(token: str) -> list[int]:

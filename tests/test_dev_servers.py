@@ -426,6 +426,35 @@ def test_dev_down_while_a_first_up_is_under_way_waits_for_it_then_stops_what_it_
     assert done == [[]] and (tmp_path / devstack.STACK_FILE).exists()
 
 
+def test_dev_down_stops_the_jobs_an_agent_killed_before_it_left_running_and_keeps_their_pid_files(tmp_path):
+    """A killed agent (a machine's death, played) leaves its jobs running in sessions of their
+    own. Before, `down` stopped only recorded components: the jobs ran on, and `--purge` deleted
+    the pid files by which a next agent would have found them."""
+    from activities.node import pid_dir
+    from activities.run_processes import group_alive, start_ticks
+    from workers.settings import agent_log_dir
+
+    machine = "c1/b0/r0/m0"
+    job = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        pids = pid_dir(agent_log_dir(tmp_path, machine), machine)
+        pids.mkdir(parents=True)
+        (pids / "7.json").write_text(json.dumps({"pid": job.pid, "allocation_id": 7,
+                                                 "start_ticks": start_ticks(job.pid), "gpus": [0]}))
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        agent = devstack.Component(kind="worker", pid=dead.pid, machine_id=machine, cmd=[
+            sys.executable, "-m", "workers.agent", "--data-dir", str(tmp_path), "--machine-id", machine,
+            "--gpus", "1", "--grace-period", "1"])
+        devstack._save(tmp_path, devstack.StackState(components={devstack.machine_component(machine): agent}))
+        devstack.down(tmp_path)
+        assert job.wait(timeout=15) == -signal.SIGTERM and not group_alive(job.pid)
+        assert (pids / "7.json").exists()
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
     assert main(["dev", "down", "--data-dir", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out

@@ -15,7 +15,7 @@ import pytest
 from live.jobs import Stack, example_job, sleeper
 from workers import devices, devstack
 from workers.servers import pid_alive
-from workers.settings import machine_component
+from workers.settings import agent_log_dir, machine_component
 
 pytestmark = pytest.mark.live
 
@@ -66,7 +66,7 @@ def test_a_dead_agents_job_resumes_elsewhere_from_its_last_checkpoint_and_the_re
 
 
 def _unanswered(data_dir, machine) -> bool:
-    reports = data_dir / "jobs" / machine_component(machine) / "durable" / "reports-1"
+    reports = agent_log_dir(data_dir, machine) / "durable" / "reports-1"
     return any(not p.with_name(p.name[:-5] + ".ack.json").exists()
                for p in reports.glob("checkpoint-*.json") if not p.name.endswith(".ack.json"))
 

@@ -45,6 +45,7 @@ from activities.node import NodeActivities
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     Settings,
+    agent_log_dir,
     api_headers,
     connect_temporal,
     keep_connecting,
@@ -409,7 +410,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
     reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings))
-    node = NodeActivities(args.machine_id, data_dir / "jobs" / machine_component(args.machine_id),
+    node = NodeActivities(args.machine_id, agent_log_dir(data_dir, args.machine_id),
                           shutdown_grace=args.grace_period,
                           report_sink=lambda job, alloc, report: forward_checkpoint(reports, settings.api_url,
                                                                                     job, alloc, report),

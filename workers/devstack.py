@@ -38,6 +38,7 @@ from workers.settings import (
     STACK_FILE,
     Settings,
     SettingsError,
+    agent_log_dir,
     damaged_stack_fix,
     default_data_dir,
     env_overrides,
@@ -633,15 +634,34 @@ def down(data_dir: Path | str | None = None, *, purge: bool = False) -> list[str
         names = sorted(state.components, key=lambda n: _order(n, state.components[n]))
         agents = [n for n in names if state.components[n].machine_id]
         groups = [agents, ["api"], ["control"], [n for n in names if state.components[n].kind == "server"]]
-        for group in groups:
+        for k, group in enumerate(groups):
             group = [n for n in group if n in state.components]
             with ThreadPoolExecutor(max(1, len(group))) as pool:
                 done = list(pool.map(lambda n: _stop(data_dir, n, state.components[n]), group))
             stopped += [n for n, was in zip(group, done, strict=True) if was]
+            if k == 0:
+                _stop_left_jobs(data_dir, state, agents)
         _save(data_dir, state)
     if purge:
         shutil.rmtree(data_dir)
     return stopped
+
+
+def _stop_left_jobs(data_dir: Path, state: StackState, agents: list[str]) -> None:
+    """Stop the jobs of agents that died without stopping them (killed, as a machine's death is
+    played): they run in sessions of their own, and only the machine's next agent would stop
+    them. Each gets its agent's grace; their pid files stay for that next agent's reports."""
+    from activities.node import pid_dir
+    from activities.run_processes import stop_left_runs
+    from workers.agent import parse_args
+
+    def stop(name: str) -> None:
+        comp = state.components[name]
+        grace = parse_args(comp.cmd[comp.cmd.index("workers.agent") + 1:]).grace_period
+        stop_left_runs(pid_dir(agent_log_dir(data_dir, comp.machine_id), comp.machine_id), grace)
+
+    with ThreadPoolExecutor(max(1, len(agents))) as pool:
+        list(pool.map(stop, [n for n in agents if "workers.agent" in state.components[n].cmd]))
 
 
 def _stop(data_dir: Path, name: str, comp: Component, sig: int | None = None) -> bool:

@@ -251,6 +251,11 @@ def machine_component(machine_id: str) -> str:
     return "agent-" + machine_id.replace("/", "-")
 
 
+def agent_log_dir(data_dir: Path, machine_id: str) -> Path:
+    """Where the agent of a machine keeps its jobs' logs, reports and pid files."""
+    return data_dir / "jobs" / machine_component(machine_id)
+
+
 def ready_path(data_dir: Path, component: str) -> Path:
     """A worker process writes its pid here once it is connected and serving; the dev stack reads
     it to tell a healthy worker from one that is still starting or has hung at start."""
