@@ -455,6 +455,46 @@ def test_dev_down_stops_the_jobs_an_agent_killed_before_it_left_running_and_keep
         job.wait()
 
 
+def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down(tmp_path, monkeypatch):
+    """^C while the servers start: their threads run on and bring them up. Before, nothing
+    recorded them: `down` could not stop them, and the next `up` started a second Temporal and
+    SeaweedFS on the same data, and found Postgres's data taken."""
+    started = []
+
+    def slow(kind, **fields):
+        def start(data_dir, **kw):
+            time.sleep(0.5)
+            proc = subprocess.Popen(["sleep", "60"])
+            started.append(proc)
+            return kind(name=data_dir.name, pid=proc.pid, port=1, ports={"port": 1}, data_dir=str(data_dir),
+                        log_path="log", cmd=["sleep", "60"], **fields)
+        return start
+
+    monkeypatch.setattr(srv, "start_postgres", slow(srv.PostgresServer, dsn="postgresql://x@127.0.0.1:1/x"))
+    monkeypatch.setattr(srv, "start_temporal", slow(srv.TemporalServer, address="127.0.0.1:1", ui_url=None))
+    monkeypatch.setattr(srv, "start_s3", slow(srv.S3Server, endpoint="http://127.0.0.1:1", access_key="a",
+                                               secret_key="s", bucket="b"))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            devstack.up(tmp_path / "stack", machines=1, ui=False, fake_devices=True)
+        state = devstack.load_state(tmp_path / "stack")
+        assert set(state.components) == {"postgres", "temporal", "s3"} and len(started) == 3
+        assert {c.pid for c in state.components.values()} == {p.pid for p in started}
+        assert state.settings["temporal_address"] == "127.0.0.1:1"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        for proc in started:
+            proc.kill()
+            proc.wait()
+
+
 def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
     assert main(["dev", "down", "--data-dir", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out

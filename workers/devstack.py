@@ -11,6 +11,7 @@ and one agent per machine. Every operation is idempotent and acts on recorded pi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -23,7 +24,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Annotated, Literal
@@ -297,8 +298,29 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         return servers.start_s3(data_dir / "s3", ports=prefer or None, bucket=bucket, log_path=log,
                                 timeout=timeout)
 
-    with ThreadPoolExecutor(max(1, len(todo))) as pool:  # together: ~2.5 s instead of ~4
-        futures = {name: pool.submit(start, name) for name in todo}
+    pool = ThreadPoolExecutor(max(1, len(todo)))  # together: ~2.5 s instead of ~4
+    futures = {name: pool.submit(start, name) for name in todo}
+    try:
+        pool.shutdown(wait=True)
+    except BaseException:
+        # Interrupted (^C): the servers being started come up all the same, their threads run
+        # on. Recorded once up, `down` stops them; unrecorded, the next `up` started a second
+        # Temporal or SeaweedFS on the same data, or found Postgres's data taken.
+        with contextlib.suppress(BaseException):  # a second ^C: record what has started by then
+            wait(futures.values())
+        _record_servers(state, {n: f for n, f in futures.items() if f.done()})
+        _save(data_dir, state)
+        raise
+    errors = _record_servers(state, futures)
+    if "temporal" in state.external:
+        state.temporal_ui_url = None
+    if errors:
+        _save(data_dir, state)  # what did start stays recorded, so `down` can stop it
+        raise StackError("\n".join(errors))
+
+
+def _record_servers(state: StackState, futures: dict[str, Future]) -> list[str]:
+    """Record in ``state`` the servers whose start is done; the errors of those that failed."""
     errors = []
     for name, future in futures.items():
         try:
@@ -321,11 +343,7 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
             state.settings.update(s3_endpoint=server.endpoint, s3_access_key=server.access_key,
                                   s3_secret_key=server.secret_key, s3_bucket=server.bucket,
                                   s3_region=server.region)
-    if "temporal" in state.external:
-        state.temporal_ui_url = None
-    if errors:
-        _save(data_dir, state)  # what did start stays recorded, so `down` can stop it
-        raise StackError("\n".join(errors))
+    return errors
 
 
 def _prepare_database(settings: Settings, state: StackState, fleet: Fleet | None) -> None:
