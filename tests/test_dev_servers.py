@@ -373,11 +373,11 @@ def test_a_server_back_on_another_port_takes_the_running_workers_that_read_it_wi
     import socket
 
     data_dir = tmp_path / "stack"
-    first = devstack.up(data_dir, machines=1, gpus_per_machine=1, fast=True, ui=False, fake_devices=True)
-    if exported:
-        for var, value in settings_env(first.settings).items():
-            monkeypatch.setenv(var, value)
-    try:
+    try:  # a first `up` that fails keeps what it started, for `down`
+        first = devstack.up(data_dir, machines=1, gpus_per_machine=1, fast=True, ui=False, fake_devices=True)
+        if exported:
+            for var, value in settings_env(first.settings).items():
+                monkeypatch.setenv(var, value)
         assert first.restarted == [] and first.revived == []
         state = devstack.load_state(data_dir)
         workers = {n: c.pid for n, c in state.components.items() if c.kind == "worker"}

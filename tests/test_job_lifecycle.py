@@ -12,6 +12,7 @@ import time
 import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from live.jobs import sleeper
 from scheduler.models import Priority, Quota
@@ -45,23 +46,28 @@ def test_a_command_that_exits_3_fails_the_job_with_code_3_and_its_last_log_lines
     assert "exit code 3" in view.reason and "loss went NaN" in view.reason
 
 
-# Rank 0 says why and exits 3; rank 1 runs on until the gang is stopped, or exits 4 a moment later.
+# Rank 0 says why, leaves a mark and exits 3; rank 1 runs on until the gang is stopped, or exits 4
+# half a second after the mark (after rank 0 whenever either started: the agents start them apart).
 GANG_RANK_FAILS = [sys.executable, "-c", (
-    "import os, sys, time; rank = os.environ['GPUSCHED_NODE_RANK']; print('RAN rank', rank, flush=True)\n"
-    "if rank == '0': time.sleep(1); print('rank 0: loss went NaN', flush=True); sys.exit(3)\n"
-    "time.sleep(float(sys.argv[1])); sys.exit(4)")]
+    "import os, pathlib, sys, time; rank = os.environ['GPUSCHED_NODE_RANK']; mark = pathlib.Path(sys.argv[1])\n"
+    "print('RAN rank', rank, flush=True)\n"
+    "if rank == '0': time.sleep(1); print('rank 0: loss went NaN', flush=True); mark.touch(); sys.exit(3)\n"
+    "if sys.argv[2] == 'runs': time.sleep(600)\n"
+    "while not mark.exists(): time.sleep(0.05)\n"
+    "time.sleep(0.5); sys.exit(4)")]
 
 
-@pytest.mark.parametrize("name, rank_1_runs_for", [
-    ("the other rank still running, stopped with the gang", "600"),
-    ("the other rank failing too, after it", "2"),
+@pytest.mark.parametrize("name, rank_1", [
+    ("the other rank still running, stopped with the gang", "runs"),
+    ("the other rank failing too, after it", "fails"),
 ])
-def test_a_gang_whose_first_machine_fails_fails_with_that_machine_s_exit_code_and_lines(stack, name, rank_1_runs_for):
+def test_a_gang_whose_first_machine_fails_fails_with_that_machine_s_exit_code_and_lines(stack, tmp_path, name,
+                                                                                      rank_1):
     """The reason's words came from whichever rank was looked at last (a name reused inside the
     look for a rank's word on its checkpoint): a rank stopped with the gang had none, and the
     workflow failed on every replay, holding its GPUs, its job shown running for ever."""
     s = stack(machines=2, gpus=2)
-    s.submit("gang", 4, GANG_RANK_FAILS + [rank_1_runs_for], topology="any")
+    s.submit("gang", 4, GANG_RANK_FAILS + [str(tmp_path / "rank-0-failed"), rank_1], topology="any")
     view = s.wait("gang", timeout=60)
     assert {g.rsplit("/", 1)[0] for g in view.attempts[0].gpus} == {"c1/b0/r0/m0", "c1/b0/r0/m1"}
     assert view.state == "failed" and view.exit_code == 3, view.reason
@@ -228,14 +234,17 @@ def test_the_design_s_query_finds_a_running_job_by_its_state_and_team(stack):
 
 def test_a_priority_bump_moves_a_job_ahead_in_the_queue(stack):
     s = stack(machines=2)
-    s.submit("short", 4, sleeper(3))
+    # "short" ends when the bump has been seen (not after a fixed time, which a slow machine
+    # could spend before the bump, and the low jobs would start in their first order).
+    s.submit("short", 4, sleeper(60))
     s.submit("long", 4, sleeper(60))
     s.until(lambda: {s.status("short").state, s.status("long").state} == {"running"})
     s.submit("first-low", 4, sleeper(0), priority="low")
     s.submit("second-low", 4, sleeper(0), priority="low")
     s.until(lambda: s.status("second-low").position == 2)
     s.run(s.client.bump("second-low", Priority.high))
-    s.until(lambda: s.status("second-low").position == 1 or s.status("second-low").state != "queued")
+    s.until(lambda: s.status("second-low").position == 1)
+    s.run(s.client.cancel("short"))
     # "long" holds the other machine throughout, so the two share one machine, one after the other.
     bumped, other = s.wait("second-low"), s.wait("first-low")
     assert bumped.state == other.state == "succeeded"
@@ -327,8 +336,9 @@ def test_a_submit_for_a_team_without_a_quota_is_refused_and_starts_no_workflow(s
     with pytest.raises(SubmitRefused, match="has no quota"):
         s.run(s.client.submit(JobRequest(job_id="orphan", team="nobody", num_gpus=1, command=["true"])))
     handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("orphan"))
-    with pytest.raises(Exception):
+    with pytest.raises(RPCError) as none:
         s.run(handle.describe())
+    assert none.value.status == RPCStatusCode.NOT_FOUND
 
 
 def test_a_job_id_already_taken_running_or_ended_is_refused_naming_the_field(stack):
@@ -392,10 +402,11 @@ def test_an_ended_jobs_id_is_refused_after_temporal_has_forgotten_its_workflow(s
 
 
 def _gone(s, job_id: str) -> bool:
+    """Whether Temporal no longer keeps the job's workflow (any other error: asked again)."""
     try:
         s.run(s.client._handle(job_id).describe())
-    except Exception:
-        return True
+    except RPCError as e:
+        return e.status == RPCStatusCode.NOT_FOUND
     return False
 
 
@@ -507,12 +518,13 @@ def test_a_job_workflow_started_with_a_request_that_does_not_parse_ends_at_once(
 
 def test_a_job_whose_workflow_is_terminated_gives_its_placement_back(stack):
     s = stack(machines=1, gpus=4)
-    s.submit("blocker", 4, sleeper(3))
+    s.submit("blocker", 4, sleeper(60))  # cancelled once "doomed" is terminated, not ended by a clock
     s.until(lambda: s.status("blocker").state == "running")
     s.submit("doomed", 4, sleeper(0))
     s.submit("after", 4, sleeper(0))
     handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("doomed"))
     s.run(handle.terminate("an operator terminated it"))
+    s.run(s.client.cancel("blocker"))
     assert s.wait("after", timeout=60).state == "succeeded"
     doomed = s.status("doomed")
     assert doomed.state == "failed" and "workflow ended" in doomed.reason

@@ -468,13 +468,16 @@ async def printed(node: NodeActivities, req: RunJobInput, line: str = "running")
         await asyncio.sleep(0.02)
 
 
-async def cancel_after_start(node, req, details=None):
-    """Run ``req``, cancel it once it printed "running"; returns (raised, seconds to end)."""
+async def cancel_after_start(node, req, details=None, cancelled: asyncio.Event | None = None):
+    """Run ``req``, cancel it once it printed "running" (and set ``cancelled``); returns (raised,
+    seconds to end)."""
     env = ActivityEnvironment()
     task = asyncio.create_task(env.run(node.run_job, req))
     await printed(node, req)
     start = time.monotonic()
     env.cancel(details) if details else env.cancel()
+    if cancelled is not None:
+        cancelled.set()
     try:
         await task
     except BaseException as err:  # noqa: BLE001 - the test looks at what was raised
@@ -630,7 +633,9 @@ def test_a_watch_the_server_gave_up_on_can_be_taken_up_again(tmp_path, name, cod
     node.workflow_running = workflow_running
 
     async def scenario():
-        first = asyncio.create_task(cancel_after_start(node, job(code, allocation_id=9), details))
+        cancelled = asyncio.Event()
+        first = asyncio.create_task(cancel_after_start(node, job(code, allocation_id=9), details, cancelled))
+        await cancelled.wait()  # counted from the server's giving up, not from the launch
         await asyncio.sleep(watch_again_after)
         try:
             result = await attach(node, 9)
@@ -992,7 +997,9 @@ def test_an_earlier_agents_process_has_its_reports_forwarded_before_it_is_stoppe
     ("one answer without it is not enough", [([5], [])], []),
     ("two answers in a row without it make it an orphan", [([5], []), ([5], [])], [5]),
     ("a miss that is not repeated is forgotten", [([5], []), ([5], [5]), ([5], [])], []),
-    ("an allocation started after the heartbeat was sent is spared", [([], []), ([], [])], []),
+    ("an allocation started after a heartbeat was sent counts its misses from the next",
+     [([5], [5]), ([5, 6], [5]), ([5, 6], [5, 6])], []),
+    ("and from then, two misses in a row make it an orphan", [([5], [5]), ([5, 6], [5]), ([5, 6], [5])], [6]),
     ("an answer that does not list live allocations condemns nothing",
      [([5], None), ([5], None)], []),
 ])

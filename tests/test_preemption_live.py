@@ -15,8 +15,10 @@ pytestmark = pytest.mark.live
 
 def test_a_critical_job_preempts_a_low_one_which_checkpoints_in_its_grace_and_resumes_from_it(stack):
     s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 10})
-    s.submit("low", 4, example_job(steps=30, step_seconds=0.2), priority="low", checkpoint_interval=60)
-    s.until(lambda: re.search(r"^step 5/30", s.log("low"), re.M))
+    # 12 s of work: the preemption has 11 s from step 5 to come (the agent hears of it at its
+    # next heartbeat), not ending the job first on a slow machine.
+    s.submit("low", 4, example_job(steps=60, step_seconds=0.2), priority="low", checkpoint_interval=60)
+    s.until(lambda: re.search(r"^step 5/60", s.log("low"), re.M))
     s.submit("urgent", 4, example_job(steps=2, step_seconds=0.2), priority="critical")
     assert s.wait("urgent").state == "succeeded"
     view = s.wait("low", timeout=90)
@@ -35,7 +37,7 @@ def test_a_critical_job_preempts_a_low_one_which_checkpoints_in_its_grace_and_re
     assert [c.seq for c in view.checkpoints if c.complete][-1] >= seq
     resumed = s.log("low", attempt=2)
     assert f"starting at step {step} (resumed from seq {seq})" in resumed
-    assert re.search(rf"^step {step + 1}/30", resumed, re.M) and not re.search(r"^step 1/30", resumed, re.M)
+    assert re.search(rf"^step {step + 1}/60", resumed, re.M) and not re.search(r"^step 1/60", resumed, re.M)
     assert re.search(r"final_state=[0-9a-f]+", resumed)
     preemptions = s.sql("SELECT preemptions FROM jobs WHERE id = 'low'")[0]["preemptions"]
     assert len(preemptions) == 1
@@ -87,10 +89,12 @@ def test_a_victim_whose_checkpoint_takes_longer_than_the_heartbeat_timeout_keeps
 
 def test_a_job_inside_its_minimum_runtime_is_not_preempted(stack):
     s = stack(machines=1, gpus=4, policy={"min_runtime": 600, "grace_period": 10})
-    s.submit("young", 4, example_job(steps=12, step_seconds=0.25), priority="low")
+    # Long enough that a preemption, were it allowed, would come well before its end.
+    s.submit("young", 4, example_job(steps=40, step_seconds=0.25), priority="low")
     s.until(lambda: s.status("young").state == "running")
     s.submit("urgent", 4, example_job(steps=1, step_seconds=0.1), priority="critical")
-    s.until(lambda: s.status("urgent").reason, timeout=10)
+    s.until(lambda: "protected from preemption" in (s.status("urgent").pending_reason or ""), timeout=10)
+    assert s.status("young").state == "running"
     assert s.wait("young", timeout=60).attempts[0].end_reason == "completed"
     assert s.wait("urgent").state == "succeeded"
 

@@ -44,9 +44,10 @@ def test_a_team_under_its_guarantee_reclaims_a_critical_borrowed_job_which_resum
     team vision's guarantee (before, the two took turns until thrash protection stopped them)."""
     s = stack(machines=1, gpus=4, policy={"min_runtime": 0, "grace_period": 10})
     s.run(s.client.set_quota("labs", Quota(guaranteed=0, max=64)))
-    s.submit("borrowed", 4, example_job(steps=30, step_seconds=0.2), team="labs", priority="critical",
+    # 12 s of work: the reclaim has 11 s from step 5 to come, not ending the job first.
+    s.submit("borrowed", 4, example_job(steps=60, step_seconds=0.2), team="labs", priority="critical",
              checkpoint_interval=60)
-    s.until(lambda: re.search(r"^step 5/30", s.log("borrowed"), re.M))
+    s.until(lambda: re.search(r"^step 5/60", s.log("borrowed"), re.M))
     s.submit("owed", 4, sleeper(1), priority="low")  # team vision: guarantee 8, holds nothing
     owed = s.wait("owed")
     assert owed.state == "succeeded"

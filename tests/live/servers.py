@@ -16,6 +16,7 @@ The fixtures are plain (sync) pytest fixtures; async code inside a test runs wit
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import uuid
@@ -189,3 +190,18 @@ def live_stack(live_servers, tmp_path):
     yield start
     for data_dir in data_dirs:
         devstack.down(data_dir)
+
+
+async def until_blocked_or_done(conn, other: asyncio.Future, timeout: float = 10.0) -> None:
+    """Wait until another session of ``conn``'s database waits for a lock, or ``other`` is done:
+    a lock-order test's "the other takes what it takes first", which a fixed sleep only hoped for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not other.done():
+        # Within a transaction the activity view is read once and kept, unless cleared.
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        if await conn.fetchval("SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"):
+            return
+        assert loop.time() < deadline, "nothing came to wait for a lock"
+        await asyncio.sleep(0.02)
