@@ -232,7 +232,9 @@ def machine_from_report(machine_id: str, gpus: list) -> Machine:
                              f"each of cluster/block/rack/machine is up to {MAX_NAME_CHARS} printable characters "
                              "without spaces, as in the fleet file")
     first = gpus[0] if gpus else None
-    return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=max(1, len(gpus)),
+    # GPUs 0 to the highest index reported; those not reported are marked missing.
+    count = max((g.index for g in gpus), default=0) + 1
+    return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=count,
                    gpu_type=(first.gpu_type if first and first.gpu_type else "unknown"),
                    gpu_memory_gb=(first.memory_gb if first and first.memory_gb else 80.0))
 

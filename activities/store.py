@@ -233,7 +233,10 @@ class Store:
                                      "GPUs; a machine joins with a heartbeat that lists them")
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
             if gpus:  # a heartbeat without GPUs says nothing about them
-                await conn.execute(q.ADD_REPORTED_GPUS, machine_id, reported)
+                # Every index up to the highest has a row (those not reported are then marked
+                # missing): the scheduler numbers a machine's GPUs 0 to its count, and a hold on
+                # an index with no row failed every cycle of the cluster's commit.
+                await conn.execute(q.ADD_REPORTED_GPUS, machine_id, list(range(max(reported) + 1)))
                 await conn.execute(q.MARK_UNREPORTED_GPUS, machine_id, reported)
             await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid, accepting_work)
             await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])

@@ -1,14 +1,40 @@
 """How many infrastructure failures in a row a job has met: five fail it, but a long attempt
 between two failures starts the count again (a three-day job meets a machine's death now and
-then with nothing wrong with it)."""
+then with nothing wrong with it), and an attempt that ends otherwise ends the row."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import uuid
 from datetime import timedelta
 
 import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
 
-from workflows.job import INFRA_STREAK_RESET, MAX_INFRA_FAILURES, infra_failures_with
+from live.fakes import Admitting
+from workflows.job import INFRA_STREAK_RESET, MAX_INFRA_FAILURES, JobWorkflow, infra_failures_with
+from workflows.types import (
+    AttemptGrant,
+    EndAttempt,
+    EndReason,
+    GpuGrant,
+    HostGrant,
+    JobRequest,
+    JobState,
+    JobStateChange,
+    PlacementSignal,
+    PreemptSignal,
+    RunJobInput,
+    RunJobResult,
+    StartAttempt,
+    StopOrder,
+    agent_task_queue,
+)
 
 
 @pytest.mark.parametrize("name, before, ran_for, after", [
@@ -21,3 +47,88 @@ from workflows.job import INFRA_STREAK_RESET, MAX_INFRA_FAILURES, infra_failures
 ])
 def test_infrastructure_failures_in_a_row(name, before, ran_for, after):
     assert infra_failures_with(before, ran_for) == after
+
+
+# --- in the job workflow, on the real Temporal server with its activities played by fakes ------
+
+
+class Attempts(Admitting):
+    """The store and agent activities a job's attempts meet: each attempt's run fails as an
+    agent's would (an infrastructure failure) or runs until it is stopped (a preemption)."""
+
+    def __init__(self, runs: list[str]):
+        self.runs = runs  # per attempt: "agent fails" or "runs"
+        self.ends: list[EndAttempt] = []
+        self.started = asyncio.Event()  # an attempt that runs is under way
+
+    @activity.defn(name="start_attempt")
+    async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
+        return AttemptGrant(launch=True)
+
+    @activity.defn(name="set_job_state")
+    async def set_job_state(self, change: JobStateChange) -> None:
+        pass
+
+    @activity.defn(name="stop_job")
+    async def stop_job(self, order: StopOrder) -> None:
+        pass
+
+    @activity.defn(name="run_job")
+    async def run_job(self, run: RunJobInput) -> RunJobResult:
+        if self.runs[run.attempt - 1] == "agent fails":
+            raise ApplicationError("the agent broke", type="AgentBroke")
+        self.started.set()
+        while True:  # until cancelled (stopped), heartbeating as an agent does
+            activity.heartbeat()
+            await asyncio.sleep(0.2)
+
+    @activity.defn(name="end_attempt")
+    async def end_attempt(self, end: EndAttempt) -> None:
+        self.ends.append(end)
+
+    def activities(self) -> list:
+        return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_job_state, self.stop_job,
+                self.run_job, self.end_attempt]
+
+
+async def attempts_of(address: str, runs: list[str]) -> list[EndAttempt]:
+    """A job placed once per entry of `runs`, each ended as that entry says: the ends recorded."""
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    machine = f"m-{uuid.uuid4().hex[:8]}"
+    fakes = Attempts(runs)
+    async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
+                      activities=fakes.activities()), \
+            Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
+        request = JobRequest(job_id=f"streak-{machine}", team="vision", num_gpus=1, command=["true"])
+        handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
+                                             task_queue="gpusched-control-" + machine,
+                                             execution_timeout=timedelta(minutes=2))
+        for attempt, how in enumerate(runs, start=1):
+            fakes.started.clear()
+            await handle.signal(JobWorkflow.placement, PlacementSignal(
+                allocation_id=attempt, attempt=attempt,
+                hosts=[HostGrant(machine_id=machine, gpus=[GpuGrant(index=0, path=f"{machine}/0")])]))
+            if how == "runs":
+                await asyncio.wait_for(fakes.started.wait(), 30)
+                await handle.signal(JobWorkflow.preempt, PreemptSignal(allocation_id=attempt, grace_period=1,
+                                                                       reason="a more important job"))
+            while len(fakes.ends) < attempt:
+                await asyncio.sleep(0.05)
+            if fakes.ends[-1].next_state.terminal:
+                break
+        else:
+            await handle.signal(JobWorkflow.cancel, "the test is done")
+        with contextlib.suppress(WorkflowFailureError):
+            await handle.result()
+    return fakes.ends
+
+
+@pytest.mark.live
+def test_a_preemption_between_infrastructure_failures_ends_their_row(live_servers):
+    """One failure, a long run preempted, then four more: four in a row, the job queued again.
+    Before, the count went on across the preemption, and the fifth failed the job."""
+    ends = asyncio.run(attempts_of(live_servers.temporal_address, ["agent fails", "runs"] + ["agent fails"] * 4))
+    assert [e.end_reason for e in ends] == [EndReason.machine_failure, EndReason.preempted] + [
+        EndReason.machine_failure] * 4 + [EndReason.cancelled]
+    assert [e.next_state for e in ends[:-1]] == [JobState.queued] * 6
+    assert [e.failures_in_a_row for e in ends[:-1]] == [1, 0, 1, 2, 3, 4]

@@ -17,28 +17,21 @@ from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateS
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
+from live.fakes import Admitting
 from scheduler.models import Priority
 from workflows.job import JobWorkflow
-from workflows.types import Admission, EndAttempt, JobOutcome, JobRequest, PriorityBump, PriorityChange, Wake
+from workflows.types import EndAttempt, JobOutcome, JobRequest, PriorityBump, PriorityChange
 
 pytestmark = pytest.mark.live
 
 
-class Store:
+class Store(Admitting):
     """The control plane's store activities, as the job workflow calls them: each change of class
     is written at once, and the report of the first one held up for `held_s`."""
 
     def __init__(self, held_s: float):
         self.held_s = held_s
         self.classes: list[str] = []  # the store's writes, in the order they happened
-
-    @activity.defn(name="admit_job")
-    async def admit_job(self, request: JobRequest) -> Admission:
-        return Admission(accepted=True, job_id=request.job_id, cluster="c1", reason="accepted")
-
-    @activity.defn(name="wake_scheduler")
-    async def wake_scheduler(self, wake: Wake) -> None:
-        pass
 
     @activity.defn(name="set_priority")
     async def set_priority(self, change: PriorityChange) -> bool:

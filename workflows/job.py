@@ -91,10 +91,13 @@ HEARING_POLL = timedelta(seconds=2)
 HEARING_WAIT = timedelta(seconds=30)
 MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
 STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
-RUN_LIMIT = timedelta(days=14)
+# Temporal wants a limit on an attempt's run: a year, past any training run (at 14 days, jobs of
+# weeks were requeued as if their agent had died, and one without checkpoints never ended).
+RUN_LIMIT = timedelta(days=365)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
 # attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a
-# long job meets a machine's death now and then without anything being wrong with it.
+# long job meets a machine's death now and then without anything being wrong with it, and an
+# attempt that ends otherwise (preempted, say) ends the row.
 MAX_INFRA_FAILURES = 5
 INFRA_STREAK_RESET = timedelta(minutes=30)
 
@@ -132,6 +135,7 @@ class JobWorkflow:
         self.resume_seq: int | None = None  # the checkpoint this attempt resumed from
         self.unusable_checkpoint: int | None = None  # that checkpoint, when the job found it unusable
         self.held_for: int = 0  # infrastructure failures in a row this requeue is for (held back)
+        self.counted_infra = False  # whether the attempt under way ended as an infrastructure failure
         self.asked_id: str | None = None  # the job id the input named, even when it did not parse
         self.bumping = asyncio.Lock()  # one change of class at a time, in the order they came
 
@@ -298,7 +302,13 @@ class JobWorkflow:
             self.state = JobState.running
             self._publish()
             # 4. Run it.
+            self.counted_infra = False
             end, exit_code, next_state, reason = await self._run_attempt(placement, grant)
+            if not self.counted_infra and workflow.patched("infra-failures-row-broken-by-other-ends"):
+                # Preempted, requeued by the cycle, its agent shut down as planned, its own
+                # failure retried: no infrastructure failure, so the row of them ends here
+                # (before, failures days apart added up to the five that fail a job).
+                self.infra_failures = 0
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)
             self.allocation_id = None
@@ -522,6 +532,8 @@ class JobWorkflow:
             end, why = EndReason.machine_failure, f"its attempt was lost with its heartbeats: {cause.message}"
         elif isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
             end, why = EndReason.not_started, "its machine's agent did not pick the attempt up"
+        elif isinstance(cause, TimeoutError) and cause.type == TimeoutType.START_TO_CLOSE:
+            end, why = EndReason.machine_failure, f"its attempt ran past {RUN_LIMIT.days} days, the limit of one attempt"
         elif isinstance(cause, TimeoutError):
             end, why = EndReason.machine_failure, "its machine's agent stopped heartbeating"
         else:
@@ -531,6 +543,7 @@ class JobWorkflow:
     def _count_infra_failure(self, end: EndReason, why: str, *, exit_code: int | None = None,
                              lines: str = "") -> tuple[EndReason, int | None, JobState, str]:
         """`exit_code`: the command's, where it exited (75); `lines`: its last log lines, if any."""
+        self.counted_infra = True
         if workflow.patched("infra-failures-in-a-row"):
             ran = None if self.attempt_began is None else workflow.now() - self.attempt_began
             self.infra_failures = infra_failures_with(self.infra_failures, ran)
