@@ -437,13 +437,13 @@ class NodeActivities:
             return False
         log.info("allocation %d: stop ordered (%s), %gs grace", order.allocation_id, order.reason,
                  order.grace_period)
-        self._tell_stop_order(run, order.grace_period)
         self._request_stop(run, order.grace_period, ordered=True)
         return True
 
     def _tell_stop_order(self, run: _Run, grace: float) -> None:
         """Tell the job the grace it really has (jobkit's stop.json), before SIGTERM where the
-        order comes first; its GPUSCHED_GRACE_PERIOD is the launch's."""
+        stop comes first; its GPUSCHED_GRACE_PERIOD is the launch's. Every stop says it: the
+        scheduler's order, the agent's shutdown (its own grace at most), an orphan's kill."""
         folder = self._report_dir(run.req)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -834,6 +834,8 @@ class NodeActivities:
         deadline = loop.time() + max(0.0, grace)
         if ordered or run.stop_deadline is None or deadline < run.stop_deadline:
             run.stop_deadline = deadline
+            if run.outcome is None or not run.outcome.done():
+                self._tell_stop_order(run, max(0.0, grace))
         run.ordered_stop = run.ordered_stop or ordered
         if run.process is None or run.process.returncode is not None or run.stopper is not None:
             return  # not started yet (_execute stops it when it is), already ended, or stopping

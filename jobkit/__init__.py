@@ -110,7 +110,8 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
    gpusched with the attempt's end, which takes checkpoint 3 for incomplete and queues the job
    again, to resume from the newest complete checkpoint before it (or from the start).
 5. The grace of a stop is the preemption's, which may differ from ``GPUSCHED_GRACE_PERIOD`` (the
-   cluster's grace changed since the launch; a gang that lost a machine gets none): the agent
+   cluster's grace changed since the launch; a gang that lost a machine gets none), or the
+   agent's (shutting down, it gives at most its own; an orphan gets a few seconds): the agent
    writes ``$GPUSCHED_REPORT_DIR/stop.json`` = ``{"grace_period": 20, "deadline": <epoch>}`` as
    the stop is ordered, and once SIGTERM arrived the deadlines above follow it.
 6. Once restored, with ``GPUSCHED_LAUNCHED_AT`` set, it writes ``$GPUSCHED_REPORT_DIR/restored.json``

@@ -551,6 +551,24 @@ def test_a_stop_order_gives_the_job_the_ordered_grace_not_the_one_it_was_launche
     assert not run(ActivityEnvironment().run(node.stop_job, StopOrder(allocation_id=15, grace_period=1)))
 
 
+def test_an_orphan_s_kill_tells_the_job_its_shorter_grace_as_an_order_does(tmp_path):
+    """Before, only the scheduler's stop order wrote stop.json: stopped otherwise (an orphan's
+    kill, the agent's shutdown), jobkit sized its last save for the launch's grace, and SIGKILL
+    came first."""
+    node = node_in(tmp_path)
+    req = job(IGNORES_TERM, allocation_id=16, grace_period=30)
+
+    async def scenario():
+        task = asyncio.create_task(ActivityEnvironment().run(node.run_job, req))
+        await printed(node, req)
+        await node.kill_allocation(16, 0.5)
+        with contextlib.suppress(BaseException):
+            await task
+
+    run(scenario())
+    assert json.loads((node._report_dir(req) / STOP_ORDER).read_text())["grace_period"] == 0.5
+
+
 def test_a_stop_gives_the_whole_process_group_its_grace_then_kills_it(tmp_path):
     node = node_in(tmp_path)
     code = """
