@@ -148,6 +148,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import hashlib
 import json
 import logging
@@ -677,6 +678,29 @@ def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
         raise
 
 
+def _remove_partials_of_the_gone(path: Path) -> None:
+    """Remove the copies restores to ``path`` left when their processes were killed."""
+    try:
+        left = list(path.parent.glob(glob.escape(path.name) + ".*.partial"))
+    except OSError:
+        return
+    for partial in left:
+        pid = partial.name[len(path.name) + 1:].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                partial.unlink()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def _looking_before_a_resend(store: Any, bucket: str, key: str, data: Source, digest: Any,
                              metadata: Mapping[str, str]) -> Callable[[], bool]:
     """The store's ``put_new`` for a caller that asks again while the store is unreachable. An
@@ -1158,8 +1182,11 @@ class Checkpointer:
         # A name of its own (several local ranks may restore to the same path at once: each
         # writes and verifies its own copy, and the last rename wins with whole, verified bytes),
         # on disk before the rename (a crash must not leave a whole name over half the data).
-        # Readable by its owner only, as the job's own state.
-        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+        # Readable by its owner only, as the job's own state. Named with the pid, so that the
+        # copies of restores killed in their grace (SIGKILL skips the clean-up below), whole
+        # checkpoints each, are found and removed by the next restore instead of filling the disk.
+        _remove_partials_of_the_gone(path)
+        fd, name = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".partial", dir=path.parent)
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as f:
