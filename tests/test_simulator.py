@@ -282,7 +282,22 @@ def test_a_job_preempted_while_it_restarts_loses_nothing_and_pays_the_restart_ag
     assert second.lost_work == 0.0
     assert second.restart_work == pytest.approx((second.end - second.start) * 8)  # all of it restarting
     assert third.end - third.start == pytest.approx(7200.0 - 1000.0 + 600.0)
+    # Nothing written while it restarts (before, a whole checkpoint at 1,700 with nothing new in it).
+    writes = [w.time for w in result.checkpoint_writes if w.job_id == "low"]
+    assert not [t for t in writes if second.start <= t <= second.end or third.start <= t < third.start + 600.0]
     check_run_invariants(result, trace)
+
+
+def test_the_scheduler_learns_the_restart_time_from_the_first_attempt_that_has_its_state_back():
+    """Low's second attempt is preempted before its restart is over: the live loop hears no
+    restart time from it. Before, the simulator learned it from that attempt all the same."""
+    settings = SimSettings(restart_s=600.0, learn_restart=True, policy=PolicyConfig(min_runtime=0))
+    trace = [tj("low", 0.0, 7200.0, priority="low", interval=1800.0),
+             tj("crit1", 1000.0, 600.0, priority="critical"), tj("crit2", 1700.0, 600.0, priority="critical")]
+    sim = Simulation(trace, small_fleet(machines=1), "gpusched", settings)
+    _, second, third = allocs(sim.run(), "low")
+    assert second.end < second.start + 600.0
+    assert sim.restart_seen_at == third.start + 600.0
 
 
 def test_reclaim_latency_counts_the_jobs_a_guarantee_covers_not_the_teams_backlog_beyond_it():

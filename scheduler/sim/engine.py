@@ -166,6 +166,10 @@ class Simulation:
         self.cycle = POLICIES[policy]
         self.settings = settings
         self.policy = settings.policy  # what the scheduler is told; it may learn restart times
+        # Restarting attempts (by job) and when each has its state back: the scheduler learns the
+        # restart time from the first that gets there, not from one stopped before (preempted
+        # while it restarted: the live loop hears no restart time from it).
+        self.restarting: dict[str, float] = {}
         self.restart_seen_at: float | None = None  # when the first restarted attempt had its state back
         self.fleet = fleet
         self.quotas = fleet.every_quota
@@ -321,7 +325,7 @@ class Simulation:
         life.state = "running"
         life.progressing_from = now + (self.settings.restart_s if life.attempt > 1 else 0.0)
         if life.attempt > 1 and self.restart_seen_at is None and self.settings.learn_restart and self.settings.restart_s:
-            self.restart_seen_at = life.progressing_from
+            self.restarting[job_id] = life.progressing_from
         if life.first_start is None:
             life.first_start = now
             if life.reclaiming and now > life.trace.submit_time:
@@ -365,10 +369,16 @@ class Simulation:
              for_job: str | None = None) -> None:
         """Preempt (graceful) or kill (not graceful) a running job; account what it loses."""
         run = life.running
+        if self.restarting.get(life.spec.job_id, -math.inf) > now:
+            del self.restarting[life.spec.job_id]  # stopped before it had its state back
         # A draining job stopped working when it was told to; a failure now cuts its grace short.
         done = self.done_by(life, life.stopped_at if life.state == "draining" else now)
         can_save = life.spec.checkpoints and self.settings.checkpoint_write_s <= self.settings.policy.grace_period
-        if graceful and can_save:
+        if graceful and now < life.progressing_from:
+            # Stopped while it restarts: its state is not back, so it has nothing new to write,
+            # and it exits as a job does on SIGTERM, keeping the checkpoint it resumed from.
+            saved, release = done, now + min(self.settings.sigterm_exit_s, self.settings.policy.grace_period)
+        elif graceful and can_save:
             saved, release = done, now + self.settings.checkpoint_write_s
             self.checkpoints.append(CheckpointWrite(time=now, job_id=life.spec.job_id,
                                                     bytes=self.ckpt_bytes(life)))
@@ -426,7 +436,9 @@ class Simulation:
             if run.draining_until is not None:
                 stop = min(stop, max(run.started_at, run.draining_until - self.settings.checkpoint_write_s))
             while t < stop:
-                self.checkpoints.append(CheckpointWrite(time=t, job_id=life.spec.job_id, bytes=self.ckpt_bytes(life)))
+                if t >= life.progressing_from:  # none while it restarts: its state is not back yet
+                    self.checkpoints.append(CheckpointWrite(time=t, job_id=life.spec.job_id,
+                                                            bytes=self.ckpt_bytes(life)))
                 t += interval
         self.allocations.append(AllocationRecord(
             job_id=life.spec.job_id, start=run.started_at, end=now, reason=reason,
@@ -493,6 +505,10 @@ class Simulation:
     def snapshot(self, cluster: ClusterState, now: float) -> Snapshot:
         self.refresh_checkpoints(cluster, now)
         arrived, cluster.arrived = cluster.arrived, []
+        if self.restart_seen_at is None and self.restarting:
+            back = [t for t in self.restarting.values() if t <= now]
+            if back:
+                self.restart_seen_at, self.restarting = min(back), {}
         if self.restart_seen_at is not None and now >= self.restart_seen_at and self.policy is self.settings.policy:
             self.policy = self.settings.policy.model_copy(update={"expected_restart_s": self.settings.restart_s})
         return Snapshot.model_construct(
