@@ -133,8 +133,9 @@ would take its own sequence number and be reported, and a restore, which returns
 would give every rank the bytes of whichever saved last (sharded state would not be kept
 together). Gather the state on rank 0 and save it there; ``ck.saves`` says whether this process
 is the one. Every rank may ask ``due()``: on the others it is True once per scheduled time, at
-the time rank 0's is (on machines whose clocks differ by more than a step, broadcast rank 0's
-answer instead).
+the time rank 0's is as long as rank 0 saves only when ``due()`` says so (a save of its own
+choosing, at an epoch's end say, moves its schedule and not theirs; then, or on machines whose
+clocks differ by more than a step, broadcast rank 0's answer instead).
 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
 ``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
@@ -157,6 +158,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -679,16 +681,22 @@ def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
 
 
 def _remove_partials_of_the_gone(path: Path) -> None:
-    """Remove the copies restores to ``path`` left when their processes were killed."""
+    """Remove the copies restores to ``path`` on this host left when their processes were killed."""
+    mine = f"{glob.escape(path.name)}.{glob.escape(_host())}."
     try:
-        left = list(path.parent.glob(glob.escape(path.name) + ".*.partial"))
+        left = list(path.parent.glob(mine + "*.partial"))
     except OSError:
         return
     for partial in left:
-        pid = partial.name[len(path.name) + 1:].split(".", 1)[0]
+        pid = partial.name[len(path.name) + len(_host()) + 2:].split(".", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
             with contextlib.suppress(OSError):
                 partial.unlink()
+
+
+def _host() -> str:
+    """This host's name, as a file name's part (no dots: they separate the parts)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
 
 
 def _process_alive(pid: int) -> bool:
@@ -982,7 +990,7 @@ class Checkpointer:
         """Whether a scheduled checkpoint time has come (see the module docstring). On a rank
         that does not save, True once per scheduled time: no save of its own moves its
         reference on, so the time is taken as rank 0's save takes it, and its ``if ck.due()``
-        (a gather, say) comes at the steps rank 0's does."""
+        (a gather, say) comes at the steps rank 0's does while rank 0 saves only when due."""
         nxt = self.next_due()
         if nxt is None or self._clock() < nxt:
             return False
@@ -1182,11 +1190,13 @@ class Checkpointer:
         # A name of its own (several local ranks may restore to the same path at once: each
         # writes and verifies its own copy, and the last rename wins with whole, verified bytes),
         # on disk before the rename (a crash must not leave a whole name over half the data).
-        # Readable by its owner only, as the job's own state. Named with the pid, so that the
-        # copies of restores killed in their grace (SIGKILL skips the clean-up below), whole
-        # checkpoints each, are found and removed by the next restore instead of filling the disk.
+        # Readable by its owner only, as the job's own state. Named with the host and pid, so
+        # that the copies of restores killed in their grace (SIGKILL skips the clean-up below),
+        # whole checkpoints each, are found and removed by the next restore on that host instead
+        # of filling the disk (a shared folder's copies of other hosts are theirs to remove).
         _remove_partials_of_the_gone(path)
-        fd, name = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".partial", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=f"{path.name}.{_host()}.{os.getpid()}.", suffix=".partial",
+                                    dir=path.parent)
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as f:

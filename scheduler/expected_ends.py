@@ -32,6 +32,12 @@ def expected_ends(layout: Layout, running: Sequence[RunningJob], now: float, res
     return [(job, end if end > now else job.expected_end(now), machines) for job, end, machines in planned]
 
 
+def end_of(job: RunningJob, now: float, restart: float) -> float:
+    """One running job's expected end, as `expected_ends` gives it (without the per-cycle store)."""
+    end = plain_end(job, restart)
+    return end if end > now else job.expected_end(now)
+
+
 def plain_end(job: RunningJob, restart: float) -> float:
     """When the job ends by its user's estimate (and, if it resumed, the restart it was expected
     to need), or -inf for a draining job (its end is the end of its grace):

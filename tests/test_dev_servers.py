@@ -309,6 +309,18 @@ def test_the_dev_agents_fake_their_gpus_only_where_the_host_has_none_or_when_ask
     assert all(("--fake-devices" in cmd) == agents_fake for cmd in agents)
 
 
+@pytest.mark.parametrize("fake_devices, kernel_shows, machines", [
+    (False, True, 1), (True, True, 2), (False, False, 2),
+], ids=["a GPU host: one machine, whose agent watches its GPUs", "a GPU host with fake GPUs: two",
+        "no GPU here: two"])
+def test_a_new_dev_stack_runs_one_machine_on_a_gpu_host_and_two_elsewhere(monkeypatch, fake_devices, kernel_shows,
+                                                                         machines):
+    """Before, plain `gpusched dev up` on a GPU host asked for two and was refused."""
+    monkeypatch.setattr(devstack, "_nvml_gpu_count", lambda: 0)
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: kernel_shows)
+    assert devstack._default_machines(devstack.StackState(fake_devices=fake_devices)) == machines
+
+
 @pytest.mark.parametrize("nvml_gpus, kernel_shows", [(8, True), (0, True)],
                          ids=["NVML reads them", "NVML fails"])
 def test_dev_up_refuses_several_machines_on_a_gpu_host_before_it_starts_anything(
@@ -459,10 +471,15 @@ def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down
     """^C while the servers start: their threads run on and bring them up. Before, nothing
     recorded them: `down` could not stop them, and the next `up` started a second Temporal and
     SeaweedFS on the same data, and found Postgres's data taken."""
-    started = []
+    import threading
+
+    started, all_starting = [], threading.Barrier(3)
+    main_thread = threading.main_thread().ident
 
     def slow(kind, **fields):
         def start(data_dir, **kw):
+            if all_starting.wait() == 0:  # the ^C comes while all three start, however slow the machine
+                signal.pthread_kill(main_thread, signal.SIGALRM)
             time.sleep(0.5)
             proc = subprocess.Popen(["sleep", "60"])
             started.append(proc)
@@ -480,7 +497,6 @@ def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down
 
     before = signal.signal(signal.SIGALRM, interrupt)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(KeyboardInterrupt):
             devstack.up(tmp_path / "stack", machines=1, ui=False, fake_devices=True)
         state = devstack.load_state(tmp_path / "stack")
@@ -488,7 +504,6 @@ def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down
         assert {c.pid for c in state.components.values()} == {p.pid for p in started}
         assert state.settings["temporal_address"] == "127.0.0.1:1"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
         for proc in started:
             proc.kill()

@@ -112,8 +112,12 @@ async def attempts_of(address: str, runs: list[str]) -> list[EndAttempt]:
                 await asyncio.wait_for(fakes.started.wait(), 30)
                 await handle.signal(JobWorkflow.preempt, PreemptSignal(allocation_id=attempt, grace_period=1,
                                                                        reason="a more important job"))
-            while len(fakes.ends) < attempt:
+            for _ in range(600):  # 30 s: a workflow task that fails leaves the attempt unended
+                if len(fakes.ends) >= attempt:
+                    break
                 await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"attempt {attempt} never ended")
             if fakes.ends[-1].next_state.terminal:
                 break
         else:

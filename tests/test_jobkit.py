@@ -374,16 +374,18 @@ def test_ranks_writing_their_restart_report_at_once_leave_one_whole_report(tmp_p
 
 def test_a_restore_removes_the_copies_restores_killed_in_their_grace_left_and_no_other(tmp_path):
     """SIGKILL skips a restore's clean-up: each such copy is a whole checkpoint, and repeated
-    preemptions during restores filled the disk. A live rank's copy under way is left alone."""
+    preemptions during restores filled the disk. A live rank's copy under way is left alone, and
+    so is another host's (a folder shared over the network: its pids are not this host's)."""
     saved = local(tmp_path).save(b"state")
     gone = subprocess.Popen(["true"])
     gone.wait()
-    killed = tmp_path / f"state.bin.{gone.pid}.k1ll3d.partial"
-    under_way = tmp_path / f"state.bin.{os.getpid()}.l1v3.partial"
-    for partial in (killed, under_way):
+    killed = tmp_path / f"state.bin.{jobkit._host()}.{gone.pid}.k1ll3d.partial"
+    under_way = tmp_path / f"state.bin.{jobkit._host()}.{os.getpid()}.l1v3.partial"
+    elsewhere = tmp_path / f"state.bin.another-host.{gone.pid}.sh4r3d.partial"  # a shared folder's
+    for partial in (killed, under_way, elsewhere):
         partial.write_bytes(b"half a checkpoint")
     assert local(tmp_path, resume_from=saved.uri).restore_to(tmp_path / "state.bin").read_bytes() == b"state"
-    assert not killed.exists() and under_way.exists()
+    assert not killed.exists() and under_way.exists() and elsewhere.exists()
 
 
 @pytest.mark.parametrize("restore, launched, reported", [

@@ -1015,7 +1015,7 @@ def test_an_earlier_agents_process_has_its_reports_forwarded_before_it_is_stoppe
     ("one answer without it is not enough", [([5], [])], []),
     ("two answers in a row without it make it an orphan", [([5], []), ([5], [])], [5]),
     ("a miss that is not repeated is forgotten", [([5], []), ([5], [5]), ([5], [])], []),
-    ("an allocation started after a heartbeat was sent counts its misses from the next",
+    ("an allocation first sent with a later heartbeat is not an orphan for its first miss",
      [([5], [5]), ([5, 6], [5]), ([5, 6], [5, 6])], []),
     ("and from then, two misses in a row make it an orphan", [([5], [5]), ([5, 6], [5]), ([5, 6], [5])], [6]),
     ("an answer that does not list live allocations condemns nothing",

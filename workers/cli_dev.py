@@ -31,7 +31,7 @@ def add_dev_commands(subparsers) -> None:
 
     up = commands.add_parser("up", help="start what is not running and wait until all is healthy")
     up.add_argument("--machines", type=count, default=None,
-                    help="machines, one agent each (default: as before, else 2)")
+                    help="machines, one agent each (default: as before, else 2; 1 on a host with NVIDIA GPUs)")
     up.add_argument("--gpus-per-machine", type=positive_int, default=None,
                     help="GPUs per machine (default: as before, else 8)")
     up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")

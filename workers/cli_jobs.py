@@ -245,7 +245,7 @@ def cmd_submit(args) -> int:
         except NotYetAdmitted as e:  # not refused: submitting again would make a second job
             print(f"error: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
-        except ClientError:
+        except (ClientError, asyncpg.DataError):
             raise  # refused: nothing was submitted
         except BaseException:
             # Cut short (Temporal or the database gone while it waited for the admission, ^C):

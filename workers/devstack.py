@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Annotated, Literal
@@ -228,7 +228,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
             state.cluster = fleet.clusters[0].name
         elif not state.machines or any(v is not None for v in (machines, gpus_per_machine, cluster, gpu_type)):
             # A stack of a fleet file keeps its machines until asked for others.
-            count = machines if machines is not None else (len(state.machines) or 2)
+            count = machines if machines is not None else (len(state.machines) or _default_machines(state))
             state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
         for role, extra in (("agent", agent_args), ("control", control_args), ("api", api_args)):
             if extra is not None:
@@ -298,20 +298,37 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         return servers.start_s3(data_dir / "s3", ports=prefer or None, bucket=bucket, log_path=log,
                                 timeout=timeout)
 
+    # Each start's server (or error) is kept by the thread that started it: a ^C may come
+    # between any two steps here, and what was started must be found all the same.
+    ended: dict[str, object] = {}
+
+    def start_and_keep(name: str) -> None:
+        try:
+            ended[name] = start(name)
+        except Exception as e:
+            ended[name] = e
+
     pool = ThreadPoolExecutor(max(1, len(todo)))  # together: ~2.5 s instead of ~4
-    futures = {name: pool.submit(start, name) for name in todo}
+    asked: list[str] = []
     try:
+        for name in todo:
+            asked.append(name)  # before the start: one asked is waited for below
+            pool.submit(start_and_keep, name)
         pool.shutdown(wait=True)
     except BaseException:
         # Interrupted (^C): the servers being started come up all the same, their threads run
         # on. Recorded once up, `down` stops them; unrecorded, the next `up` started a second
-        # Temporal or SeaweedFS on the same data, or found Postgres's data taken.
+        # Temporal or SeaweedFS on the same data, or found Postgres's data taken. Waited for by
+        # their results, not by joining their threads again (a join a ^C cut short may not
+        # wait a second time).
+        deadline = time.monotonic() + timeout + 10.0
         with contextlib.suppress(BaseException):  # a second ^C: record what has started by then
-            wait(futures.values())
-        _record_servers(state, {n: f for n, f in futures.items() if f.done()})
+            while not set(asked) <= ended.keys() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        _record_servers(state, dict(ended))
         _save(data_dir, state)
         raise
-    errors = _record_servers(state, futures)
+    errors = _record_servers(state, ended)
     if "temporal" in state.external:
         state.temporal_ui_url = None
     if errors:
@@ -319,17 +336,16 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         raise StackError("\n".join(errors))
 
 
-def _record_servers(state: StackState, futures: dict[str, Future]) -> list[str]:
-    """Record in ``state`` the servers whose start is done; the errors of those that failed."""
+def _record_servers(state: StackState, ended: dict[str, object]) -> list[str]:
+    """Record in ``state`` the servers started (by name: the server, or the start's error);
+    returns the errors of those that failed."""
     errors = []
-    for name, future in futures.items():
-        try:
-            server = future.result()
-        except servers.ServerError as e:
-            errors.append(str(e))
+    for name, server in ended.items():
+        if isinstance(server, servers.ServerError):
+            errors.append(str(server))
             continue
-        except Exception as e:  # a full disk, a failing useradd: the others' servers are still recorded
-            errors.append(f"{name} did not start: {type(e).__name__}: {e}")
+        if isinstance(server, Exception):  # a full disk, a failing useradd: the others' servers are still recorded
+            errors.append(f"{name} did not start: {type(server).__name__}: {server}")
             continue
         state.components[name] = Component(
             kind="server", pid=server.pid, port=server.port, ports=server.ports, cmd=server.cmd,
@@ -388,6 +404,12 @@ def _worker_commands(data_dir: Path, state: StackState,
             m.id,
         )
     return cmds
+
+
+def _default_machines(state: StackState) -> int:
+    """A new stack's machines: two, or one on a host with NVIDIA GPUs (its agent watches them;
+    several would each offer the same GPUs) unless its GPUs are faked."""
+    return 1 if not state.fake_devices and _real_gpus_here() else 2
 
 
 def _real_gpus_here() -> bool:
@@ -475,11 +497,14 @@ def _stop_grace(cmd: list[str]) -> float:
     """How long `down` waits for a worker after SIGTERM before SIGKILL: an agent gives its jobs
     their grace (its own --grace-period) to checkpoint, and SIGKILLed before that it would leave
     them running (they run in sessions of their own) with nobody to stop them."""
-    if "workers.agent" not in cmd:
-        return 10.0
+    return 10.0 if "workers.agent" not in cmd else _agent_grace(cmd) + 15.0
+
+
+def _agent_grace(cmd: list[str]) -> float:
+    """The grace an agent started with ``cmd`` gives the jobs it stops (its --grace-period)."""
     from workers.agent import parse_args
 
-    return parse_args(cmd[cmd.index("workers.agent") + 1:]).grace_period + 15.0
+    return parse_args(cmd[cmd.index("workers.agent") + 1:]).grace_period
 
 
 def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, str]) -> None:
@@ -671,12 +696,14 @@ def _stop_left_jobs(data_dir: Path, state: StackState, agents: list[str]) -> Non
     them. Each gets its agent's grace; their pid files stay for that next agent's reports."""
     from activities.node import pid_dir
     from activities.run_processes import stop_left_runs
-    from workers.agent import parse_args
 
     def stop(name: str) -> None:
         comp = state.components[name]
-        grace = parse_args(comp.cmd[comp.cmd.index("workers.agent") + 1:]).grace_period
-        stop_left_runs(pid_dir(agent_log_dir(data_dir, comp.machine_id), comp.machine_id), grace)
+        try:
+            stop_left_runs(pid_dir(agent_log_dir(data_dir, comp.machine_id), comp.machine_id),
+                           _agent_grace(comp.cmd))
+        except (Exception, SystemExit) as e:  # `down` goes on: the rest of the stack is stopped still
+            print(f"warning: cannot stop the jobs {name} left running: {e}", file=sys.stderr)
 
     with ThreadPoolExecutor(max(1, len(agents))) as pool:
         list(pool.map(stop, [n for n in agents if "workers.agent" in state.components[n].cmd]))

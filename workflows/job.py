@@ -97,7 +97,7 @@ RUN_LIMIT = timedelta(days=365)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
 # attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a
 # long job meets a machine's death now and then without anything being wrong with it, and an
-# attempt that ends otherwise (preempted, say) ends the row.
+# attempt preempted, or failed by the job itself and retried, ends the row.
 MAX_INFRA_FAILURES = 5
 INFRA_STREAK_RESET = timedelta(minutes=30)
 
@@ -304,10 +304,13 @@ class JobWorkflow:
             # 4. Run it.
             self.counted_infra = False
             end, exit_code, next_state, reason = await self._run_attempt(placement, grant)
-            if not self.counted_infra and workflow.patched("infra-failures-row-broken-by-other-ends"):
-                # Preempted, requeued by the cycle, its agent shut down as planned, its own
-                # failure retried: no infrastructure failure, so the row of them ends here
-                # (before, failures days apart added up to the five that fail a job).
+            if (end in (EndReason.preempted, EndReason.failed) and not self.counted_infra
+                    and workflow.patched("infra-failures-row-broken-by-other-ends")):
+                # Preempted, or its own failure retried: it ran, and ended for a reason of its
+                # own, so the row of infrastructure failures ends here (before, failures days
+                # apart added up to the five that fail a job). Requeued by the cycle off a dead
+                # machine or sick GPU, or its agent shut down, it leaves the row as it was: a job
+                # that kills its machine each time must still fail after five.
                 self.infra_failures = 0
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)

@@ -224,6 +224,8 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for name, value in request.env.items():
         if not name or "=" in name or "\0" in name:
             return "env", f"has the variable name {name!r}; a name is not empty and holds no '=' or NUL"
+        if _not_utf8(name):
+            return "env", f"variable name {name!r}: {_NOT_UTF8}"
         if not name.isprintable() or any(c.isspace() for c in name):
             return "env", f"has the variable name {name!r}; a name holds no spaces or control characters"
         if name in AGENT_SET_ENV or name.startswith("GPUSCHED_") and name not in JOB_SET_ENV:
@@ -231,7 +233,7 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
                            "job's checkpoints: see docs/live.md); leave it out, or name yours otherwise")
         if "\0" in value:
             return "env", f"variable {name} holds a NUL character, which no environment value can carry"
-        if _not_utf8(name) or _not_utf8(value):
+        if _not_utf8(value):
             return "env", f"variable {name!r}: {_NOT_UTF8}"
     interval = request.checkpoint_interval
     if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from scheduler import health, placement, reservation
 from scheduler.capacity import Capacity
 from scheduler.eta import remaining_work
-from scheduler.expected_ends import plain_end
+from scheduler.expected_ends import end_of
 from scheduler.models import CycleResult, Pending, Placement, Reservation, Snapshot
 
 
@@ -65,7 +65,7 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
             if hold is None:
                 # The jobs started ahead of it in this cycle give their GPUs back too: left out,
                 # its reservation came later than it should, or not at all, and backfill delayed it.
-                book = reservation.ReleaseBook([*((_expected_end(j, now, restart), cap.machines_of(j)) for j in running),
+                book = reservation.ReleaseBook([*((end_of(j, now, restart), cap.machines_of(j)) for j in running),
                                                 *placed_ends])
                 hold = reservation.plan_hold(cap, job.spec, book, now, frozenset())
             pending.append(Pending(job_id=job.spec.job_id, position=len(pending) + 1, estimated_start=None,
@@ -82,9 +82,3 @@ def easy_cycle(snapshot: Snapshot) -> CycleResult:
                                     expected_start=hold.expected_start),)
     return CycleResult(placements=tuple(placements), requeues=tuple(requeues), pending=tuple(pending),
                        reservations=reservations)
-
-
-
-def _expected_end(job, now: float, restart: float) -> float:
-    end = plain_end(job, restart)
-    return end if end > now else job.expected_end(now)

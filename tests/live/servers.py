@@ -184,6 +184,9 @@ def live_stack(live_servers, tmp_path):
             task_queue_prefix=f"t{uuid.uuid4().hex[:8]}-",
             **kwargs.pop("settings", {}),
         )
+        # Fake GPUs, as CI's machines have none: on a GPU host (the device machine) the stack
+        # would refuse two machines, and jobs here run on the CPU.
+        kwargs.setdefault("fake_devices", True)
         return devstack.up(data_dir, machines=machines, gpus_per_machine=gpus_per_machine,
                            settings=settings, **kwargs)
 
