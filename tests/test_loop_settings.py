@@ -67,3 +67,14 @@ def test_settings_sent_while_a_cycle_runs_are_carried_on_by_continue_as_new(live
     settings = LoopSettings(tick_seconds=0.5, cycles_per_run=7, reconcile_seconds=90.0)
     status = asyncio.run(configured_during_a_cycle(live_servers.temporal_address, settings))
     assert (status["tick_seconds"], status["cycles_per_run"]) == (0.5, 7)
+
+
+@pytest.mark.parametrize("flag, value", [("--tick", "0"), ("--cycles-per-run", "0"), ("--reconcile-every", "-1")])
+def test_a_control_worker_refuses_loop_settings_no_loop_can_run_with_before_it_starts(capsys, flag, value):
+    """Before, it migrated the database and then failed with a traceback from the loop's model."""
+    from workers.control import main
+
+    with pytest.raises(SystemExit) as refused:
+        main([flag, value])
+    assert refused.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -26,6 +26,7 @@ from activities.jobs import JobActivities, configure_scheduler
 from activities.outages import DATABASE_DOWN
 from activities.planning import PlanningActivities
 from activities.store import Store
+from workers.arg_types import positive_float, positive_int
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
 from workers.settings import (Settings, add_settings_flags, connect_temporal, keep_connecting, mark_ready,
                               settings_from_args, without_password)
@@ -141,10 +142,12 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workers.control", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
-    parser.add_argument("--tick", type=float, default=2.0, help="seconds between scheduling cycles when idle")
-    parser.add_argument("--cycles-per-run", type=int, default=500,
+    # Checked here: a loop's settings that its model refuses failed the worker with a traceback
+    # after it had migrated the database.
+    parser.add_argument("--tick", type=positive_float, default=2.0, help="seconds between scheduling cycles when idle")
+    parser.add_argument("--cycles-per-run", type=positive_int, default=500,
                         help="the scheduler loop continues as new after this many cycles")
-    parser.add_argument("--reconcile-every", type=float, default=60.0, metavar="SECONDS",
+    parser.add_argument("--reconcile-every", type=positive_float, default=60.0, metavar="SECONDS",
                         help="how often the scheduler loop looks for allocations whose job workflow has ended")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
