@@ -235,10 +235,13 @@ class JobActivities:
         last published state is not an end: terminated or timed out while the job lived. Empty
         when visibility cannot be asked now: the next reconcile asks again."""
         # Both spellings: a workflow from before the attribute was capitalised wrote the value.
+        # None at all: one terminated while its admission ran, before it published anything,
+        # whose admission still queued the job.
         unfinished = ", ".join(f"'{v}'" for s in JobState if not s.terminal for v in (s.attribute, s.value))
-        query = f"WorkflowType = 'JobWorkflow' AND ExecutionStatus != 'Running' AND JobState IN ({unfinished})"
+        query = (f"WorkflowType = 'JobWorkflow' AND ExecutionStatus != 'Running' "
+                 f"AND (JobState IN ({unfinished}) OR JobState IS NULL)")
         if _QUOTABLE.fullmatch(cluster):
-            query += f" AND Cluster = '{cluster}'"
+            query += f" AND (Cluster = '{cluster}' OR Cluster IS NULL)"
         try:
             return {w.id async for w in self.client.list_workflows(query)}
         except RPCError as e:

@@ -120,5 +120,7 @@ def test_the_visibility_query_names_the_cluster_only_when_it_can(name, cluster, 
     acts = JobActivities(store=FakeStore(["a"]), client=client)
     asyncio.run(acts.reconcile_allocations(Reconcile(cluster=cluster, workflow_id_prefix="")))
     [query] = client.queries
-    assert (f"Cluster = '{cluster}'" in query) is narrowed
+    assert (f"Cluster = '{cluster}' OR Cluster IS NULL" in query) is narrowed
     assert "ExecutionStatus != 'Running'" in query and "'succeeded'" not in query and "'queued'" in query
+    # A workflow terminated while its admission ran published neither (before, it was never found).
+    assert "OR JobState IS NULL" in query
