@@ -706,9 +706,10 @@ class Store:
                 await conn.execute(q.UNPLACE_JOB, job_id, f"placement taken back before it started: {reason}")
                 events.append((job_id, "unplaced", reason, json.dumps({"allocation_id": alloc, "for_job": for_job})))
                 continue
-            await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job, end.value)
-            events.append((job_id, "preempt_ordered", reason,
-                           json.dumps({"allocation_id": alloc, "for_job": for_job})))
+            ordered = await conn.execute(q.ORDER_PREEMPTION, alloc, now + grace, now, reason, for_job, end.value)
+            if ordered == "UPDATE 1":  # not one draining already (its machine lost in its grace, each cycle)
+                events.append((job_id, "preempt_ordered", reason,
+                               json.dumps({"allocation_id": alloc, "for_job": for_job})))
         for p in result.placements:
             job = queued[p.job_id]
             attempt = await conn.fetchval(q.NEXT_ATTEMPT, p.job_id)

@@ -227,8 +227,12 @@ def test_a_gang_that_lost_a_machine_keeps_its_other_gpus_until_its_attempt_ends(
     second = run(store.plan_cycle("c1", 2, run_cycle))  # committed, where it used to fail every time
     assert second.committed and second.placements == []
     assert [p.job_id for p in second.preemptions] == ["gang"]
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in range(4)]))
+    assert run(store.plan_cycle("c1", 3, run_cycle)).committed  # m1 still silent, the gang still draining
+    # Ordered once: before, each cycle of its grace audited the order again (every 2 s).
+    assert [e["event"] for e in run(store.audit_trail("gang"))].count("preempt_ordered") == 1
     run(store.end_attempt("gang", alloc, EndReason.machine_failure, None, JobState.queued, "requeued: m1"))
-    third = run(store.plan_cycle("c1", 3, run_cycle))
+    third = run(store.plan_cycle("c1", 4, run_cycle))
     assert [p.job_id for p in third.placements] == ["next"]
 
 
