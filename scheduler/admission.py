@@ -234,8 +234,10 @@ def admit(state: Admission, job: QueuedJob) -> None:
 
 def _starving(state: Admission, job: QueuedJob) -> bool:
     """A job that may hold a reservation: a whole machine or more, waiting past the threshold.
-    (Small jobs are not starved by fragmentation: any freed GPU fits them.)"""
-    return (job.spec.num_gpus >= state.cap.gpus_per_machine
+    (Small jobs are not starved by fragmentation: any freed GPU fits them.) A whole machine of
+    those it may use: a 4-GPU job of 4-GPU machines is one, whatever bigger machines of another
+    type or partition the cluster has."""
+    return (job.spec.num_gpus >= state.cap.fit_terms(job.spec)[1]
             and state.now - job.queued_since >= state.config.starvation_threshold)
 
 
@@ -496,7 +498,9 @@ def _promise_claimant(state: Admission, spec, gpus: tuple[GpuSlot, ...]) -> None
 
 def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     cap, now, config, spec = state.cap, state.now, state.config, job.spec
-    key = (_shape(job), avoid)
+    # The class too: which jobs may be moved depends on it (a low claimant that found none to
+    # move kept a high one of the same shape from looking).
+    key = (_shape(job), spec.priority, avoid)
     if (
         state.consolidations >= config.max_consolidations
         or now - job.queued_since < config.consolidation_wait

@@ -210,13 +210,13 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
     times = list(state.wake_at)
     classes = set()
     smallest: dict[str, int] = {}
-    big, threshold = cap.gpus_per_machine, config.starvation_threshold
+    fit_terms, threshold = cap.fit_terms, config.starvation_threshold
     moves, wait = config.max_consolidations > 0, config.consolidation_wait
     free_for: dict[tuple, int] = {}  # idle GPUs a job could use, per kind of machine it needs
     for job, _ in state.waiting:
         spec = job.spec
         n = spec.num_gpus
-        if n >= big:
+        if n >= fit_terms(spec)[1]:  # a whole machine of those it may use: it may starve (admission._starving)
             times.append(_past(job.queued_since, threshold))
         if moves and n > 1 and job.queued_since + wait > now:
             kind = (spec.kind, spec.gpu_type, spec.gpu_memory_gb)

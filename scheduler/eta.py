@@ -125,7 +125,6 @@ def estimate_starts(
         held[team] = held.get(team, 0) + gpus
     block_free = cap.block_free
     has_room = cap.has_room
-    gpus_per_machine = cap.gpus_per_machine
     machine_wide = Topology.machine
     block_wide = Topology.block
 
@@ -239,9 +238,13 @@ def estimate_starts(
     # job but their holder, as this cycle's admission held them against whoever came after.
     holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations]
 
-    def may_plan(n: int) -> bool:
-        """Whether a job of n GPUs that finds no room may still plan a reservation."""
-        return n >= gpus_per_machine and holds_left > 0 and len(holds) < max_holds
+    def holds_may_grow() -> bool:
+        return holds_left > 0 and len(holds) < max_holds
+
+    def may_plan(shape: _Shape) -> bool:
+        """Whether a job of the shape that finds no room may still plan a reservation: one of a
+        whole machine or more of those it may use (admission._starving)."""
+        return shape.n >= shape.terms[1] and holds_may_grow()
 
     raw: dict[str, float] = {}
     no_room: set[tuple] = set()  # (shape, machines kept out) found full since GPUs last came back
@@ -253,7 +256,7 @@ def estimate_starts(
             rank, _, shape_key = heapq.heappop(ready)
             shape = shapes[shape_key]
             room = has_room(shape.pools, shape.topology, shape.n)
-            if not room and not may_plan(shape.n):
+            if not room and not may_plan(shape):
                 # The jobs offered before it took what came back, and nothing comes back before
                 # the next release: whichever lane's turn it is, none fits, and none plans a hold.
                 blocked.append(shape_key)
@@ -303,7 +306,7 @@ def estimate_starts(
                 continue
             if picks is None:
                 blocked.append(shape_key)
-                planning = may_plan(n)
+                planning = may_plan(shape)
                 if (
                     planning
                     and t - job.queued_since >= starvation_threshold
@@ -363,7 +366,7 @@ def estimate_starts(
                 seq += 1
             else:
                 offer(shape_key)
-            if not any(block_free.values()) and not may_plan(gpus_per_machine):
+            if not any(block_free.values()) and not holds_may_grow():
                 # Every GPU is taken (the usual end of a release's turn on a full cluster): the
                 # shapes still waiting their turn would each be found without room.
                 blocked.extend(key for _, _, key in ready)

@@ -158,3 +158,19 @@ def test_a_gang_job_with_scattered_room_is_looked_at_again_when_it_reaches_the_c
     assert not preempted(early) and early.next_wake == NOW + 200
     assert preempted(cycle(_scattered(_mover(), _claimant(since=NOW - 100)).model_copy(
         update={"now": NOW + 200}))) == ["m"]
+
+
+@pytest.mark.parametrize("low_claimant_too", [False, True], ids=["the high claimant alone",
+                                                                 "a low claimant of its shape looked first"])
+def test_a_claimant_that_may_move_a_job_moves_it_whoever_of_its_shape_could_not(low_claimant_too):
+    """L (low, covered by its team's guarantee, so admitted first) may move nobody of class high;
+    H (high) may move m. Before, L's "no moves" stood for every job of its shape: H waited."""
+    held = [filler("f0", M0, range(4)),
+            running(job("m").gpus(1).priority("high").team("x")).on(M0, [4]).started(0),
+            filler("f1", M1, range(6))]
+    queue = [job("H").gpus(4).priority("high").team("b").submitted(NOW - 600).queued()]
+    if low_claimant_too:
+        queue.append(job("L").gpus(4).priority("low").team("g").submitted(NOW - 700).queued())
+    quotas = {"g": {"guaranteed": 8}, "x": {"guaranteed": 1}, "ops": {"guaranteed": 100}, "*": {"guaranteed": 0}}
+    result = cycle(snapshot(fleet(machines=2), running=held, queue=queue, quotas=quotas))
+    assert [(p.job_id, p.for_job) for p in result.preemptions] == [("m", "H")]

@@ -315,7 +315,9 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
     machine_size = max((m.gpus for m in reachable.values()), default=0)
 
     def starving(q: QueuedJob) -> bool:
-        return q.spec.num_gpus >= machine_size and now - q.queued_since >= config.starvation_threshold
+        # A whole machine of those it may use (its partition's), whatever bigger ones the cluster has.
+        largest = max((m.gpus for m in eligible(q.spec)), default=machine_size)
+        return q.spec.num_gpus >= largest and now - q.queued_since >= config.starvation_threshold
 
     placed_ids = {p.job_id for p in result.placements}
     claimants = {pre.for_job for pre in result.preemptions}

@@ -290,3 +290,23 @@ def test_a_job_kept_off_the_pool_and_admitted_again_holds_one_reservation_not_tw
     assert list(placements(result)) == ["four"]
     holders = sorted(r.job_id for r in result.reservations)
     assert holders == ["block", "huge"], result.reservations
+
+
+@pytest.mark.parametrize("other", ["none", "bigger machines of another GPU type", "an 8-GPU inference partition"])
+def test_a_job_of_a_whole_small_machine_reserves_whatever_bigger_machines_it_may_not_use(other):
+    """B needs a whole A100 machine (4 GPUs). Before, "a whole machine" was the cluster's largest
+    (8 GPUs, of another type or partition): B never starved, took no reservation, and a day-long
+    1-GPU job backfilled the machine about to come free for it."""
+    machines = fleet(machines=2, gpus=4, gpu_type="A100")
+    if other == "bigger machines of another GPU type":
+        machines += fleet(first_block=1, machines=1, gpus=8, gpu_type="H100")
+    elif other == "an 8-GPU inference partition":
+        machines += fleet(first_block=1, machines=1, gpus=8, gpu_type="A100", partition="inference")
+    held = [filler("r0", M0, [0], expected=7200).started(NOW - 100),
+            filler("r1", M1, [0], expected=20000).started(NOW - 100)]
+    queue = [job("B").gpus(4).gpu_type("A100").submitted(0).queued(),
+             job("s").gpus(1).gpu_type("A100").expected(100000).submitted(NOW).queued()]
+    result = cycle(snapshot(machines, running=held, queue=queue))
+    [hold] = result.reservations
+    assert (hold.job_id, hold.machines) == ("B", (M0,))
+    assert machines_of(placements(result)["s"].gpus) == {M1}
