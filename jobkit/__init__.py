@@ -47,7 +47,7 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         start, i.e. at start + k * interval.
 ``GPUSCHED_S3_ENDPOINT``, ``..._REGION`` the S3 endpoint (path-style addressing) and region
 ``GPUSCHED_S3_ACCESS_KEY``, ``..._SECRET_KEY`` S3 credentials (unset: boto3's default chain)
-``GPUSCHED_S3_PART_MB``                 the part size of uploads in MiB (default 64, at least 5); an
+``GPUSCHED_S3_PART_MB``                 the part size of uploads in MiB (default 64, 5 to 5120); an
                                         object larger than one part is a multipart upload
 ``GPUSCHED_S3_UPLOAD_THREADS``          parts uploaded at once (default 8; memory: one part each)
 ``GPUSCHED_S3_RETRY_S``                 how long a restore, and a save after SIGTERM, keep asking a
@@ -183,6 +183,7 @@ CHUNK = 8 * 1024 * 1024
 MIB = 1024 * 1024
 PART_MB = 64  # objects over one part go up in parts (GPUSCHED_S3_PART_MB)
 MIN_PART_MB = 5  # S3's smallest part, the last excepted
+MAX_PART_MB = 5 * 1024  # S3's largest part, and largest single PUT
 MAX_PARTS = 10_000  # S3's most parts in one upload
 UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
 S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable store (GPUSCHED_S3_RETRY_S)
@@ -474,7 +475,12 @@ class _S3Store:
             aws_secret_access_key=secret_key or None, region_name=region or "us-east-1",
             config=Config(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=120,
                           retries={"max_attempts": 5, "mode": "standard"},
-                          max_pool_connections=max(10, self.threads)),
+                          max_pool_connections=max(10, self.threads),
+                          # The bytes are checked against their SHA-256 as they are read: rotten
+                          # ones then make the checkpoint unusable (the attempt falls back to the
+                          # one before), where botocore's own CRC check raised an error nobody
+                          # took for that.
+                          response_checksum_validation="when_required"),
         )
 
     def part_size_for(self, size: int) -> Optional[int]:
@@ -570,7 +576,10 @@ class _S3Store:
         except ClientError as e:
             pool.shutdown(cancel_futures=True)
             self._abort(bucket, key, upload_id)
-            if self._taken(e):
+            # NoSuchUpload on the completion: a resend of a completion that was made (its answer
+            # lost), by a store that forgets a completed upload. Taken as a refusal, the key is
+            # looked up and found this writer's own, instead of failing a save that was made.
+            if self._taken(e) or self._code(e)[0] == "NoSuchUpload":
                 return False
             raise
         except BaseException:
@@ -616,14 +625,18 @@ class _S3Store:
 
     def get(self, bucket: str, key: str, out: IO[bytes]) -> Tuple[_Digest, Optional[Dict[str, str]]]:
         from botocore.exceptions import BotoCoreError, ClientError
+        from urllib3.exceptions import HTTPError as Urllib3Error
 
         d = _Digest()
         try:
             response = self._client.get_object(Bucket=bucket, Key=key)
             body = response["Body"]
-            for chunk in iter(lambda: body.read(CHUNK), b""):
-                d.update(chunk)
-                out.write(chunk)
+            try:
+                for chunk in iter(lambda: body.read(CHUNK), b""):
+                    d.update(chunk)
+                    out.write(chunk)
+            except Urllib3Error as e:  # botocore wraps only some of the body's errors (not TLS's)
+                raise CheckpointStoreUnreachable(f"reading s3://{bucket}/{key} failed: {e}") from e
         except ClientError as e:
             if self._code(e)[0] == "NoSuchKey":  # the bucket is there, and answers: the object is not
                 raise CheckpointUnusable(f"checkpoint s3://{bucket}/{key} does not exist") from e
@@ -848,6 +861,9 @@ class Checkpointer:
         self._rank_from = "rank"  # where the rank was read: named when a save is refused
         if int(s3_part_mb) < MIN_PART_MB:
             raise CheckpointError(f"s3_part_mb={s3_part_mb}: S3's parts are at least {MIN_PART_MB} MiB")
+        if int(s3_part_mb) > MAX_PART_MB:
+            raise CheckpointError(f"s3_part_mb={s3_part_mb}: S3's parts, and its single uploads, are at most "
+                                  f"{MAX_PART_MB} MiB (5 GiB)")
         self._s3 = (s3_endpoint, s3_access_key, s3_secret_key, s3_region, int(s3_part_mb),
                     max(1, int(s3_upload_threads)))
         self._stores: Dict[str, Any] = {}
@@ -931,6 +947,14 @@ class Checkpointer:
                 raise CheckpointError(f"s3:// checkpoints need boto3 ({e}): pip install boto3") from e
             except ValueError as e:  # botocore's word for an endpoint URL it cannot use
                 raise CheckpointError(f"the checkpoint store's endpoint {self._s3[0]!r} is not usable: {e}") from e
+            except Exception as e:
+                from botocore.exceptions import BotoCoreError
+
+                if not isinstance(e, BotoCoreError):
+                    raise
+                # A key without its secret (or the other way round), a profile that does not exist.
+                raise CheckpointError(f"the checkpoint store's client cannot be made: {e} (give both "
+                                      "GPUSCHED_S3_ACCESS_KEY and GPUSCHED_S3_SECRET_KEY, or neither)") from e
         return self._stores[scheme]
 
     # -- stopping ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import random
 import re
@@ -850,6 +851,57 @@ def test_a_checkpoint_bigger_than_a_part_goes_up_in_parts_and_is_still_written_o
     back = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=saved.uri,
                                         GPUSCHED_RESUME_SHA256=saved.sha256))
     assert back.restore_to(tmp_path / "back.bin").read_bytes() == data
+
+
+@pytest.mark.live
+def test_a_multipart_save_whose_completion_answer_was_lost_finds_its_own_object(live_servers):
+    """The store made the object, the answer was lost, and the resent completion was told the
+    upload is gone (NoSuchUpload: a store that forgets completed uploads). Before, the save
+    failed, though its checkpoint was written: the last one in a grace, lost."""
+    from botocore.exceptions import ClientError
+
+    prefix = f"checkpoints/jobkit-{uuid.uuid4().hex[:8]}"
+    ck = Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_ALLOCATION_ID="11", GPUSCHED_S3_PART_MB="5"))
+
+    def answer_lost(**kwargs):
+        raise ClientError({"Error": {"Code": "NoSuchUpload", "Message": "The specified upload does not exist"},
+                           "ResponseMetadata": {"HTTPStatusCode": 404}}, "CompleteMultipartUpload")
+
+    ck._store("s3")._client.meta.events.register("after-call.s3.CompleteMultipartUpload", answer_lost)
+    saved = ck.save(noise(11 * MIB))
+    assert (saved.seq, saved.refused) == (1, ())
+    head = live_servers.s3_client().head_object(Bucket=live_servers.s3_bucket, Key=saved.key)
+    assert head["Metadata"]["sha256"] == saved.sha256
+
+
+class BrokenBody:
+    """A GET's body that fails mid-stream as a TLS connection does (urllib3's own error, which
+    botocore does not wrap)."""
+
+    def read(self, size):
+        from urllib3.exceptions import SSLError
+
+        raise SSLError("decryption failed or bad record mac")
+
+
+def test_a_restore_cut_by_a_tls_error_mid_stream_is_an_unreachable_store_not_a_traceback(tmp_path):
+    ck = Checkpointer("s3://bucket/ck/", allocation_id="a", attempt="2", job_id="j", resume_from="s3://bucket/ck/0000000001",
+                      resume_seq=1, s3_endpoint="http://127.0.0.1:1", s3_retry_for=0)
+    store = ck._store("s3")
+    store._client = SimpleNamespace(get_object=lambda **kw: {"Body": BrokenBody(), "ContentLength": 5})
+    with pytest.raises(CheckpointStoreUnreachable, match="decryption failed"):
+        ck.restore()
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"GPUSCHED_S3_ACCESS_KEY": "key-only"}, "give both GPUSCHED_S3_ACCESS_KEY and GPUSCHED_S3_SECRET_KEY"),
+    ({"GPUSCHED_S3_PART_MB": "6000"}, "at most 5120 MiB"),
+], ids=["a key without its secret", "parts bigger than S3 takes"])
+def test_an_s3_setting_no_store_can_use_is_a_checkpoint_error_naming_it(env, words):
+    """Before: botocore's own error escaped (not a CheckpointError), or every big save failed."""
+    with pytest.raises(CheckpointError, match=words):
+        Checkpointer.from_env({"GPUSCHED_CHECKPOINT_URI": "s3://bucket/ck/", "GPUSCHED_S3_ENDPOINT": "http://127.0.0.1:1",
+                               **env}).save(b"state")
 
 
 def test_a_file_that_changes_while_it_is_saved_to_a_folder_is_refused_and_nothing_kept(tmp_path, monkeypatch):
