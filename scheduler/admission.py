@@ -93,7 +93,7 @@ class Admission:
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
-    ending_soon: dict[int, int] | None = None  # GPUs per machine whose jobs end within the grace
+    ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
     settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
@@ -545,17 +545,19 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
     about one grace period.)"""
     cap, now = state.cap, state.now
     if state.ending_soon is None:
-        state.ending_soon = {}
         horizon = now + state.config.grace_period / 2
-        for job, end, machines in expected_ends(state):
-            if end <= horizon and not job.draining and job.spec.job_id not in state.going:
-                for i, count in machines:
-                    state.ending_soon[i] = state.ending_soon.get(i, 0) + count
+        state.ending_soon = [(job.spec.job_id, i, count) for job, end, machines in expected_ends(state)
+                             if end <= horizon and not job.draining for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of
     # Only machines with a job ending soon or a free GPU can add anything: on a busy cluster
-    # that is a handful, not the fleet.
-    ending = [(i, count) for i, count in state.ending_soon.items() if i not in avoid and pool_of[i] in pools]
+    # that is a handful, not the fleet. Not the jobs preempted or moved so far this cycle: their
+    # GPUs are their claimants'.
+    by_machine: dict[int, int] = {}
+    for job_id, i, count in state.ending_soon:
+        if job_id not in state.going and i not in avoid and pool_of[i] in pools:
+            by_machine[i] = by_machine.get(i, 0) + count
+    ending = list(by_machine.items())
     if not ending:
         return False
     n = spec.num_gpus

@@ -65,6 +65,9 @@ INFERENCE_PARTITION = "inference"
 class JobSpec(Frozen):
     """What a user asks for. Immutable for the life of the job, except priority bumps."""
 
+    # A NaN deadline or time compares false both ways: the queue's order would not be total.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
     job_id: str = Field(min_length=1)
     team: str = Field(min_length=1)
     num_gpus: int = Field(ge=1)
@@ -90,6 +93,8 @@ class JobSpec(Frozen):
 
 class QueuedJob(Frozen):
     """A job waiting for GPUs: new, or requeued after a preemption or failure."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     spec: JobSpec
     submit_time: float

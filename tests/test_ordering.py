@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from pydantic import ValidationError
 from builders import NOW, cycle, filler, fleet, job, mid, pending_order, snapshot
 
 from scheduler.models import Quota
@@ -149,3 +150,14 @@ def test_the_order_kept_from_the_last_cycle_follows_the_shares_and_the_jobs():
     sooner = job("of-b").team("b").submitted(50).deadline(NOW + 60).queued()  # a new object for a changed job
     assert order([queued[0], sooner], busy_a) == ["of-b", "of-a"]
     assert order([queued[0], sooner, job("of-c").priority("critical").queued()], busy_b) == ["of-c", "of-a", "of-b"]
+
+
+@pytest.mark.parametrize("field, build", [
+    ("deadline", lambda: job("a").deadline(float("nan")).queued()),
+    ("submit_time", lambda: job("a").submitted(float("nan")).queued()),
+    ("expected_duration", lambda: job("a").expected(float("inf")).queued()),
+], ids=["a NaN deadline", "a NaN submit time", "an endless expected run"])
+def test_a_job_whose_times_are_no_numbers_is_refused_by_the_model(field, build):
+    """A NaN compares false both ways: three input orders of one queue gave three orders."""
+    with pytest.raises(ValidationError, match=field):
+        build()

@@ -410,3 +410,16 @@ def test_the_jobs_below_a_class_are_the_same_in_whatever_order_the_classes_are_a
         else:
             assert exposed.below(rank) == [j for j in jobs if j.spec.priority.rank > rank
                                            and j.spec.job_id not in protected]
+
+
+def test_a_claimant_does_not_wait_for_gpus_about_to_free_up_that_an_earlier_claimant_took_this_cycle():
+    """E ends in 30 s, but A (first in the queue) preempts E and F for the whole of m0: E's GPUs
+    are A's. Before, B was told they would free up for it and waited a grace period to preempt Y."""
+    held = [running(job("E").gpus(2).priority("low").expected(NOW + 30)).on(M0, [0, 1]).started(0),
+            running(job("F").gpus(6).priority("low").expected(50000)).on(M0, range(2, 8)).started(0),
+            running(job("Y").gpus(2).priority("low").expected(50000)).on(M1, [0, 1]).started(0),
+            filler("c", M1, range(2, 8), expected=50000)]
+    queue = [job("A").gpus(8).priority("high").submitted(NOW - 10).queued(),
+             job("B").gpus(2).priority("high").submitted(NOW).queued()]
+    result = cycle(snapshot(fleet(machines=2), running=held, queue=queue))
+    assert sorted((p.job_id, p.for_job) for p in result.preemptions) == [("E", "A"), ("F", "A"), ("Y", "B")]
