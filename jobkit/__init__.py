@@ -470,17 +470,18 @@ class _S3Store:
 
         self.part_size = int(part_mb) * MIB
         self.threads = max(1, int(threads))
+        settings = dict(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=120,
+                        retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=max(10, self.threads))
+        try:
+            # The bytes are checked against their SHA-256 as they are read: rotten ones then make
+            # the checkpoint unusable (the attempt falls back to the one before), where
+            # botocore's own CRC check raised an error nobody took for that.
+            config = Config(**settings, response_checksum_validation="when_required")
+        except TypeError:  # botocore before 1.36, which checks responses only when asked to
+            config = Config(**settings)
         self._client = boto3.client(
             "s3", endpoint_url=endpoint or None, aws_access_key_id=access_key or None,
-            aws_secret_access_key=secret_key or None, region_name=region or "us-east-1",
-            config=Config(s3={"addressing_style": "path"}, connect_timeout=10, read_timeout=120,
-                          retries={"max_attempts": 5, "mode": "standard"},
-                          max_pool_connections=max(10, self.threads),
-                          # The bytes are checked against their SHA-256 as they are read: rotten
-                          # ones then make the checkpoint unusable (the attempt falls back to the
-                          # one before), where botocore's own CRC check raised an error nobody
-                          # took for that.
-                          response_checksum_validation="when_required"),
+            aws_secret_access_key=secret_key or None, region_name=region or "us-east-1", config=config,
         )
 
     def part_size_for(self, size: int) -> Optional[int]:
@@ -567,9 +568,11 @@ class _S3Store:
 
         pool = ThreadPoolExecutor(max_workers=min(self.threads, len(digest.parts)),
                                   thread_name_prefix="jobkit-upload")
+        completing = False
         try:
             parts = list(pool.map(send, range(1, len(digest.parts) + 1)))
             pool.shutdown()
+            completing = True
             self._client.complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
                 IfNoneMatch="*")
@@ -579,7 +582,7 @@ class _S3Store:
             # NoSuchUpload on the completion: a resend of a completion that was made (its answer
             # lost), by a store that forgets a completed upload. Taken as a refusal, the key is
             # looked up and found this writer's own, instead of failing a save that was made.
-            if self._taken(e) or self._code(e)[0] == "NoSuchUpload":
+            if self._taken(e) or (completing and self._code(e)[0] == "NoSuchUpload"):
                 return False
             raise
         except BaseException:
@@ -708,8 +711,13 @@ def _remove_partials_of_the_gone(path: Path) -> None:
 
 
 def _host() -> str:
-    """This host's name, as a file name's part (no dots: they separate the parts)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    """This host's name and its pid namespace's (containers sharing a host name have their own
+    pids), as a file name's part (no dots: they separate the parts)."""
+    try:
+        namespace = f"-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        namespace = ""
+    return (re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host") + namespace
 
 
 def _process_alive(pid: int) -> bool:

@@ -94,6 +94,7 @@ class Admission:
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
     ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
+    ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
     book: reservation.ReleaseBook | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
     settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
@@ -237,8 +238,8 @@ def _starving(state: Admission, job: QueuedJob) -> bool:
     (Small jobs are not starved by fragmentation: any freed GPU fits them.) A whole machine of
     those it may use: a 4-GPU job of 4-GPU machines is one, whatever bigger machines of another
     type or partition the cluster has."""
-    return (job.spec.num_gpus >= state.cap.fit_terms(job.spec)[1]
-            and state.now - job.queued_since >= state.config.starvation_threshold)
+    return (state.now - job.queued_since >= state.config.starvation_threshold
+            and job.spec.num_gpus >= state.cap.fit_terms(job.spec)[1])
 
 
 def _reserve(state: Admission, job: QueuedJob) -> bool:
@@ -553,11 +554,13 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> bool:
     # Only machines with a job ending soon or a free GPU can add anything: on a busy cluster
     # that is a handful, not the fleet. Not the jobs preempted or moved so far this cycle: their
     # GPUs are their claimants'.
-    by_machine: dict[int, int] = {}
-    for job_id, i, count in state.ending_soon:
-        if job_id not in state.going and i not in avoid and pool_of[i] in pools:
-            by_machine[i] = by_machine.get(i, 0) + count
-    ending = list(by_machine.items())
+    if state.ending_by_machine is None or state.ending_by_machine[0] != len(state.going):  # `going` only grows
+        by_machine: dict[int, int] = {}
+        for job_id, i, count in state.ending_soon:
+            if job_id not in state.going:
+                by_machine[i] = by_machine.get(i, 0) + count
+        state.ending_by_machine = (len(state.going), by_machine)
+    ending = [(i, count) for i, count in state.ending_by_machine[1].items() if i not in avoid and pool_of[i] in pools]
     if not ending:
         return False
     n = spec.num_gpus

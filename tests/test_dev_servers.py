@@ -473,8 +473,10 @@ def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down
     SeaweedFS on the same data, and found Postgres's data taken."""
     import threading
 
-    started, all_starting = [], threading.Barrier(3)
+    started, all_starting = [], threading.Barrier(3, timeout=30)
     main_thread = threading.main_thread().ident
+    for var in ("GPUSCHED_PG_DSN", "GPUSCHED_TEMPORAL_ADDRESS", "GPUSCHED_S3_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)  # servers of the stack's own, all three
 
     def slow(kind, **fields):
         def start(data_dir, **kw):

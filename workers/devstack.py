@@ -301,8 +301,10 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
     # Each start's server (or error) is kept by the thread that started it: a ^C may come
     # between any two steps here, and what was started must be found all the same.
     ended: dict[str, object] = {}
+    starting: set[str] = set()
 
     def start_and_keep(name: str) -> None:
+        starting.add(name)
         try:
             ended[name] = start(name)
         except Exception as e:
@@ -321,9 +323,12 @@ def _start_servers(data_dir: Path, state: StackState, explicit: dict, *, ui: boo
         # Temporal or SeaweedFS on the same data, or found Postgres's data taken. Waited for by
         # their results, not by joining their threads again (a join a ^C cut short may not
         # wait a second time).
-        deadline = time.monotonic() + timeout + 10.0
+        began = time.monotonic()
         with contextlib.suppress(BaseException):  # a second ^C: record what has started by then
-            while not set(asked) <= ended.keys() and time.monotonic() < deadline:
+            while not set(asked) <= ended.keys() and time.monotonic() < began + timeout + 10.0:
+                # One asked but not begun a second on (the ^C came before its thread) never will.
+                if starting <= ended.keys() and time.monotonic() > began + 1.0:
+                    break
                 time.sleep(0.05)
         _record_servers(state, dict(ended))
         _save(data_dir, state)

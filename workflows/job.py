@@ -304,14 +304,16 @@ class JobWorkflow:
             # 4. Run it.
             self.counted_infra = False
             end, exit_code, next_state, reason = await self._run_attempt(placement, grant)
-            if (end in (EndReason.preempted, EndReason.failed) and not self.counted_infra
-                    and workflow.patched("infra-failures-row-broken-by-other-ends")):
+            if not self.counted_infra and workflow.patched("infra-failures-row-broken-by-other-ends"):
                 # Preempted, or its own failure retried: it ran, and ended for a reason of its
                 # own, so the row of infrastructure failures ends here (before, failures days
                 # apart added up to the five that fail a job). Requeued by the cycle off a dead
                 # machine or sick GPU, or its agent shut down, it leaves the row as it was: a job
-                # that kills its machine each time must still fail after five.
-                self.infra_failures = 0
+                # that kills its machine each time must still fail after five. (The first patch
+                # ended the row on any such end; its histories replay as they ran.)
+                if end in (EndReason.preempted, EndReason.failed) or not workflow.patched(
+                        "infra-failures-row-kept-by-requeues"):
+                    self.infra_failures = 0
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)
             self.allocation_id = None

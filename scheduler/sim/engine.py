@@ -356,7 +356,7 @@ class Simulation:
         if not interval:
             return 0.0, None
         last = self.checkpoint_after(now, run.started_at, interval, run.checkpoint_phase) - interval
-        if last <= run.started_at:
+        if last <= run.started_at or last < life.progressing_from:  # none while it restarts
             return run.progress_at_start, None
         return self.done_by(life, last), last
 
