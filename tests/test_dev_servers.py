@@ -512,6 +512,21 @@ def test_servers_that_come_up_after_a_ctrl_c_during_dev_up_are_recorded_for_down
             proc.wait()
 
 
+@pytest.mark.parametrize("agent_args, fault, words", [
+    ([], ["--ecc"], "watches real GPUs through NVML; faults are played only on fake ones"),
+    (["--fake-devices"], ["--xid", "13"], "XID 13 is not one that takes a GPU out of use"),
+], ids=["an agent of real GPUs, which reads no fault file", "an application's XID, which the agent ignores"])
+def test_a_gpu_fault_nothing_would_act_on_is_refused_not_said_done(tmp_path, capsys, agent_args, fault, words):
+    machine = "c1/b0/r0/m0"
+    agent = devstack.Component(kind="worker", machine_id=machine, cmd=[
+        sys.executable, "-m", "workers.agent", "--machine-id", machine, *agent_args])
+    devstack._save(tmp_path, devstack.StackState(machines=devstack.fleet_machines("c1", 1, 4, "H100"),
+                                                 components={devstack.machine_component(machine): agent}))
+    assert main(["dev", "fault", "gpu", machine, "2", *fault, "--data-dir", str(tmp_path)]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "faults").exists()
+
+
 def test_dev_down_of_a_folder_without_a_stack_says_so(tmp_path, capsys):
     assert main(["dev", "down", "--data-dir", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out

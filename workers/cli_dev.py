@@ -187,6 +187,17 @@ def run_fault_gpu(args: argparse.Namespace) -> int:
     if args.gpu >= machine.gpus:
         print(f"error: gpu: {machine.id} has GPUs 0-{machine.gpus - 1}", file=sys.stderr)
         return 2
+    agent = state.components.get(machine_component(machine.id))
+    if agent is not None and "--fake-devices" not in agent.cmd:
+        # Only fake GPUs read the fault file: said done, nothing would have happened.
+        print(f"error: machine: {machine.id}'s agent watches real GPUs through NVML; faults are played "
+              "only on fake ones (a stack started with --fake-devices)", file=sys.stderr)
+        return 2
+    if args.xid is not None and args.xid not in devices.CRITICAL_XIDS:
+        print(f"error: --xid: XID {args.xid} is not one that takes a GPU out of use (an application's, say), "
+              f"which the agent ignores; give one of {', '.join(map(str, sorted(devices.CRITICAL_XIDS)))}",
+              file=sys.stderr)
+        return 2
     fault_file = data_dir / "faults" / f"{machine_component(machine.id)}.json"
     if args.clear:
         devices.clear_faults(fault_file, args.gpu)
