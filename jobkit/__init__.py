@@ -696,15 +696,15 @@ def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
         raise
 
 
-def _remove_partials_of_the_gone(path: Path) -> None:
-    """Remove the copies restores to ``path`` on this host left when their processes were killed."""
-    mine = f"{glob.escape(path.name)}.{glob.escape(_host())}."
+def _remove_partials_of_the_gone(path: Path, host: str) -> None:
+    """Remove the copies restores to ``path`` on ``host`` (this one) left when their processes
+    were killed."""
     try:
-        left = list(path.parent.glob(mine + "*.partial"))
+        left = list(path.parent.glob(f"{glob.escape(path.name)}.{glob.escape(host)}.*.partial"))
     except OSError:
         return
     for partial in left:
-        pid = partial.name[len(path.name) + len(_host()) + 2:].split(".", 1)[0]
+        pid = partial.name[len(path.name) + len(host) + 2:].split(".", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
             with contextlib.suppress(OSError):
                 partial.unlink()
@@ -1226,8 +1226,9 @@ class Checkpointer:
         # that the copies of restores killed in their grace (SIGKILL skips the clean-up below),
         # whole checkpoints each, are found and removed by the next restore on that host instead
         # of filling the disk (a shared folder's copies of other hosts are theirs to remove).
-        _remove_partials_of_the_gone(path)
-        fd, name = tempfile.mkstemp(prefix=f"{path.name}.{_host()}.{os.getpid()}.", suffix=".partial",
+        host = _host()
+        _remove_partials_of_the_gone(path, host)
+        fd, name = tempfile.mkstemp(prefix=f"{path.name}.{host}.{os.getpid()}.", suffix=".partial",
                                     dir=path.parent)
         tmp = Path(name)
         try:
