@@ -15,6 +15,7 @@ walk the YAML node tree (``yaml.compose``) instead of the plain dicts ``yaml.saf
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 import yaml
@@ -98,7 +99,13 @@ class Fleet(BaseModel):
 
 def parse_fleet(text: str, source: str) -> Fleet:
     """Read a fleet YAML document; raise ``InputError`` pointing at the first mistake."""
-    loader = yaml.SafeLoader(text)
+    try:
+        # The reader checks the characters as the loader is made: a control character fails here.
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise InputError(source, line, None, f"holds the control character U+{exc.character:04X}, which YAML "
+                                             "does not allow; remove it (or save the file as UTF-8 text)") from None
     try:
         try:
             root = loader.get_single_node()
@@ -127,6 +134,8 @@ def parse_fleet(text: str, source: str) -> Fleet:
 
 
 _UNREADABLE = object()  # a scalar its tag cannot read (`!!int abc`)
+# Numbers as they look: signed, so that `-4` is refused as negative, and `2.5` as not whole.
+_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)(\.[0-9]*)?([eE][-+]?[0-9]+)?|[-+]?\.[0-9]+([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF|nan|NaN|NAN)")
 MAX_GPUS_PER_MACHINE = 1024
 MAX_MACHINES_PER_BLOCK = 100_000
 MAX_MACHINES_PER_FLEET = 100_000  # across its clusters: 800,000 GPUs of 8, past any fleet there is
@@ -350,13 +359,24 @@ class _FleetReader:
             return repr(value)
         return yaml.safe_dump(value, default_flow_style=True).split("\n", 1)[0].strip()
 
+    def plain_number(self, node: yaml.Node, field: str) -> None:
+        """Refuse a number YAML reads otherwise than it looks: `010` is 8, `0x10` 16, `1_6` 16
+        and `1:00` 60 to YAML 1.1; a count is written in decimal digits, as in a trace."""
+        if isinstance(node, yaml.ScalarNode) and node.style is None and not _DECIMAL.fullmatch(node.value):
+            value = self.value(node)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                raise self.error(node, field, f"is written {node.value!r}, which YAML reads as {value}; "
+                                              "write it in plain decimal digits, without leading zeros")
+
     def positive_int(self, node: yaml.Node, field: str) -> int:
+        self.plain_number(node, field)
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
         raise self.error(node, field, f"must be a positive integer, got {self.shown(node)}")
 
     def count(self, node: yaml.Node, field: str, unit: str) -> int:
+        self.plain_number(node, field)
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
         if isinstance(value, int) and not isinstance(value, bool) and value > QUOTA_LARGEST:
             raise self.error(node, field, f"must be at most {QUOTA_LARGEST} {unit}, got {self.shown(node)}")
@@ -372,6 +392,7 @@ class _FleetReader:
         return self.count(node, field, unit)
 
     def positive_number(self, node: yaml.Node, field: str) -> float:
+        self.plain_number(node, field)
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
             return float(value)

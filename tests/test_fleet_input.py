@@ -231,7 +231,14 @@ BAD_FLEETS = [
     (one_block(block(name='"b\\0"')), 4, "clusters[0].blocks[0].name", "printable characters"),
     (one_block(block(gpu_type='"H100\\u202e"')), 4, "clusters[0].blocks[0].gpu_type", "printable characters"),
     (one_block(block(), 'quotas:\n  "vis\\x07ion": {guaranteed: 8}\n'), 6, "quotas",
-     "a team's name must be plain text"),
+     "a team's name must be plain text"),    (one_block(block(racks="010")), 4, "clusters[0].blocks[0].racks", "is written '010', which YAML reads as 8"),
+    (one_block(block(machines_per_rack="1:00")), 4, "clusters[0].blocks[0].machines_per_rack",
+     "which YAML reads as 60; write it in plain decimal digits"),
+    (one_block(block(gpu_memory_gb="1_000.5")), 4, "clusters[0].blocks[0].gpu_memory_gb", "reads as 1000.5"),
+    (one_block(block(), "quotas:\n  vision: {guaranteed: 0x100}\n"), 6, "quotas.vision.guaranteed",
+     "is written '0x100', which YAML reads as 256"),
+    ("# a page break \x0c\nclusters: []\n", 1, None, "holds the control character U+000C"),
+    ("clusters:\n  - name: c1\x1b\n", 2, None, "holds the control character U+001B"),
 ]
 
 
@@ -279,6 +286,12 @@ BAD_FLEETS = [
         "a block name with a NUL character",
         "a GPU type with a right-to-left override",
         "a team name with a control character",
+        "a count YAML reads as octal",
+        "a count YAML reads as minutes and seconds",
+        "a memory size with an underscore",
+        "a quota in hexadecimal",
+        "a control character in a comment, which the YAML reader refuses before reading anything",
+        "a control character in a value, on its line",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
