@@ -174,6 +174,8 @@ BAD_TRACES = [
     (trace(row(job_id="j\u20281")), 2, "job_id", "control character"),
     (trace(*(row(job_id=f"j{k}", duration="1e6", checkpoint_interval="1") for k in range(3))), 4,
      "checkpoint_interval", "brings the trace to 3,000,000 checkpoints"),
+    (trace(row() + ",1e9", header=HEADER + ",gpu_memory_gb"), 2, "gpu_memory_gb",
+     "must be at most 100000 (GB per GPU; no GPU holds more), got '1e9'"),
 ]
 
 
@@ -216,6 +218,7 @@ BAD_TRACES = [
         "a team with a right-to-left override",
         "a job id with a line separator",
         "jobs whose checkpoints add up to more than a trace holds, refused at the row that crosses it",
+        "a GPU memory past any GPU's, told in GB, not seconds",
     ],
 )
 def test_a_bad_trace_names_line_column_and_fix(text, line, field, fix):

@@ -48,6 +48,7 @@ REQUIRED_COLUMNS = ("job_id", "submit_time", "duration", "num_gpus", "team")
 DECIMAL = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)", re.IGNORECASE | re.ASCII)
 WHOLE = re.compile(r"\d+", re.ASCII)
 LONGEST_S = 3.2e8
+MOST_GPU_MEMORY_GB = 100_000.0  # a hundred times today's largest
 MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
 # And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
 MOST_CHECKPOINTS_IN_TRACE = 2_000_000
@@ -243,7 +244,8 @@ class _RowReader:
             "deadline", minimum=0.0, hint="seconds from the trace start, 0 or more"
         )
         memory = self.optional_number(
-            "gpu_memory_gb", minimum=0.0, strict=True, hint="GB per GPU, above 0"
+            "gpu_memory_gb", minimum=0.0, strict=True, hint="GB per GPU, above 0",
+            most=(MOST_GPU_MEMORY_GB, "GB per GPU; no GPU holds more"),
         )
         spec = JobSpec(
             job_id=job_id,
@@ -279,7 +281,8 @@ class _RowReader:
             raise self.error("num_gpus", f"must be a whole number of GPUs, 1 or more, got {value!r}")
         return count
 
-    def number(self, column: str, *, minimum: float, strict: bool = False, hint: str) -> float:
+    def number(self, column: str, *, minimum: float, strict: bool = False, hint: str,
+               most: tuple[float, str] = (LONGEST_S, "about ten years of seconds")) -> float:
         value = self.cells[column]
         if not DECIMAL.fullmatch(value):
             raise self.error(column, f"must be a number ({hint}), got {value!r}")
@@ -287,16 +290,17 @@ class _RowReader:
         too_small = number <= minimum if strict else number < minimum
         if not math.isfinite(number) or too_small:
             raise self.error(column, f"must be {hint}, got {value!r}")
-        if number > LONGEST_S:
-            raise self.error(column, f"must be at most {LONGEST_S:.0f} (about ten years of seconds), got {value!r}")
+        if number > most[0]:
+            raise self.error(column, f"must be at most {most[0]:.0f} ({most[1]}), got {value!r}")
         return number
 
     def optional_number(
-        self, column: str, *, minimum: float, strict: bool = False, hint: str
+        self, column: str, *, minimum: float, strict: bool = False, hint: str,
+        most: tuple[float, str] = (LONGEST_S, "about ten years of seconds"),
     ) -> float | None:
         if not self.cells.get(column):
             return None
-        return self.number(column, minimum=minimum, strict=strict, hint=hint)
+        return self.number(column, minimum=minimum, strict=strict, hint=hint, most=most)
 
     def choice(self, column: str, enum: type, default):
         value = self.cells.get(column, "")
