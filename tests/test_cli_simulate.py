@@ -201,6 +201,7 @@ def test_a_number_that_is_not_finite_is_a_usage_error(tmp_path, inputs, capsys, 
     ("a compared policy's folder is a file", lambda out: (out / "easy").write_text("x")),
     ("a result file is a folder", lambda out: (out / "summary.json").mkdir()),
     ("a result file is a named pipe, which would wait for a reader for ever", lambda out: os.mkfifo(out / "summary.json")),
+    ("a result file is a link to nowhere", lambda out: (out / "summary.json").symlink_to(out / "gone" / "x")),
 ])
 def test_an_output_that_cannot_take_every_result_is_refused_before_the_simulation_runs(tmp_path, inputs, capsys,
                                                                                        name, spoil):
