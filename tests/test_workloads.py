@@ -212,6 +212,10 @@ def test_philly_priorities_follow_the_documented_mix():
         ("2017-10-16 00:00:00,60.0,1,60.0,", "cluster"),
         ("2017-10-16 00:00:00,60.0,1,60.0,a\x1bb", "cluster"),
         ("2017-10-16 00:00:00,60.0", None),
+        ("2017-10-16 00:00:00,60.0,1,60.0,aaa,extra", None),
+        ("2017-10-16 00:00:00,1_000,1,60.0,aaa", "duration"),
+        ("2017-10-16 00:00:00,\u0661\u0660\u0660,1,60.0,aaa", "duration"),
+        ("2017-10-16 00:00:00,60.0,1_0,60.0,aaa", "num_gpus"),
     ],
     ids=[
         "a timestamp in another format",
@@ -221,6 +225,10 @@ def test_philly_priorities_follow_the_documented_mix():
         "no virtual cluster",
         "a virtual cluster with a control character",
         "a short row",
+        "a long row, whose cells may have shifted",
+        "a duration with an underscore",
+        "a duration in another script's digits",
+        "a GPU count with an underscore",
     ],
 )
 def test_a_malformed_philly_row_names_its_line_and_field(row, field):
@@ -238,6 +246,13 @@ def test_a_file_that_is_not_philly_is_refused_at_the_header():
     with pytest.raises(InputError) as caught:
         from_philly("job_id,submit_time\n", "philly.csv")
     assert caught.value.line == 1 and "timestamp" in caught.value.field
+
+
+def test_a_philly_header_naming_a_column_twice_is_refused():
+    with pytest.raises(InputError) as caught:
+        from_philly("timestamp,duration,num_gpus,gpu_time,cluster,cluster\n"
+                    "2017-10-16 00:00:00,60.0,1,60.0,aaa,bbb\n", "philly.csv")
+    assert (caught.value.line, caught.value.field) == (1, "cluster") and "twice" in caught.value.message
 
 
 # --- Sizing a fleet ----------------------------------------------------------------------------

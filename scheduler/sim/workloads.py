@@ -45,7 +45,7 @@ import yaml
 from scheduler.errors import InputError
 from scheduler.fleet import MAX_GPUS_PER_FLEET
 from scheduler.models import JobKind, JobSpec, Priority, Topology
-from scheduler.sim.trace import TraceJob
+from scheduler.sim.trace import DECIMAL, TraceJob
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -338,6 +338,9 @@ def _read_philly(reader, source: str, window_start, window: float, seed: int, ma
             ",".join(missing),
             "is missing from the header; a Philly trace has timestamp,duration,num_gpus,gpu_time,cluster",
         )
+    twice = sorted({name for name in header if name and header.count(name) > 1})
+    if twice:
+        raise InputError(source, 1, ",".join(twice), "appears twice in the header; keep one column of each name")
     column = {name: header.index(name) for name in ("timestamp", "duration", "num_gpus", "cluster")}
 
     jobs = []
@@ -349,7 +352,7 @@ def _read_philly(reader, source: str, window_start, window: float, seed: int, ma
         line = reader.line_num
         if began != ended or any("\n" in cell or "\r" in cell for cell in row):
             raise InputError(source, began, None, f"a quoted value runs on to line {ended}; a Philly row is one line")
-        if len(row) < len(header):
+        if len(row) != len(header):  # a shifted row would be read from the wrong columns
             raise InputError(
                 source, line, None, f"has {len(row)} fields but the header has {len(header)}"
             )
@@ -433,10 +436,8 @@ def _philly_timestamp(value: str, source: str, line: int) -> datetime:
 
 
 def _philly_number(value: str, column: str, source: str, line: int) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    # Plain decimals, as in a trace: float() also reads `1_0` and digits of other scripts.
+    number = float(value) if DECIMAL.fullmatch(value) else math.nan
     if not math.isfinite(number):
         raise InputError(source, line, column, f"must be a number, got {value!r}")
     return number
