@@ -216,6 +216,7 @@ def test_philly_priorities_follow_the_documented_mix():
         ("2017-10-16 00:00:00,1_000,1,60.0,aaa", "duration"),
         ("2017-10-16 00:00:00,\u0661\u0660\u0660,1,60.0,aaa", "duration"),
         ("2017-10-16 00:00:00,60.0,1_0,60.0,aaa", "num_gpus"),
+        ("2017-10-16 00:00:00,60.0,1,60.0," + "a" * 1100, "cluster"),
     ],
     ids=[
         "a timestamp in another format",
@@ -229,6 +230,7 @@ def test_philly_priorities_follow_the_documented_mix():
         "a duration with an underscore",
         "a duration in another script's digits",
         "a GPU count with an underscore",
+        "a virtual cluster's name too long to be a team's (and a fleet file's key)",
     ],
 )
 def test_a_malformed_philly_row_names_its_line_and_field(row, field):

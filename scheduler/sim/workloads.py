@@ -287,6 +287,7 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 MAX_PHILLY_GPUS = 100_000  # more than any one job of any cluster asks
+MAX_PHILLY_CLUSTER_CHARS = 100  # Philly's are six hex digits; with `vc-`, within a live team name's 128
 
 
 def from_philly(
@@ -373,6 +374,12 @@ def _read_philly(reader, source: str, window_start, window: float, seed: int, ma
             raise InputError(
                 source, line, "cluster",
                 f"holds a control character ({cells['cluster']!r}); a virtual cluster is a plain name like 6214e9"
+            )
+        if len(cells["cluster"]) > MAX_PHILLY_CLUSTER_CHARS:  # a team name, and a key of the fleet file made
+            raise InputError(
+                source, line, "cluster",
+                f"is {len(cells['cluster']):,} characters long; a virtual cluster is a short name like 6214e9 "
+                f"(at most {MAX_PHILLY_CLUSTER_CHARS})"
             )
         offset = (submitted - window_start).total_seconds()
         if duration <= 0 or num_gpus < 1 or not 0 <= offset < window:
