@@ -94,7 +94,11 @@ WHERE id = $2 AND accepting_work AND id IN (SELECT machine_id FROM gpu_holds WHE
 
 RECORD_HEARTBEAT = f"""
 UPDATE machines SET last_heartbeat = {NOW_EPOCH}, agent_pid = $2, accepting_work = $3 WHERE id = $1"""
-SET_GPU_HEALTH = "UPDATE gpus SET healthy = $3, faults = $4 WHERE machine_id = $1 AND idx = $2"
+# Only a change is written: every heartbeat of every machine reports every GPU, nearly always the
+# same (a rewrite of each row each time is most of a fleet's write load, and its dead rows).
+SET_GPU_HEALTH = """
+UPDATE gpus SET healthy = $3, faults = $4
+WHERE machine_id = $1 AND idx = $2 AND (healthy IS DISTINCT FROM $3 OR faults IS DISTINCT FROM $4)"""
 # A known machine may come back with more GPUs (a repaired one) or fewer (one its driver lost):
 # new ones join; ones it no longer reports stay (holds refer to them) but are unusable.
 ADD_REPORTED_GPUS = """
@@ -279,7 +283,12 @@ UPDATE jobs SET position = p.position, estimated_start = p.estimated_start,
     misses_deadline = p.misses_deadline, pending_reason = p.reason
 FROM unnest($1::text[], $2::int[], $3::double precision[], $4::boolean[], $5::text[])
      AS p(job_id, position, estimated_start, misses_deadline, reason)
-WHERE jobs.id = p.job_id AND jobs.state = 'queued'"""
+WHERE jobs.id = p.job_id AND jobs.state = 'queued'
+  -- Only what changed: rewritten unchanged, every queued job's row was written each cycle, and a
+  -- job cancelled or bumped while the cycle planned made its commit fail (planned again) though
+  -- nothing the cycle wrote of that job was new.
+  AND (jobs.position IS DISTINCT FROM p.position OR jobs.estimated_start IS DISTINCT FROM p.estimated_start
+       OR jobs.misses_deadline IS DISTINCT FROM p.misses_deadline OR jobs.pending_reason IS DISTINCT FROM p.reason)"""
 FINISH_CYCLE = "UPDATE clusters SET cycle_seq = $2, earmarks = $3, last_cycle_at = $4 WHERE name = $1"
 # Orders that a job has not acted on yet: sent again (jobs take duplicates idempotently).
 UNACKED_PLACEMENTS = """

@@ -722,3 +722,37 @@ def test_the_id_of_a_job_that_has_ended_is_refused_to_a_new_job(store_env):
     run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
     verdict = run(store.admit(job("a")))
     assert not verdict.accepted and verdict.field == "job_id" and "has ended (succeeded)" in verdict.reason
+
+
+def _row_versions(run, store, sql: str, *args) -> list[str]:
+    """The rows' transaction ids of their last write (xmin): a row written again has a new one."""
+    return [r[0] for r in run(store.pool.fetch(sql, *args))]
+
+
+def test_a_heartbeat_writes_only_the_gpus_whose_health_changed(store_env):
+    run, store = store_env
+    machine = "c1/b0/r0/m0"
+    versions = "SELECT xmin::text FROM gpus WHERE machine_id = $1 ORDER BY idx"
+    before = _row_versions(run, store, versions, machine)
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i) for i in range(4)]))
+    assert _row_versions(run, store, versions, machine) == before  # the same report: nothing written
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i, healthy=i != 1, faults=["xid:79"] if i == 1 else [])
+                                             for i in range(4)]))
+    after = _row_versions(run, store, versions, machine)
+    assert [a != b for a, b in zip(after, before)] == [False, True, False, False]
+    assert {m.id: set(m.unhealthy_gpus) for m in run(store.snapshot("c1")).machines}[machine] == {1}
+
+
+def test_a_cycle_writes_only_the_queued_jobs_whose_place_estimate_or_reason_changed(store_env):
+    run, store = store_env
+    for name in ("a", "b"):
+        run(store.admit(job(name, gpus=4)))
+    for p in run(store.plan_cycle("c1", 1, run_cycle)).placements:  # the cluster full, vision at its maximum
+        run(store.start_attempt(p.job_id, p.signal.allocation_id))
+    run(store.admit(job("waits", gpus=2)))
+    run(store.plan_cycle("c1", 2, run_cycle))
+    versions = "SELECT xmin::text, pending_reason FROM jobs WHERE id = 'waits'"
+    before = run(store.pool.fetchrow(versions))
+    assert before["pending_reason"]  # the cycle told it why it waits
+    assert run(store.plan_cycle("c1", 3, run_cycle)).committed
+    assert run(store.pool.fetchrow(versions)) == before  # told the same: not written again
