@@ -52,6 +52,11 @@ UNMIGRATED_FIX = ("start a control worker (`python -m workers.control`, or `gpus
                   "database before it serves")
 
 
+# Far above any transaction of ours (a cycle's is its planning, milliseconds to seconds).
+IDLE_IN_TRANSACTION_S = 300.0
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
+
+
 class StoreError(Exception):
     pass
 
@@ -130,10 +135,22 @@ class Store:
         self.reuse: dict[str, rows.Reuse] = {}  # per cluster: the models of its last snapshot
 
     @classmethod
-    async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0) -> "Store":
+    async def connect(cls, dsn: str, min_size: int = 1, max_size: int = 10, timeout: float = 60.0,
+                      idle_in_transaction: float = IDLE_IN_TRANSACTION_S) -> "Store":
         log_outages_in_one_line()
+        # A process that dies, hangs or loses its network inside a transaction would hold its
+        # locks (a cluster's cycle lock, jobs' rows) until the server's TCP gave up: two hours of
+        # no cycles for that cluster. The server ends such a session instead: a silent peer within
+        # about a minute, a live one idle in its transaction past the limit. Given at connection
+        # (not SET): the pool's RESET ALL on each release would undo a SET.
+        server_settings = {
+            "idle_in_transaction_session_timeout": str(max(1, round(idle_in_transaction * 1000))),
+            "tcp_keepalives_idle": str(KEEPALIVE_IDLE_S),
+            "tcp_keepalives_interval": str(KEEPALIVE_INTERVAL_S),
+            "tcp_keepalives_count": str(KEEPALIVE_COUNT),
+        }
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection,
-                                         timeout=timeout)
+                                         timeout=timeout, server_settings=server_settings)
         return cls(pool)
 
     async def close(self) -> None:

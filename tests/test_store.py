@@ -756,3 +756,32 @@ def test_a_cycle_writes_only_the_queued_jobs_whose_place_estimate_or_reason_chan
     assert before["pending_reason"]  # the cycle told it why it waits
     assert run(store.plan_cycle("c1", 3, run_cycle)).committed
     assert run(store.pool.fetchrow(versions)) == before  # told the same: not written again
+
+
+def test_a_cycle_lock_held_by_a_process_gone_quiet_inside_its_transaction_is_released_by_the_server(live_servers):
+    """A control worker that hangs or loses its network mid-cycle held its cluster's lock until the
+    server's TCP gave up (hours): the server now ends a session idle in its transaction."""
+    dsn = live_servers.new_database(f"store_{next(_names)}")
+
+    async def scenario():
+        quiet = await Store.connect(dsn, idle_in_transaction=1.0)
+        store = await Store.connect(dsn)
+        try:
+            await store.migrate()
+            await store.register_fleet("c1", machines())
+            conn = await quiet.pool.acquire()
+            tx = conn.transaction()
+            await tx.start()
+            await conn.fetchrow(q.LOCK_CLUSTER, "c1")  # and then nothing, as a hung process does
+            outcome = await asyncio.wait_for(store.plan_cycle("c1", 1, run_cycle), timeout=15)
+            with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)):
+                await conn.fetchval("SELECT 1")  # its session was ended
+            await quiet.pool.release(conn)
+            settings = await store.pool.fetchrow("SELECT current_setting('tcp_keepalives_idle') AS idle, "
+                                                 "current_setting('idle_in_transaction_session_timeout') AS quiet")
+            return outcome.committed, dict(settings)
+        finally:  # not close(): it would wait for ever for the session held in its transaction
+            quiet.pool.terminate()
+            store.pool.terminate()
+
+    assert asyncio.run(scenario()) == (True, {"idle": "30", "quiet": "5min"})
