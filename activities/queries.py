@@ -166,7 +166,7 @@ JOB = "SELECT * FROM jobs WHERE id = $1"
 # writes under KEY SHARE, which FOR UPDATE blocks: an attempt's end that held its job and waited
 # for one of those allocations deadlocked with it (bench/chaos.py saw three in a row, each costing
 # a second and a retry).
-JOB_FOR_UPDATE = "SELECT * FROM jobs WHERE id = $1 FOR NO KEY UPDATE"
+JOB_FOR_UPDATE = "SELECT id FROM jobs WHERE id = $1 FOR NO KEY UPDATE"  # a lock: its columns are not read
 # The newest $3 jobs that match, oldest first.
 LIST_JOBS = """
 SELECT * FROM (

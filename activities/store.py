@@ -57,6 +57,21 @@ IDLE_IN_TRANSACTION_S = 300.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
 
 
+def _again_after_a_migration(method):
+    """Run a transaction of whole rows (`SELECT *`) once more when a migration has changed a table
+    under a statement this process prepared before it: Postgres refuses the stale statement, which
+    aborts the transaction (outside one asyncpg prepares it again by itself), and asyncpg has by
+    then dropped every connection's prepared statements. Without it, a rolling upgrade failed the
+    first start, checkpoint report or admission of each process."""
+    @functools.wraps(method)
+    async def once_more(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except asyncpg.InvalidCachedStatementError:
+            return await method(*args, **kwargs)
+    return once_more
+
+
 class StoreError(Exception):
     pass
 
@@ -314,6 +329,7 @@ class Store:
 
     # --- jobs -------------------------------------------------------------------------------
 
+    @_again_after_a_migration
     async def admit(self, request: JobRequest) -> Admission:
         """Accept a job into its cluster's queue, or refuse it with the reason and the field at
         fault. Idempotent: admitting a job id again answers as the first time did."""
@@ -397,6 +413,7 @@ class Store:
 
     # --- attempts ---------------------------------------------------------------------------
 
+    @_again_after_a_migration
     async def start_attempt(self, job_id: str, allocation_id: int) -> tuple[bool, dict | None]:
         """The job acknowledges a placement and is about to launch it: (launch, the newest
         complete checkpoint to resume from or None). Launch is False when the allocation is not
@@ -442,6 +459,7 @@ class Store:
 
     # --- checkpoints ------------------------------------------------------------------------
 
+    @_again_after_a_migration
     async def commit_checkpoint(self, job_id: str, allocation_id: int, report: CheckpointReport,
                                 refusal: str | None) -> tuple[CheckpointAck, list[tuple[int, str]]]:
         """Record a reported checkpoint: complete only if its bytes checked out (``refusal`` is

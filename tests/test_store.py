@@ -15,7 +15,7 @@ from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, G
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from live.servers import until_blocked_or_done
-from workflows.types import EndReason, JobRequest, JobState
+from workflows.types import CheckpointReport, EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
 _names = itertools.count()
@@ -785,3 +785,20 @@ def test_a_cycle_lock_held_by_a_process_gone_quiet_inside_its_transaction_is_rel
             store.pool.terminate()
 
     assert asyncio.run(scenario()) == (True, {"idle": "30", "quiet": "5min"})
+
+
+def test_a_process_whose_statements_a_migration_made_stale_still_admits_starts_and_commits_checkpoints(store_env):
+    """A rolling upgrade: the control worker adds a column while the API runs on statements it
+    prepared before (`SELECT *`), which Postgres refuses once, inside the transaction."""
+    run, store = store_env
+    alloc = started(run, store, "a")  # admission, start: their statements prepared
+    report = CheckpointReport(seq=1, key="a/1", size=1, sha256="0" * 64, progress=1.0)
+    assert run(store.commit_checkpoint("a", alloc, report, None))[0].committed
+    for table in ("jobs", "allocations", "checkpoints"):
+        run(store.pool.execute(f"ALTER TABLE {table} ADD COLUMN added_by_an_upgrade integer"))
+    run(store.admit(job("b")))
+    assert run(store.job_view("b")).state == "queued"
+    report2 = report.model_copy(update={"seq": 2, "key": "a/2", "progress": 2.0})
+    assert run(store.commit_checkpoint("a", alloc, report2, None))[0].committed
+    placed_b = run(store.plan_cycle("c1", 2, run_cycle)).placements[0].signal.allocation_id
+    assert run(store.start_attempt("b", placed_b))[0]
