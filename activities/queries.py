@@ -167,13 +167,24 @@ JOB = "SELECT * FROM jobs WHERE id = $1"
 # for one of those allocations deadlocked with it (bench/chaos.py saw three in a row, each costing
 # a second and a retry).
 JOB_FOR_UPDATE = "SELECT id FROM jobs WHERE id = $1 FOR NO KEY UPDATE"  # a lock: its columns are not read
-# The newest $3 jobs that match, oldest first.
-LIST_JOBS = """
-SELECT * FROM (
-    SELECT * FROM jobs
-    WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
-    ORDER BY submit_time DESC, id DESC LIMIT $3) newest
+
+
+def _newest_jobs(where: str) -> str:
+    """The newest $1 jobs that match, oldest first: read backwards along an index of submit times
+    (one query per filter, so that each plan can use one; `$2 IS NULL OR team = $2` could not),
+    not the whole table sorted, which grows by every job ever submitted."""
+    return f"""
+SELECT * FROM (SELECT * FROM jobs {where} ORDER BY submit_time DESC, id DESC LIMIT $1) newest
 ORDER BY submit_time, id"""
+
+
+# By (a team given, a state given); the values follow the limit, in that order.
+LIST_JOBS = {
+    (False, False): _newest_jobs(""),
+    (True, False): _newest_jobs("WHERE team = $2"),
+    (False, True): _newest_jobs("WHERE state = $2"),
+    (True, True): _newest_jobs("WHERE team = $2 AND state = $3"),
+}
 ATTEMPTS = """
 SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from,
        restart_s

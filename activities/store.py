@@ -384,7 +384,8 @@ class Store:
     async def list_jobs(self, team: str | None = None, state: str | None = None,
                         limit: int = 1000) -> list[JobView]:
         async with self.pool.acquire() as conn:
-            jobs = await conn.fetch(q.LIST_JOBS, team, state, limit)
+            given = [value for value in (team, state) if value is not None]
+            jobs = await conn.fetch(q.LIST_JOBS[team is not None, state is not None], limit, *given)
             attempts: dict[str, list] = {}
             for a in await conn.fetch(q.ATTEMPTS, [j["id"] for j in jobs]):
                 attempts.setdefault(a["job_id"], []).append(a)

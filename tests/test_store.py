@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from pathlib import Path
 
 import asyncpg
@@ -802,3 +803,29 @@ def test_a_process_whose_statements_a_migration_made_stale_still_admits_starts_a
     assert run(store.commit_checkpoint("a", alloc, report2, None))[0].committed
     placed_b = run(store.plan_cycle("c1", 2, run_cycle)).placements[0].signal.allocation_id
     assert run(store.start_attempt("b", placed_b))[0]
+
+
+@pytest.mark.parametrize("team, state", [(None, None), ("vision", None), (None, "queued"), ("vision", "queued")],
+                         ids=["every job", "a team's", "those in a state", "a team's in a state"])
+def test_listing_the_newest_jobs_reads_them_along_an_index_not_the_whole_table_sorted(store_env, team, state):
+    run, store = store_env
+    for k in range(3):
+        run(store.admit(job(f"j{k}")))
+    given = [value for value in (team, state) if value is not None]
+    sql = q.LIST_JOBS[team is not None, state is not None]
+
+    async def plan():
+        async with store.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SET LOCAL enable_seqscan = off")  # a test's table is small enough for either
+            return json.loads(await conn.fetchval("EXPLAIN (FORMAT JSON) " + sql, 2, *given))[0]["Plan"]
+
+    def nodes(node):
+        yield node
+        for child in node.get("Plans", ()):
+            yield from nodes(child)
+
+    inner_limit = [n for n in nodes(run(plan())) if n["Node Type"] == "Limit"][0]
+    reading = inner_limit["Plans"][0]
+    assert reading["Node Type"] in ("Index Scan", "Index Only Scan") and reading["Scan Direction"] == "Backward", \
+        reading
+    assert [v.job_id for v in run(store.list_jobs(team=team, state=state, limit=2))] == ["j1", "j2"]
