@@ -133,6 +133,7 @@ def test_a_plain_trace_is_written_with_exactly_the_contract_columns():
 
 BAD_TRACES = [
     ("", 1, None, "first line must be the header"),
+    ("\n" + HEADER + "\n" + row() + "\n", 1, None, "the first line is blank (or the file empty)"),
     (
         "job_id,submit_time,team\na,0,v\n",
         1,
@@ -184,6 +185,7 @@ BAD_TRACES = [
     BAD_TRACES,
     ids=[
         "an empty file asks for the header",
+        "a blank first line is not called an empty trace",
         "missing required columns are named",
         "a column named twice",
         "a header without rows is an empty trace",

@@ -191,7 +191,7 @@ def _header(row: list[str] | None, source: str) -> list[str]:
             source,
             1,
             None,
-            f"the trace is empty; the first line must be the header: {','.join(COLUMNS)}",
+            f"the first line is blank (or the file empty); the first line must be the header: {','.join(COLUMNS)}",
         )
     header = [cell.strip().lower() for cell in row]
     seen: set[str] = set()
