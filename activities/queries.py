@@ -382,8 +382,10 @@ UPDATE jobs SET updated_at = {NOW_EPOCH},
 WHERE id = $1"""
 SET_RESUMED_FROM = "UPDATE allocations SET resumed_from = $2, progress_at_start = $3 WHERE id = $1"
 # Only an attempt that resumed from a checkpoint restarts; the first report counts.
-RECORD_RESTART = """
-UPDATE allocations SET restart_s = $3
+# No longer than the attempt has run: the time comes from the job's own process, and a job that
+# said a day would move every estimate of its cluster (the median of the latest 50).
+RECORD_RESTART = f"""
+UPDATE allocations SET restart_s = GREATEST(0, LEAST($3, {NOW_EPOCH} - started_at))
 WHERE id = $2 AND job_id = $1 AND resumed_from IS NOT NULL AND restart_s IS NULL"""
 # What a cluster's resumed jobs took to start again lately: the median of the latest 50.
 LEARNED_RESTART = """

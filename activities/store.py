@@ -10,8 +10,9 @@ import functools
 import json
 import logging
 import math
+from collections import Counter
 from importlib import resources
-from typing import Callable
+from typing import Annotated, Callable
 
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,10 +93,10 @@ class FleetApplied(BaseModel):
 class GpuReport(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
     index: int = Field(ge=0, le=1023)  # what CUDA_VISIBLE_DEVICES names: never negative
-    gpu_type: str | None = None
+    gpu_type: str | None = Field(default=None, max_length=200)
     memory_gb: float | None = Field(default=None, ge=0)  # 0: NVML could not say
     healthy: bool = True
-    faults: list[str] = []
+    faults: list[Annotated[str, Field(max_length=200)]] = Field(default=[], max_length=64)
 
 
 log = logging.getLogger("gpusched.store")
@@ -254,7 +255,7 @@ class Store:
         before joins the fleet (its topology is its id, ``cluster/block/rack/machine``). Returns
         the allocations live on the machine: the agent kills any process not among them."""
         reported = [g.index for g in gpus]
-        twice = sorted({i for i in reported if reported.count(i) > 1})
+        twice = sorted(i for i, n in Counter(reported).items() if n > 1)
         if twice:
             raise ValueError(f"the heartbeat reports GPU {', '.join(map(str, twice))} more than once; "
                              "each GPU once, by its index")

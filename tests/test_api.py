@@ -87,8 +87,8 @@ def test_a_request_body_over_a_mebibyte_is_refused_before_it_is_read_whole(stack
                        headers={"content-type": "application/json"})
     assert (whole.status_code, chunked.status_code) == (413, 413)
     assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # neither took
-    small = api.post(path, json={"gpus": [{"index": i, "faults": ["x" * 1000] * 100} for i in range(4)]})
-    assert small.status_code == 200  # 400 kB: a big heartbeat, not a refused one
+    small = api.post(path, json={"gpus": [{"index": i, "faults": ["x" * 200] * 64} for i in range(4)]})
+    assert small.status_code == 200  # as many faults as a GPU may report, each as long: taken
 
 
 UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps would not write)
@@ -103,10 +103,22 @@ UNSTORABLE = [  # (what, method, path, body: JSON, or text for what json.dumps w
      {"allocation_id": 1, "report": {"seq": 1, "key": "k", "size": 2**70, "sha256": "0" * 64}}),
     ("a NUL character in a job id", "get", "/jobs/a%00b", None),
     ("a NUL character in a team", "get", "/jobs?team=a%00b", None),
+    # Past their bounds: each costs the API or the database in proportion (a job writes the reports).
+    ("a heartbeat of more GPUs than a machine holds", "post", "/machines/c1/b0/r0/m0/heartbeat",
+     {"gpus": [{"index": 999}] * 1025}),
+    ("a fault of a page's length", "post", "/machines/c1/b0/r0/m0/heartbeat", {"gpus": [{"index": 0, "faults": ["x" * 201]}]}),
+    ("a GPU of more faults than there are kinds", "post", "/machines/c1/b0/r0/m0/heartbeat",
+     {"gpus": [{"index": 0, "faults": ["xid:79"] * 65}]}),
+    ("a checkpoint key of a mebibyte's order", "post", "/jobs/seen/checkpoints",
+     {"allocation_id": 1, "report": {"seq": 1, "key": "k" * 1025, "size": 1, "sha256": "0" * 64}}),
+    ("a SHA-256 that is not one", "post", "/jobs/seen/checkpoints",
+     {"allocation_id": 1, "report": {"seq": 1, "key": "k", "size": 1, "sha256": "zz"}}),
+    ("an MD5 that is not one", "post", "/jobs/seen/checkpoints",
+     {"allocation_id": 1, "report": {"seq": 1, "key": "k", "size": 1, "sha256": "0" * 64, "md5": "0" * 5000}}),
 ]
 
 
-def test_values_postgres_cannot_hold_are_refused_as_bad_requests_not_server_errors(stack):
+def test_values_postgres_cannot_hold_or_past_their_bounds_are_refused_as_bad_requests_not_server_errors(stack):
     s = stack(machines=1, gpus=4)
     api = httpx.Client(base_url=s.up.settings.api_url, timeout=10, headers=api_headers(s.up.settings))
     answers = {}

@@ -361,6 +361,18 @@ def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_
     assert run(store.snapshot("c1")).config.expected_restart_s == 60
 
 
+def test_a_restart_time_longer_than_its_attempt_has_run_is_kept_as_that_long(store_env):
+    """The time comes from the job's own process: a job that said a day would move its cluster's
+    learned restart time, and every estimate there, by a day."""
+    run, store = store_env
+    run(store.admit(job("b")))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.pool.execute("UPDATE allocations SET resumed_from = 1 WHERE id = $1", alloc))
+    run(store.start_attempt("b", alloc))
+    assert run(store.record_restart("b", alloc, 86399.0))
+    assert 0 <= run(store.job_view("b")).attempts[0].restart_s < 60
+
+
 def test_a_stored_policy_override_out_of_todays_bounds_takes_its_default_and_the_cycle_still_runs(store_env, caplog):
     """An older release let `cluster set` store checkpoint_slot=1e-300; a cycle must not fail on it."""
     run, store = store_env

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
 from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
+from scheduler.fleet import MAX_GPUS_PER_MACHINE
 from workers.settings import (Settings, add_settings_flags, keep_connecting, mark_ready, settings_from_args,
                               without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
@@ -65,8 +66,9 @@ _FINITE = ConfigDict(allow_inf_nan=False)
 class Heartbeat(BaseModel):
     model_config = _FINITE
     pid: int | None = Field(default=None, ge=1, le=2**31 - 1)  # the agent's process id (an integer column)
-    gpus: list[GpuReport] = Field(default_factory=list)
-    running_allocations: list[AllocationId] = Field(default_factory=list)
+    # As many as a machine may hold: a longer list is no machine's, and its checks cost.
+    gpus: list[GpuReport] = Field(default_factory=list, max_length=MAX_GPUS_PER_MACHINE)
+    running_allocations: list[AllocationId] = Field(default_factory=list, max_length=4 * MAX_GPUS_PER_MACHINE)
     # False while the agent cannot take attempts up: starting, shutting down, or cut off from
     # Temporal. Agents from before it send nothing: they take work.
     accepting_work: bool = True
@@ -85,7 +87,7 @@ class CheckpointSubmission(BaseModel):
 class RestartReport(BaseModel):
     model_config = _FINITE
     allocation_id: AllocationId  # the resumed attempt the agent ran the job for
-    seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json)
+    seconds: float = Field(ge=0)  # from its launch to its state restored (jobkit's restored.json); at most the attempt's time
 
 
 # The largest request body taken: a heartbeat of 1,024 GPUs with their faults is a few dozen

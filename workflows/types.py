@@ -384,13 +384,14 @@ class CheckpointReport(Model):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     seq: int = Field(ge=1, le=2**31 - 1)  # an integer column
-    key: str = Field(min_length=1)  # the object's key in the checkpoint bucket
+    # Bounded: a job writes these (through its agent), and a refusal is kept with the key in it.
+    key: str = Field(min_length=1, max_length=1024)  # the object's key in the checkpoint bucket
     size: int = Field(ge=0, le=2**63 - 1)  # a bigint column
-    sha256: str
-    md5: str | None = None
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    md5: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
     progress: float | None = None
     written_at: float | None = None
-    uri: str | None = None
+    uri: str | None = Field(default=None, max_length=2048)
 
 
 class CheckpointAck(Model):
