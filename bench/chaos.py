@@ -23,20 +23,28 @@ once, that no job was lost, and that no checkpoint was corrupted.
    (once or twice), each 5-60 s after its submit, so queued, placed, running and draining jobs
    alike; a request the stack cannot take is sent again until it can.
 4. Starts whatever is down, clears the GPU faults, waits for every job to end, and audits:
-   - no GPU ran two processes at once (from the processes' own stamps) or was held by two
-     allocations at once (the allocations table, recounted);
-   - every job ended, and each that succeeded ended with the state of an uninterrupted run;
-   - every complete checkpoint still stored has the size and SHA-256 committed for it;
+   - no GPU ran two processes at once (from the processes' own stamps: from the process's start,
+     read from /proc, to a stamp's interval past its last stamp) or was held by two allocations at
+     once (the allocations table, from placement to end, recounted);
+   - every job ended; each succeeded, but those its user cancelled and those failed by five
+     infrastructure failures in a row (by design), which their last five attempts must bear out;
+     each that succeeded ended with the state of an uninterrupted run on every machine of its
+     last attempt (by the allocations table);
+   - every complete checkpoint still stored has the size and SHA-256 committed for it, and none
+     was found unusable at a resume;
    - every job whose cancel was taken ended cancelled with the user's reason, unless it ended on
      its own within ``CANCEL_RACE_S`` of the cancel (its last step and the cancel crossed);
-   - every job whose class change was taken has the class of its last change.
+   - every job whose class change was taken has the class of its last change; every user
+     request was taken, or refused only because its job had ended (within ``CANCEL_RACE_S``)
+     before the request was first sent;
+   - no component stopped by itself (found not running when its kill came, or by the `up` after
+     the chaos).
+   Attempts launched with no stamping process on each of their machines are listed (the stamps
+   prove nothing about them), and so are the fault kinds asked for that never came up.
 
 The last line printed is one JSON object with the figures; the exit code is 1 if an invariant
-broke, a submission was never accepted, or a component killed did not come back (exited when
-started again, or the stack was not whole after the chaos): then ``violations`` says which; 0
-otherwise. Jobs that did not succeed are counted and
-named with their reasons, not taken for violations: five infrastructure failures in a row fail a
-job by design.
+broke, a submission or user request was never accepted, or a component did not come back or
+stopped by itself: then ``violations`` says which; 0 otherwise.
 """
 
 from __future__ import annotations
@@ -63,8 +71,10 @@ from scheduler.models import Priority, Quota  # noqa: E402
 from workers import devices, devstack, servers  # noqa: E402
 from workers.client import ENDED, ClientError, GpuschedClient  # noqa: E402
 from workers.example_job import final_state  # noqa: E402
+from bench.chaos_job import STAMP_EVERY_S  # noqa: E402
 from workers.settings import machine_component  # noqa: E402
-from workflows.types import JobRequest  # noqa: E402
+from workflows.job import MAX_INFRA_FAILURES  # noqa: E402
+from workflows.types import EndReason, JobRequest  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "chaos_job.py"
 STEP_SECONDS = 0.5
@@ -78,6 +88,7 @@ CLASSES = [("low", 3), ("normal", 3), ("high", 2), ("critical", 1)]
 CANCEL_REASON = "chaos: cancelled by its user"
 CANCEL_RACE_S = 10.0  # a job may end on its own this long after a cancel: they crossed
 USER_RETRY_S = 2.0
+INFRA_ENDS = (EndReason.machine_failure.value, EndReason.not_started.value)  # what counts to the limit
 
 
 def pick(rng: random.Random, weighted: list[tuple]) -> object:
@@ -148,6 +159,8 @@ class Users:
         self.cancelled: dict[str, float] = {}  # job -> when its cancel was taken (epoch seconds)
         self.classes: dict[str, str] = {}  # job -> the class of its last change taken
         self.too_late: dict[str, str] = {}  # job -> the request it had ended before
+        self.first_sent: dict[str, float] = {}  # job -> when its refused request was first sent (epoch)
+        self.never_taken: dict[str, str] = {}  # job -> the request the stack never took, and why
         self.retries = 0
 
     async def run(self, client: GpuschedClient, began: float, give_up_at: float) -> None:
@@ -158,7 +171,11 @@ class Users:
                       began: float, give_up_at: float) -> None:
         for at, action in plan:
             await asyncio.sleep(max(0.0, began + at - time.monotonic()))
-            while time.monotonic() < give_up_at:
+            sent_at, last_error = time.time(), "never sent"
+            while True:
+                if time.monotonic() >= give_up_at:  # sent again and again: never taken, though the stack came back
+                    self.never_taken[job_id] = f"{action}: {last_error}"
+                    return
                 try:
                     if action == "cancel":
                         await asyncio.wait_for(client.cancel(job_id, CANCEL_REASON), 40)
@@ -168,8 +185,10 @@ class Users:
                         self.classes[job_id] = action
                     break
                 except Exception as e:  # refused (not admitted yet, or ended) or the stack is partly down
+                    last_error = f"{type(e).__name__}: {e}"[:300]
                     if isinstance(e, ClientError) and await client.ended_state(job_id) is not None:
                         self.too_late[job_id] = action
+                        self.first_sent[job_id] = sent_at
                         return
                     self.retries += 1
                     await asyncio.sleep(USER_RETRY_S)
@@ -188,12 +207,20 @@ class Users:
             row = states.get(job_id)
             if row is not None and row["priority"] != wanted:
                 lost[job_id] = f"{row['priority']}, not {wanted}"
+        # Too late only if the job had ended (give or take the race) before the request first went:
+        # refusals that went on while it ran, until it ended, are requests lost.
+        refused_running = {job_id: f"{action} refused from {self.first_sent[job_id] - row['updated_at']:+.1f} s "
+                                   "after its end (negative: before it)"
+                           for job_id, action in self.too_late.items()
+                           if (row := states.get(job_id)) is not None
+                           and row["updated_at"] > self.first_sent[job_id] + CANCEL_RACE_S}
         return {
             "cancels_taken": len(self.cancelled),
             "cancelled": sum(1 for j in self.cancelled if states.get(j, {}).get("state") == "cancelled"),
             "cancels_ignored": ignored,
             "class_changes_taken": len(self.classes), "class_changes_lost": lost,
             "user_requests_too_late": self.too_late, "user_requests_sent_again": self.retries,
+            "user_requests_never_taken": self.never_taken, "user_requests_refused_while_running": refused_running,
         }
 
 
@@ -256,7 +283,9 @@ class Chaos:
         self.down.add(name)
         self.count[kind] += 1
         self.log.append(f"{time.strftime('%H:%M:%S')} kill {name} for {outage:.1f} s")
-        await asyncio.to_thread(devstack.stop_component, self.data_dir, name, signal.SIGKILL)
+        if not await asyncio.to_thread(devstack.stop_component, self.data_dir, name, signal.SIGKILL):
+            # Nothing of ours had it down: it stopped by itself, and starting it again would hide that.
+            self.errors.append(f"{name} was not running when its kill came: it had stopped by itself")
         await asyncio.sleep(outage)
         try:
             # Not waited for until healthy: the stack's lock is held meanwhile, and a worker that
@@ -318,7 +347,11 @@ def read_stamps(stamps: Path) -> list[dict]:
         lines = path.read_text().splitlines()
         times = [float(t) for t in lines[1:] if re.fullmatch(r"\d+\.\d+", t)]
         if times:
-            lives.append({**json.loads(lines[0]), "first": times[0], "last": times[-1], "file": path.name})
+            head = json.loads(lines[0])
+            # From its start (before its first stamp) to a stamp's interval past its last: it may
+            # have lived on that long without stamping again.
+            lives.append({**head, "first": min(head.get("started", times[0]), times[0]),
+                          "last": times[-1] + STAMP_EVERY_S, "file": path.name})
     return lives
 
 
@@ -341,21 +374,29 @@ def overlaps(lives: list[dict], start: str, end: str) -> list[str]:
     return found
 
 
-def final_states(data_dir: Path, job_id: str, steps: int) -> str | None:
-    """None if the last attempt's processes ended with the state of an uninterrupted run, else what
-    is wrong."""
-    logs = sorted(data_dir.glob(f"jobs/*/{job_id}/attempt-*.log"),
-                  key=lambda p: int(p.stem.split("-")[1]))
+def final_states(data_dir: Path, job_id: str, steps: int, attempt: int, machines: int) -> str | None:
+    """None if every process of the job's last attempt (by the allocations table: ``attempt``, on
+    ``machines`` machines) ended with the state of an uninterrupted run, else what is wrong."""
+    logs = list(data_dir.glob(f"jobs/*/{job_id}/attempt-{attempt}.log"))
     if not logs:
-        return "no log"
-    last = logs[-1].stem
-    done = [m.group(1) for p in logs if p.stem == last
+        return f"no log of its attempt {attempt}"
+    done = [m.group(1) for p in logs
             for m in re.finditer(r"done, steps=\d+ final_state=([0-9a-f]+)", p.read_text())]
     expected = final_state(steps).hex()
-    if not done:
-        return f"its {last} has no final state"
+    if len(done) < machines:  # a gang's rank that died while rank 0 finished is no success
+        return f"its attempt {attempt} ended with a final state on {len(done)} of its {machines} machines"
     wrong = [d for d in done if d != expected]
     return f"final state {wrong[0][:12]}..., expected {expected[:12]}..." if wrong else None
+
+
+def expected_end(row: dict, ends: list[str], users: "Users") -> bool:
+    """Whether a job that did not succeed ended as the run allows: cancelled by its user, or failed
+    by the limit of infrastructure failures in a row, which its attempts must bear out."""
+    if row["state"] == "cancelled":
+        return row["reason"] == CANCEL_REASON and row["id"] in users.cancelled
+    limit = MAX_INFRA_FAILURES
+    return (row["state"] == "failed" and "infrastructure failures" in (row["reason"] or "")
+            and len(ends) >= limit and all(end in INFRA_ENDS for end in ends[-limit:]))
 
 
 def verify_checkpoints(settings, rows: list) -> list[str]:
@@ -381,17 +422,37 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     lost = [j for j in steps if j not in states or states[j]["state"] not in ENDED]
     not_succeeded = {j: f"{r['state']}: {r['reason']}" for j, r in states.items()
                      if r["state"] in ENDED and r["state"] != "succeeded"}
-    wrong = {}
-    for job_id, row in states.items():
-        if row["state"] == "succeeded" and (why := final_states(data_dir, job_id, steps[job_id])):
-            wrong[job_id] = why
+    # From the placement: the database holds a GPU from then (an attempt not launched yet included).
     allocations = [dict(r) for r in await pool.fetch(
-        "SELECT job_id AS job, attempt, gpus, COALESCE(started_at, placed_at) AS held_from, "
+        "SELECT job_id AS job, attempt, gpus, started_at, placed_at AS held_from, "
         "COALESCE(ended_at, extract(epoch FROM now())) AS held_to, end_reason "
         "FROM allocations WHERE job_id = ANY($1)", list(steps))]
+    ends = defaultdict(list)  # each job's attempts' end reasons, in order
+    for a in sorted(allocations, key=lambda a: (a["job"], a["attempt"])):
+        ends[a["job"]].append(a["end_reason"])
+    unexpected = {j: why for j, why in not_succeeded.items() if not expected_end(states[j], ends[j], users)}
+    last_attempt = {a["job"]: a for a in sorted(allocations, key=lambda a: a["attempt"])}
+    wrong = {}
+    for job_id, row in states.items():
+        if row["state"] != "succeeded":
+            continue
+        last = last_attempt.get(job_id)
+        machines = len({gpu.rsplit("/", 1)[0] for gpu in last["gpus"]}) if last else 1
+        if why := final_states(data_dir, job_id, steps[job_id], last["attempt"] if last else 0, machines):
+            wrong[job_id] = why
     rows = await pool.fetch("SELECT job_id, seq, key, size, sha256 FROM checkpoints "
                             "WHERE job_id = ANY($1) AND complete AND deleted_at IS NULL", list(steps))
+    # A checkpoint found unusable at a resume: bytes that rotted, or a good one given up under faults.
+    unusable = [f"{r['job_id']} seq {r['seq']}: {r['reason']}" for r in await pool.fetch(
+        "SELECT job_id, seq, reason FROM checkpoints WHERE job_id = ANY($1) AND unusable_at IS NOT NULL "
+        "ORDER BY job_id, seq", list(steps))]
     lives = read_stamps(stamps)
+    # Every attempt launched ran a process that stamped, on each of its machines: else the stamps
+    # prove nothing about it (a stamping that broke would show no overlap at all).
+    stamped = Counter((life["job"], str(life["attempt"])) for life in lives)
+    unstamped = [f"{a['job']} attempt {a['attempt']}" for a in allocations
+                 if a["started_at"] is not None and a["end_reason"] != EndReason.not_started.value
+                 and stamped[(a["job"], str(a["attempt"]))] < len({g.rsplit("/", 1)[0] for g in a["gpus"]})]
     succeeded = [j for j in steps if states.get(j, {}).get("state") == "succeeded"]
     ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in succeeded  # as needed is counted
               for p in data_dir.glob(f"jobs/*/{j}/attempt-*.log"))
@@ -402,10 +463,11 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     needed = sum(steps[j] * (2 if j in gangs else 1) for j in succeeded)
     return {
         "jobs": len(steps), "succeeded": len(succeeded),
-        "not_succeeded": not_succeeded, "lost": lost, "wrong_final_states": wrong,
+        "not_succeeded": not_succeeded, "ended_unexpectedly": unexpected, "lost": lost, "wrong_final_states": wrong,
         "attempts": len(allocations), "end_reasons": dict(Counter(a["end_reason"] for a in allocations)),
-        "processes": len(lives), "gpu_overlaps": gpu_overlaps, "allocation_overlaps": allocation_overlaps,
-        "checkpoints_verified": len(rows), "bad_checkpoints": bad_checkpoints,
+        "processes": len(lives), "attempts_without_stamps": unstamped,
+        "gpu_overlaps": gpu_overlaps, "allocation_overlaps": allocation_overlaps,
+        "checkpoints_verified": len(rows), "bad_checkpoints": bad_checkpoints, "unusable_checkpoints": unusable,
         "steps_run_per_step_needed": round(ran / needed, 3) if needed else None,
         **users.audit(states),
     }
@@ -434,7 +496,9 @@ async def chaos_run(data_dir: Path, args) -> dict:
         chaos_s = time.monotonic() - began
     # Everything back: what a fault left down, then the GPUs' faults cleared.
     try:
-        await asyncio.to_thread(devstack.up, data_dir, ui=False)
+        back = await asyncio.to_thread(devstack.up, data_dir, ui=False)
+        if back.revived:  # every fault brought its component back: these stopped by themselves
+            chaos.errors.append(f"stopped by themselves, found so after the chaos: {', '.join(back.revived)}")
     except devstack.StackError as e:  # the audit still runs: what could not come back shows there
         chaos.errors.append(f"bringing the stack back after the chaos: {e}")
     for machine in chaos.state.machines:
@@ -451,14 +515,18 @@ async def chaos_run(data_dir: Path, args) -> dict:
                 unended.append(f"{request.job_id} ({type(e).__name__})")
         drain_s = time.monotonic() - drained
         figures = await audit(client, up.settings, data_dir, stamps, jobs, users)
-    violations = [name for name in ("lost", "wrong_final_states", "gpu_overlaps", "allocation_overlaps",
-                                    "bad_checkpoints", "cancels_ignored", "class_changes_lost") if figures[name]]
+    violations = [name for name in ("lost", "ended_unexpectedly", "wrong_final_states", "gpu_overlaps", "allocation_overlaps",
+                                    "bad_checkpoints", "unusable_checkpoints", "cancels_ignored",
+                                    "class_changes_lost", "user_requests_never_taken",
+                                    "user_requests_refused_while_running") if figures[name]]
     if refused:
         violations.append("refused")
     if chaos.errors:
         violations.append("fault_errors")
     return {"seed": args.seed, "minutes": args.minutes, "chaos_s": round(chaos_s, 1),
-            "drain_s": round(drain_s, 1), "faults": dict(chaos.count), "fault_errors": chaos.errors,
+            "drain_s": round(drain_s, 1), "faults": dict(chaos.count),
+            "faults_never_injected": [kind for kind in args.faults if not chaos.count[kind]],
+            "fault_errors": chaos.errors,
             "refused": refused, "unended_at_drain": unended, **figures, "violations": violations,
             "fault_log": chaos.log}
 

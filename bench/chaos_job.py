@@ -7,8 +7,9 @@ two of them ever ran on one GPU at once.
     python bench/chaos_job.py STAMPS_DIR --steps N --step-seconds S ...   (example-job's arguments)
 
 The stamp file is ``STAMPS_DIR/<job>.<attempt>.<pid>``: a JSON line (job, attempt, allocation,
-machine, GPUs) and then one epoch time per line. Its first and last stamps bound the process's
-life from inside, so an overlap seen in them is an overlap that happened.
+machine, GPUs, the process's start time from /proc) and then one epoch time per line. The start
+and the last stamp (plus one stamp's interval, which the process may have lived past it) bound
+the process's life from inside, so an overlap seen in them is most likely one that happened.
 """
 
 from __future__ import annotations
@@ -27,11 +28,19 @@ from workers import example_job  # noqa: E402
 STAMP_EVERY_S = 0.25
 
 
+def started_at() -> float:
+    """When this process began, as an epoch time (to 10 ms): its first stamp comes only after the
+    interpreter has started and imported, a blind spot of a few tenths of a second."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def stamp_forever(path: Path) -> None:
     env = os.environ
     head = {"job": env.get("GPUSCHED_JOB_ID"), "attempt": env.get("GPUSCHED_ATTEMPT"),
             "allocation": env.get("GPUSCHED_ALLOCATION_ID"), "machine": env.get("GPUSCHED_MACHINE_ID"),
-            "gpus": env.get("GPUSCHED_GPUS", "").split()}
+            "gpus": env.get("GPUSCHED_GPUS", "").split(), "started": round(started_at(), 3)}
     with open(path, "a", buffering=1) as out:
         out.write(json.dumps(head) + "\n")
         while True:

@@ -113,3 +113,40 @@ def test_the_chaos_audit_finds_every_cancel_ignored_and_every_change_of_class_lo
     found = users.audit(rows)
     assert sorted(found["cancels_ignored"]) == ignored
     assert sorted(found["class_changes_lost"]) == lost
+
+
+def test_the_chaos_audit_takes_a_user_request_refused_while_its_job_ran_for_lost_not_too_late():
+    users = chaos_bench().Users(1, [], cancels=0, bumps=0)
+    users.too_late = {"ended-first": "cancel", "ran-on": "high"}
+    users.first_sent = {"ended-first": 101.0, "ran-on": 40.0}  # epoch seconds
+    found = users.audit({"ended-first": ended("succeeded", at=100.0), "ran-on": ended("succeeded", at=100.0)})
+    assert sorted(found["user_requests_refused_while_running"]) == ["ran-on"]
+
+
+FIVE_LOST = ["machine_failure", "not_started", "machine_failure", "machine_failure", "machine_failure"]
+
+
+@pytest.mark.parametrize("row, ends, expected", [
+    (ended("cancelled", "chaos: cancelled by its user"), ["preempted"], True),
+    (ended("cancelled", "cancelled by request"), ["preempted"], False),
+    (ended("failed", "machine gone (5 infrastructure failures)"), ["completed"] + FIVE_LOST, True),
+    (ended("failed", "machine gone (5 infrastructure failures)"), FIVE_LOST[:4] + ["preempted"], False),
+    (ended("failed", "exit code 3"), FIVE_LOST, False),
+], ids=["cancelled by its user", "cancelled by someone else", "failed by the limit its attempts bear out",
+        "said to be failed by the limit, its attempts say otherwise", "failed for another reason"])
+def test_the_chaos_audit_allows_only_the_ends_the_run_explains(row, ends, expected):
+    bench = chaos_bench()
+    users = bench.Users(1, [], cancels=0, bumps=0)
+    users.cancelled = {"a": 50.0}
+    assert bench.expected_end({**row, "id": "a"}, ends, users) is expected
+
+
+def test_the_chaos_audit_takes_a_gang_finished_on_one_of_its_machines_for_no_success(tmp_path):
+    bench = chaos_bench()
+    done = f"done, steps=3 final_state={bench.final_state(3).hex()}\n"
+    for machine, text in (("m0", done), ("m1", "step 2/3\n")):
+        (tmp_path / "jobs" / machine / "g").mkdir(parents=True)
+        (tmp_path / "jobs" / machine / "g" / "attempt-2.log").write_text(text)
+    assert bench.final_states(tmp_path, "g", 3, attempt=2, machines=1) is None
+    assert "on 1 of its 2 machines" in bench.final_states(tmp_path, "g", 3, attempt=2, machines=2)
+    assert "no log of its attempt 3" in bench.final_states(tmp_path, "g", 3, attempt=3, machines=1)
