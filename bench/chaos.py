@@ -159,7 +159,7 @@ class Users:
         self.cancelled: dict[str, float] = {}  # job -> when its cancel was taken (epoch seconds)
         self.classes: dict[str, str] = {}  # job -> the class of its last change taken
         self.too_late: dict[str, str] = {}  # job -> the request it had ended before
-        self.first_sent: dict[str, float] = {}  # job -> when its refused request was first sent (epoch)
+        self.first_sent: dict[str, float] = {}  # job -> since when its too late request was refused (epoch)
         self.never_taken: dict[str, str] = {}  # job -> the request the stack never took, and why
         self.retries = 0
 
@@ -171,11 +171,12 @@ class Users:
                       began: float, give_up_at: float) -> None:
         for at, action in plan:
             await asyncio.sleep(max(0.0, began + at - time.monotonic()))
-            sent_at, last_error = time.time(), "never sent"
+            refused_from, last_error = None, "never sent"
             while True:
                 if time.monotonic() >= give_up_at:  # sent again and again: never taken, though the stack came back
                     self.never_taken[job_id] = f"{action}: {last_error}"
                     return
+                tried_at = time.time()
                 try:
                     if action == "cancel":
                         await asyncio.wait_for(client.cancel(job_id, CANCEL_REASON), 40)
@@ -186,9 +187,11 @@ class Users:
                     break
                 except Exception as e:  # refused (not admitted yet, or ended) or the stack is partly down
                     last_error = f"{type(e).__name__}: {e}"[:300]
+                    # Refused since when: a request an outage kept from the stack was not refused.
+                    refused_from = (refused_from or tried_at) if isinstance(e, ClientError) else None
                     if isinstance(e, ClientError) and await client.ended_state(job_id) is not None:
                         self.too_late[job_id] = action
-                        self.first_sent[job_id] = sent_at
+                        self.first_sent[job_id] = refused_from
                         return
                     self.retries += 1
                     await asyncio.sleep(USER_RETRY_S)
@@ -392,8 +395,8 @@ def final_states(data_dir: Path, job_id: str, steps: int, attempt: int, machines
 def expected_end(row: dict, ends: list[str], users: "Users") -> bool:
     """Whether a job that did not succeed ended as the run allows: cancelled by its user, or failed
     by the limit of infrastructure failures in a row, which its attempts must bear out."""
-    if row["state"] == "cancelled":
-        return row["reason"] == CANCEL_REASON and row["id"] in users.cancelled
+    if row["state"] == "cancelled":  # asked, taken or not (a cancel whose answer an outage lost is refused again)
+        return row["reason"] == CANCEL_REASON and any(action == "cancel" for _, action in users.plans.get(row["id"], ()))
     limit = MAX_INFRA_FAILURES
     return (row["state"] == "failed" and "infrastructure failures" in (row["reason"] or "")
             and len(ends) >= limit and all(end in INFRA_ENDS for end in ends[-limit:]))
@@ -427,9 +430,10 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
         "SELECT job_id AS job, attempt, gpus, started_at, placed_at AS held_from, "
         "COALESCE(ended_at, extract(epoch FROM now())) AS held_to, end_reason "
         "FROM allocations WHERE job_id = ANY($1)", list(steps))]
-    ends = defaultdict(list)  # each job's attempts' end reasons, in order
-    for a in sorted(allocations, key=lambda a: (a["job"], a["attempt"])):
-        ends[a["job"]].append(a["end_reason"])
+    ends = defaultdict(list)  # each job's launched attempts' end reasons, in order: a placement taken
+    for a in sorted(allocations, key=lambda a: (a["job"], a["attempt"])):  # back unlaunched counts for nothing
+        if a["started_at"] is not None:
+            ends[a["job"]].append(a["end_reason"])
     unexpected = {j: why for j, why in not_succeeded.items() if not expected_end(states[j], ends[j], users)}
     last_attempt = {a["job"]: a for a in sorted(allocations, key=lambda a: a["attempt"])}
     wrong = {}
@@ -437,7 +441,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
         if row["state"] != "succeeded":
             continue
         last = last_attempt.get(job_id)
-        machines = len({gpu.rsplit("/", 1)[0] for gpu in last["gpus"]}) if last else 1
+        machines = max(1, len({gpu.rsplit("/", 1)[0] for gpu in last["gpus"]})) if last else 1
         if why := final_states(data_dir, job_id, steps[job_id], last["attempt"] if last else 0, machines):
             wrong[job_id] = why
     rows = await pool.fetch("SELECT job_id, seq, key, size, sha256 FROM checkpoints "

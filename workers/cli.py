@@ -70,8 +70,9 @@ def _check_writable(out: Path, policies: list[str], inputs: dict[str, str]) -> N
                 path = folder / name
                 if path.is_dir():
                     raise IsADirectoryError(21, f"{name} there is a folder")
-                if path.is_symlink() and not path.exists():  # the write would follow it, and fail
-                    raise FileNotFoundError(2, f"{name} there is a link to {os.readlink(path)}, which does not exist")
+                # A link to nowhere is written through to its target, unless its folder is missing.
+                if path.is_symlink() and not path.exists() and not Path(os.path.realpath(path)).parent.is_dir():
+                    raise FileNotFoundError(2, f"{name} there is a link to {os.readlink(path)}, whose folder does not exist")
                 if path.exists() and not os.access(path, os.W_OK):
                     raise PermissionError(13, f"{name} there is read-only")
                 if path.is_fifo() or path.is_socket():  # writing would wait for a reader forever

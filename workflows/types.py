@@ -387,8 +387,8 @@ class CheckpointReport(Model):
     # Bounded: a job writes these (through its agent), and a refusal is kept with the key in it.
     key: str = Field(min_length=1, max_length=1024)  # the object's key in the checkpoint bucket
     size: int = Field(ge=0, le=2**63 - 1)  # a bigint column
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    md5: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+    md5: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{32}$")
     progress: float | None = None
     written_at: float | None = None
     uri: str | None = Field(default=None, max_length=2048)
