@@ -24,8 +24,9 @@ once, that no job was lost, and that no checkpoint was corrupted.
    alike; a request the stack cannot take is sent again until it can.
 4. Starts whatever is down, clears the GPU faults, waits for every job to end, and audits:
    - no GPU ran two processes at once (from the processes' own stamps: from the process's start,
-     read from /proc, to a stamp's interval past its last stamp) or was held by two allocations at
-     once (the allocations table, from placement to end, recounted);
+     read from /proc, to a stamp's interval past its last stamp, or to when its agent logged it
+     reaped, if sooner) or was held by two allocations at once (the allocations table, from
+     placement to end, recounted);
    - every job ended; each succeeded, but those its user cancelled and those failed by five
      infrastructure failures in a row (by design), which their last five attempts must bear out;
      each that succeeded ended with the state of an uninterrupted run on every machine of its
@@ -343,18 +344,38 @@ def signal_all(pids: list[int], sig: int) -> None:
 
 # --- the audit -------------------------------------------------------------------------------
 
-def read_stamps(stamps: Path) -> list[dict]:
-    """Each process's life as it stamped it: job, attempt, GPUs, first and last stamp."""
+REAPED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO gpusched\.node: allocation (\d+): job \S+ ended ",
+                    re.M)
+
+
+def reaped_at(logs: Path) -> dict[tuple[str, str], float]:
+    """When each machine's agent reaped each attempt's process, by (agent, allocation), from the
+    agents' logs (local time, to the millisecond): the process had exited by then."""
+    reaped = {}
+    for log in logs.glob("agent-*.log"):
+        for m in REAPED.finditer(log.read_text(errors="replace")):
+            at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+            reaped[(log.stem, m.group(3))] = at
+    return reaped
+
+
+def read_stamps(stamps: Path, reaped: dict[tuple[str, str], float] | None = None) -> list[dict]:
+    """Each process's life as it stamped it: job, attempt, GPUs, from its start to its end: the
+    earlier of its agent's reaping of it (``reaped``, when logged) and a stamp's interval past its
+    last stamp (it may have lived on that long without stamping again)."""
+    reaped = reaped or {}
     lives = []
     for path in sorted(stamps.iterdir()):
         lines = path.read_text().splitlines()
         times = [float(t) for t in lines[1:] if re.fullmatch(r"\d+\.\d+", t)]
         if times:
             head = json.loads(lines[0])
-            # From its start (before its first stamp) to a stamp's interval past its last: it may
-            # have lived on that long without stamping again.
-            lives.append({**head, "first": min(head.get("started", times[0]), times[0]),
-                          "last": times[-1] + STAMP_EVERY_S, "file": path.name})
+            end = times[-1] + STAMP_EVERY_S
+            by_agent = reaped.get((machine_component(head.get("machine") or ""), str(head.get("allocation"))))
+            if by_agent is not None and by_agent >= times[-1]:
+                end = min(end, by_agent)
+            lives.append({**head, "first": min(head.get("started", times[0]), times[0]), "last": end,
+                          "file": path.name})
     return lives
 
 
@@ -450,7 +471,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     unusable = [f"{r['job_id']} seq {r['seq']}: {r['reason']}" for r in await pool.fetch(
         "SELECT job_id, seq, reason FROM checkpoints WHERE job_id = ANY($1) AND unusable_at IS NOT NULL "
         "ORDER BY job_id, seq", list(steps))]
-    lives = read_stamps(stamps)
+    lives = read_stamps(stamps, reaped_at(data_dir / "logs"))
     # Every attempt launched ran a process that stamped, on each of its machines: else the stamps
     # prove nothing about it (a stamping that broke would show no overlap at all).
     stamped = Counter((life["job"], str(life["attempt"])) for life in lives)

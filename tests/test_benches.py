@@ -151,3 +151,23 @@ def test_the_chaos_audit_takes_a_gang_finished_on_one_of_its_machines_for_no_suc
     assert bench.final_states(tmp_path, "g", 3, attempt=2, machines=1) is None
     assert "on 1 of its 2 machines" in bench.final_states(tmp_path, "g", 3, attempt=2, machines=2)
     assert "no log of its attempt 3" in bench.final_states(tmp_path, "g", 3, attempt=3, machines=1)
+
+
+def test_the_chaos_audit_ends_a_process_s_life_when_its_agent_reaped_it_if_before_a_stamp_s_interval(tmp_path):
+    """SIGKILLed between two stamps, a process lived at most a stamp's interval past its last;
+    its agent's log says when it had surely gone, which may be sooner."""
+    bench = chaos_bench()
+    stamps, logs = tmp_path / "stamps", tmp_path / "logs"
+    stamps.mkdir(), logs.mkdir()
+    last = time.mktime(time.strptime("2026-12-06 09:03:33", "%Y-%m-%d %H:%M:%S")) + 0.49
+    for allocation, job in ((35, "a"), (36, "b")):
+        head = {"job": job, "attempt": "1", "allocation": str(allocation), "machine": "c1/b0/r0/m2",
+                "gpus": [f"c1/b0/r0/m2/{allocation - 35}"], "started": last - 10}
+        (stamps / f"{job}.1.1").write_text(json.dumps(head) + f"\n{last - 9:.3f}\n{last:.3f}\n")
+    (logs / "agent-c1-b0-r0-m2.log").write_text(
+        "2026-12-06 09:03:33,560 INFO gpusched.node: allocation 35: job a ended (exit None, signal 9, stopped True)\n"
+        "2026-12-06 09:03:35,000 INFO gpusched.node: allocation 36: job b ended (exit 0, signal None, stopped False)\n")
+    lives = {life["job"]: life for life in bench.read_stamps(stamps, bench.reaped_at(logs))}
+    assert abs(lives["a"]["last"] - (last + 0.07)) < 1e-6  # reaped 0.07 s after its last stamp
+    assert abs(lives["b"]["last"] - (last + bench.STAMP_EVERY_S)) < 1e-6  # reaped later than that
+    assert lives["a"]["first"] == last - 10  # from its start, before its first stamp
