@@ -4,6 +4,7 @@ lost, none runs twice, and a zombie's checkpoint is never committed."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -272,3 +273,42 @@ def test_a_job_whose_newest_checkpoint_is_corrupted_resumes_from_the_one_before(
     assert "RESTORED one" in s.log("spoiled", attempt=3)
     [spoiled] = [c for c in view.checkpoints if c.seq == newest.seq]
     assert not spoiled.complete and "corrupted" in spoiled.reason
+
+
+# Says when SIGTERM came, and leaves a moment later; runs long otherwise.
+STOPPED_BY_TERM = [sys.executable, "-c", textwrap.dedent("""
+    import signal, sys, time
+    def term(*_):
+        print("TERM", time.time(), flush=True)
+        time.sleep(0.5)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, term)
+    print("RAN", flush=True)
+    time.sleep(300)
+""")]
+
+
+def test_a_job_cancelled_as_its_watch_is_lost_is_stopped_before_its_gpus_are_given_back(stack):
+    """The watch's heartbeat timeout and the cancel came in one workflow task (the control worker
+    down meanwhile): the cancel is seen first, the gone watch was cancelled, and the allocation
+    ended with the process running on (its agent keeps it a minute for a new watch): its GPU was
+    free in the store while still in use, and a job placed there had it killed without its grace
+    (bench/chaos.py, seed 29)."""
+    s = stack(machines=1, gpus=2, policy={"min_runtime": 0, "grace_period": 5})
+    s.submit("quiet", 1, STOPPED_BY_TERM)
+    s.until(lambda: "RAN" in s.log("quiet"), timeout=30)
+    devstack.stop_component(s.data_dir, "control", signal.SIGKILL)
+    agent = devstack.load_state(s.data_dir).components[machine_component("c1/b0/r0/m0")]
+    os.kill(agent.pid, signal.SIGSTOP)  # the agent alone: its job runs on, unheard by Temporal
+    try:
+        time.sleep(HEARTBEAT_TIMEOUT + 3)  # the server gives up on the watch
+        s.run(s.client.cancel("quiet", "not needed any more"))  # taken by Temporal, no worker to see it
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    devstack.start_component(s.data_dir, "control")  # one workflow task with both
+    view = s.wait("quiet", timeout=60)
+    assert view.state == "cancelled", view.reason
+    stopped = re.search(r"^TERM (\d+\.\d+)", s.log("quiet"), re.M)
+    assert stopped, "the allocation ended before its process was told to stop"
+    ended_at = s.sql("SELECT ended_at FROM allocations WHERE job_id = 'quiet'")[0]["ended_at"]
+    assert ended_at >= float(stopped.group(1)), "the GPUs were given back while the process still ran"

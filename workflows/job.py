@@ -424,6 +424,26 @@ class JobWorkflow:
         for stop in stops:
             stop.cancel()  # one not picked up by now has nothing left to stop
         await asyncio.gather(*stops, return_exceptions=True)
+        lost = [i for i, r in enumerate(runs) if _heartbeats_lost(r)]
+        if lost and workflow.patched("stop-reaches-a-lost-watch"):
+            # The stop and a watch's heartbeat timeout came in one workflow task: the stop is seen
+            # first, so the watch was cancelled after it had gone, and its process runs on (its
+            # agent keeps it a while for a new watch). Stop it there and watch it until it has
+            # ended, before the GPUs are given back (they were freed with it still running).
+            ordered = preempt is not None and self.cancel_reason is None
+            grace = preempt.grace_period if ordered else placement.grace_period
+            reason = preempt.reason if ordered else (self.cancel_reason or "stopped")
+            for i in lost:
+                try:
+                    await workflow.execute_activity(
+                        "stop_job", StopOrder(allocation_id=alloc, grace_period=grace, reason=reason),
+                        task_queue=self.prefix + agent_task_queue(hosts[i].machine_id),
+                        schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
+                        retry_policy=RetryPolicy(maximum_attempts=1))
+                except ActivityError:
+                    continue  # its agent cannot be reached: its machine is gone, or its next agent reaps it
+                runs[i] = watch(i, hosts[i], attach=True)
+            await asyncio.gather(*runs, return_exceptions=True)
         if workflow.patched("stopped-success-completes") and all(_ended_on_its_own(r) for r in runs):
             # Every process had already exited 0 when the stop reached it: the job is done,
             # and running it again would only repeat its work.
