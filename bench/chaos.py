@@ -413,6 +413,11 @@ def final_states(data_dir: Path, job_id: str, steps: int, attempt: int, machines
     return f"final state {wrong[0][:12]}..., expected {expected[:12]}..." if wrong else None
 
 
+def machines_of(gpus: list[str]) -> int:
+    """How many machines an attempt's GPUs (topology paths) are on."""
+    return len({gpu.rsplit("/", 1)[0] for gpu in gpus})
+
+
 def expected_end(row: dict, ends: list[str], users: "Users") -> bool:
     """Whether a job that did not succeed ended as the run allows: cancelled by its user, or failed
     by the limit of infrastructure failures in a row, which its attempts must bear out."""
@@ -462,7 +467,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
         if row["state"] != "succeeded":
             continue
         last = last_attempt.get(job_id)
-        machines = max(1, len({gpu.rsplit("/", 1)[0] for gpu in last["gpus"]})) if last else 1
+        machines = max(1, machines_of(last["gpus"])) if last else 1
         if why := final_states(data_dir, job_id, steps[job_id], last["attempt"] if last else 0, machines):
             wrong[job_id] = why
     rows = await pool.fetch("SELECT job_id, seq, key, size, sha256 FROM checkpoints "
@@ -477,7 +482,7 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     stamped = Counter((life["job"], str(life["attempt"])) for life in lives)
     unstamped = [f"{a['job']} attempt {a['attempt']}" for a in allocations
                  if a["started_at"] is not None and a["end_reason"] != EndReason.not_started.value
-                 and stamped[(a["job"], str(a["attempt"]))] < len({g.rsplit("/", 1)[0] for g in a["gpus"]})]
+                 and stamped[(a["job"], str(a["attempt"]))] < machines_of(a["gpus"])]
     succeeded = [j for j in steps if states.get(j, {}).get("state") == "succeeded"]
     ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in succeeded  # as needed is counted
               for p in data_dir.glob(f"jobs/*/{j}/attempt-*.log"))

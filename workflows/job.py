@@ -361,6 +361,14 @@ class JobWorkflow:
                 cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             )
 
+        def stop_order(host, grace: float, reason: str):
+            """Stop the attempt's process on the host with this grace; dropped if not picked up soon."""
+            return workflow.start_activity(
+                "stop_job", StopOrder(allocation_id=alloc, grace_period=grace, reason=reason),
+                task_queue=self.prefix + agent_task_queue(host.machine_id),
+                schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
+                retry_policy=RetryPolicy(maximum_attempts=1))
+
         runs = [watch(rank, host) for rank, host in enumerate(hosts)]
 
         def stop_asked() -> bool:
@@ -414,12 +422,8 @@ class JobWorkflow:
             # The agents stop with the preemption's grace, not the one the attempt was launched
             # with: the cluster's grace may have changed since, and a gang that lost a machine
             # is given none. Best effort: an agent that cannot be reached stops with its own.
-            stops = [workflow.start_activity(
-                "stop_job", StopOrder(allocation_id=alloc, grace_period=preempt.grace_period, reason=preempt.reason),
-                task_queue=self.prefix + agent_task_queue(host.machine_id),
-                schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
-                retry_policy=RetryPolicy(maximum_attempts=1))
-                for host, run in zip(hosts, runs) if not run.done()]
+            stops = [stop_order(host, preempt.grace_period, preempt.reason)
+                     for host, run in zip(hosts, runs) if not run.done()]
         await self._stop(runs)
         for stop in stops:
             stop.cancel()  # one not picked up by now has nothing left to stop
@@ -435,11 +439,7 @@ class JobWorkflow:
             reason = preempt.reason if ordered else (self.cancel_reason or "stopped")
             for i in lost:
                 try:
-                    await workflow.execute_activity(
-                        "stop_job", StopOrder(allocation_id=alloc, grace_period=grace, reason=reason),
-                        task_queue=self.prefix + agent_task_queue(hosts[i].machine_id),
-                        schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
-                        retry_policy=RetryPolicy(maximum_attempts=1))
+                    await stop_order(hosts[i], grace, reason)
                 except ActivityError:
                     continue  # its agent cannot be reached: its machine is gone, or its next agent reaps it
                 runs[i] = watch(i, hosts[i], attach=True)

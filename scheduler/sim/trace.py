@@ -48,6 +48,7 @@ REQUIRED_COLUMNS = ("job_id", "submit_time", "duration", "num_gpus", "team")
 DECIMAL = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)", re.IGNORECASE | re.ASCII)
 WHOLE = re.compile(r"\d+", re.ASCII)
 LONGEST_S = 3.2e8
+TIME_BOUND = (LONGEST_S, "about ten years of seconds")  # a time column's (most, in words)
 MOST_GPU_MEMORY_GB = 100_000.0  # a hundred times today's largest
 MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
 # And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
@@ -282,7 +283,7 @@ class _RowReader:
         return count
 
     def number(self, column: str, *, minimum: float, strict: bool = False, hint: str,
-               most: tuple[float, str] = (LONGEST_S, "about ten years of seconds")) -> float:
+               most: tuple[float, str] = TIME_BOUND) -> float:
         value = self.cells[column]
         if not DECIMAL.fullmatch(value):
             raise self.error(column, f"must be a number ({hint}), got {value!r}")
@@ -296,7 +297,7 @@ class _RowReader:
 
     def optional_number(
         self, column: str, *, minimum: float, strict: bool = False, hint: str,
-        most: tuple[float, str] = (LONGEST_S, "about ten years of seconds"),
+        most: tuple[float, str] = TIME_BOUND,
     ) -> float | None:
         if not self.cells.get(column):
             return None
