@@ -22,7 +22,8 @@ For each job, the first of these that applies decides:
      checkpoint could move into idle gaps elsewhere to clear that room: they are moved
      (consolidation.py), and the room and their new GPUs are earmarked;
   g. it is a large gang job that has waited past the starvation threshold: it holds the place
-     where it fits soonest;
+     where it fits soonest, by when GPUs come back (coming_back.py: promised GPUs only after the
+     job they are promised to);
   h. otherwise it waits, with the reason in words.
 Capacity only shrinks during admission, so a shape that found no GPUs (or no victims) is not
 searched again in the same cycle.
@@ -38,6 +39,7 @@ from operator import or_
 
 from scheduler import consolidation, eta, in_words, placement, preemptible, preemption, reservation
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
+from scheduler.coming_back import gpus_coming_back
 from scheduler.expected_ends import Ends
 from scheduler.expected_ends import expected_ends as ends_of_running
 from scheduler.models import (
@@ -80,6 +82,7 @@ class Admission:
     held_before: list[frozenset[int]] = field(default_factory=lambda: [placement.NO_AVOID])
     earmarks: dict[str, Earmark] = field(default_factory=dict)
     earmark_free: dict[str, list[GpuSlot]] = field(default_factory=dict)  # taken out of capacity
+    claimants: dict[str, QueuedJob] = field(default_factory=dict)  # waiting jobs promised GPUs (some placed since)
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)  # in queue order
     wake_at: list[float] = field(default_factory=list)  # when decisions put off are to be taken again
     # remembered within the cycle
@@ -95,7 +98,8 @@ class Admission:
     ends: Ends | None = None  # see expected_ends
     ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
     ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
-    book: reservation.ReleaseBook | None = None
+    book: reservation.ReleaseBook | None = None  # see _release_book
+    book_made_at: tuple[int, int, int] | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
     settled: dict[tuple, str] = field(default_factory=dict)  # jobs alike that waited at step h
     # by preemption key: what protection keeps from a claimant that found nobody to displace
@@ -246,9 +250,7 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
     spec, cap, config = job.spec, state.cap, state.config
     if not _starving(state, job) or len(state.holds) >= config.max_reservations:
         return False
-    if state.book is None:
-        state.book = reservation.ReleaseBook((end, machines) for _, end, machines in expected_ends(state))
-    hold = reservation.plan_hold(cap, spec, state.book, state.now, state.held_machines)
+    hold = reservation.plan_hold(cap, spec, _release_book(state), state.now, state.held_machines)
     if hold is None:
         return False
     _add_hold(state, hold)
@@ -258,13 +260,30 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
     return True
 
 
+def _release_book(state: Admission) -> reservation.ReleaseBook:
+    """When each machine's GPUs come back, as far as this cycle has decided: a job told to leave
+    gives back at the end of its grace, GPUs promised to a job only once it has run on them, a
+    job placed this cycle at the end of its run. Made again only when a decision since could
+    change it: placements and those told to leave only grow, and a promise goes only as its job
+    is placed."""
+    made_at = (len(state.placed), len(state.earmarks), len(state.going))
+    if state.book is None or state.book_made_at != made_at:
+        holders = [job for job_id, job in state.claimants.items() if job_id in state.earmarks]
+        back, _ = gpus_coming_back(state, expected_ends(state), holders)
+        counts_of = state.cap.counts_of
+        state.book = reservation.ReleaseBook(
+            (r.at, r.machines if r.machines is not None else counts_of(r.slots)) for r in back)
+        state.book_made_at = made_at
+    return state.book
+
+
 def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
     """Keep promised GPUs out of everyone else's reach; drop promises that lapsed or broke."""
     if not snapshot.earmarks:  # most cycles: nothing promised
         return
     cap = state.cap
     # A job moved by a consolidation keeps the GPUs it restarts on while it checkpoints.
-    waiting = {job.spec.job_id: job.spec for job in snapshot.queue}
+    waiting = {job.spec.job_id: job for job in snapshot.queue}
     holders = waiting.keys() | {j.spec.job_id for j in snapshot.running if j.draining_until is not None}
     healthy = cap.layout.healthy_mask
     for earmark in snapshot.earmarks:
@@ -277,9 +296,10 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
         cap.take(free)
         state.earmarks[earmark.job_id] = earmark
         state.earmark_free[earmark.job_id] = free
-        spec = waiting.get(earmark.job_id)
-        if spec is not None:  # a mover's GPUs count already: it still holds its old ones
-            state.usage.promise(spec.team, spec.num_gpus)
+        claimant = waiting.get(earmark.job_id)
+        if claimant is not None:  # a mover's GPUs count already: it still holds its old ones
+            state.claimants[earmark.job_id] = claimant
+            state.usage.promise(claimant.spec.team, claimant.spec.num_gpus)
 
 
 def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:
@@ -438,7 +458,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # displacing nobody.
         _start_on(state, job, choice.gpus)
         return True
-    _promise_claimant(state, spec, choice.gpus)
+    _promise_claimant(state, job, choice.gpus)
     for victim in choice.victims:
         state.going.add(victim.spec.job_id)
         state.preemptions.append(
@@ -490,11 +510,12 @@ def _promise(state: Admission, job_id: str, gpus: tuple[GpuSlot, ...]) -> None:
     state.earmark_free[job_id] = free_now
 
 
-def _promise_claimant(state: Admission, spec, gpus: tuple[GpuSlot, ...]) -> None:
+def _promise_claimant(state: Admission, job: QueuedJob, gpus: tuple[GpuSlot, ...]) -> None:
     """Earmark `gpus` for a waiting job; its team is about to hold them, so from now they count
     towards its guarantee. (A mover's new GPUs do not: it still holds its old ones.)"""
-    _promise(state, spec.job_id, gpus)
-    state.usage.promise(spec.team, spec.num_gpus)
+    _promise(state, job.spec.job_id, gpus)
+    state.claimants[job.spec.job_id] = job
+    state.usage.promise(job.spec.team, job.spec.num_gpus)
 
 
 def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
@@ -523,7 +544,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     if plan is None:
         state.no_moves.add(key)
         return False
-    _promise_claimant(state, spec, plan.gpus)
+    _promise_claimant(state, job, plan.gpus)
     for move in plan.moves:
         mover = move.job.spec.job_id
         state.going.add(mover)

@@ -19,6 +19,7 @@ from pydantic import TypeAdapter
 from scheduler import admission, eta, health, ordering, quotas, staggering
 from scheduler.admission import Admission
 from scheduler.capacity import Capacity
+from scheduler.coming_back import gpus_coming_back
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
 from scheduler.preemptible import first_past
@@ -52,7 +53,7 @@ def run_cycle(snapshot: Snapshot) -> CycleResult:
     placements = _with_checkpoint_phases(state.placed, running, now, config, snapshot.cluster)
 
     # 7. Estimate
-    pending = _estimate(snapshot, state, placements, gone)
+    pending = _estimate(snapshot, state, gone)
 
     # 8. Wake
     return CycleResult(
@@ -99,8 +100,7 @@ def _with_checkpoint_phases(placed, running: list[RunningJob], now: float, confi
 _PENDING = TypeAdapter(tuple[Pending, ...])
 
 
-def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement],
-              gone: list[RunningJob]) -> tuple[Pending, ...]:
+def _estimate(snapshot: Snapshot, state: Admission, gone: list[RunningJob]) -> tuple[Pending, ...]:
     if not state.waiting:
         return ()
     wanted = snapshot.estimate_only
@@ -109,7 +109,7 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement],
         # placed): the walk and its calendar would answer for nobody.
         wanted, starts = frozenset(), {}
     else:
-        starts = _walk(snapshot, state, placements, gone, wanted)
+        starts = _walk(snapshot, state, gone, wanted)
     out = []
     for position, (job, reason) in enumerate(state.waiting, start=1):  # appended in queue order
         start = starts.get(job.spec.job_id)
@@ -122,13 +122,13 @@ def _estimate(snapshot: Snapshot, state: Admission, placements: list[Placement],
     return _PENDING.validate_python(out)
 
 
-def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gone: list[RunningJob],
+def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
           wanted: frozenset[str] | None) -> dict[str, float]:
     """The estimate's walk from this cycle's decisions: estimated starts by job id.
 
-    Earmarked GPUs are promised: a claimant starts on its own as its victims leave them (the
-    walk does not preempt, so it is answered here), and holds them for its expected run; a
-    mover holds its new GPUs for the rest of its run. Nobody else is given them back."""
+    Earmarked GPUs are promised (coming_back.py): a claimant starts on its own as its victims
+    leave them (the walk does not preempt, so it is answered there), and holds them for its
+    expected run; a mover holds its new GPUs for the rest of its run."""
     now, config, cap = snapshot.now, snapshot.config, state.cap
     walked = cap.clone()
     promised = {slot: job_id for job_id, earmark in state.earmarks.items() for slot in earmark.gpus}
@@ -140,43 +140,11 @@ def _walk(snapshot: Snapshot, state: Admission, placements: list[Placement], gon
         else:
             walked.give_held(cap.masks_of(job))
     restart = config.expected_restart_s
-    leave_at: dict[str, float] = {}  # per earmark holder: when the last of its GPUs is left
-    releases = []
-    for job, end, machines in admission.expected_ends(state):
-        at = now + config.grace_period if job.spec.job_id in state.going else end
-        # A mover's team keeps its count when it leaves its old GPUs: it runs on, on its new ones.
-        counted = 0 if job.spec.job_id in state.earmarks else job.spec.num_gpus
-        if promised and not promised.keys().isdisjoint(job.gpus):
-            for slot in job.gpus:
-                holder = promised.get(slot)
-                if holder is not None:
-                    leave_at[holder] = max(leave_at.get(holder, now), at)
-            kept = [slot for slot in job.gpus if slot not in promised]
-            releases.append(eta.Release(at, kept, job.spec.team, counted))
-            continue
-        releases.append(eta.Release(at, job.gpus, job.spec.team, counted, machines, cap.masks_of(job)))
-    for (job, slots, _), p in zip(state.placed, placements):
-        at = now + eta.remaining_work(job, restart)
-        releases.append(eta.Release(at, p.gpus, job.spec.team, job.spec.num_gpus))
-    claimants: dict[str, float] = {}
-    waiting = []
-    for job, _ in state.waiting:
-        earmark = state.earmarks.get(job.spec.job_id)
-        if earmark is None:
-            waiting.append(job)
-            continue
-        start = claimants[job.spec.job_id] = leave_at.get(job.spec.job_id, now)
-        releases.append(eta.Release(start + eta.remaining_work(job, restart), earmark.gpus, job.spec.team,
-                                    job.spec.num_gpus))
-    for job in state.running if len(claimants) < len(state.earmarks) else ():
-        earmark = state.earmarks.get(job.spec.job_id)
-        if earmark is not None:
-            # A mover: it restarts on its new GPUs as it leaves its old ones, then runs out its
-            # estimate; its team's count comes back as it ends.
-            leaves = now + config.grace_period if job.spec.job_id in state.going else job.expected_end(now)
-            rest = job.model_copy(update={"draining_until": None}).expected_end(now) - now
-            releases.append(eta.Release(leaves + max(rest, eta.MIN_RUN) + restart, earmark.gpus, job.spec.team,
-                                        job.spec.num_gpus))
+    holders = [job for job, _ in state.waiting if job.spec.job_id in state.earmarks]
+    back, claimants = gpus_coming_back(state, admission.expected_ends(state), holders)
+    releases = [eta.Release(r.at, r.slots, r.job.spec.team, r.counted, r.machines,
+                            None if r.machines is None else cap.masks_of(r.job)) for r in back]
+    waiting = [job for job, _ in state.waiting if job.spec.job_id not in state.earmarks]
     starts = eta.estimate_starts(
         walked,
         releases,

@@ -310,3 +310,48 @@ def test_a_job_of_a_whole_small_machine_reserves_whatever_bigger_machines_it_may
     [hold] = result.reservations
     assert (hold.job_id, hold.machines) == ("B", (M0,))
     assert machines_of(placements(result)["s"].gpus) == {M1}
+
+
+# m0's GPUs are promised to `claimant`, whose victim leaves them at NOW+60; m1 frees at NOW+1000
+# and m2 at NOW+3000. The claimant runs (row's duration) on m0 before m0 is anyone else's.
+PROMISED_CASES = [
+    ("high", NOW - 100, 5000, M1, NOW + 1000),
+    ("normal", NOW, 5000, M1, NOW + 1000),
+    ("high", NOW - 100, 300, M0, NOW + 360),
+]
+PROMISED_IDS = [
+    "promised GPUs are not counted as coming back when their victim leaves: the hold goes where GPUs are free sooner",
+    "the same when the claimant is admitted after the starving job",
+    "promised GPUs come back when the claimant's run on them ends",
+]
+
+
+@pytest.mark.parametrize("claimant_class,submitted,claimant_runs,machine,start", PROMISED_CASES, ids=PROMISED_IDS)
+def test_a_reservation_counts_promised_gpus_back_only_after_the_job_they_are_promised_to(
+        claimant_class, submitted, claimant_runs, machine, start):
+    from scheduler.models import Earmark
+
+    victim = (running(job("v").gpus(8).priority("low")).on(M0, range(8)).started(NOW - 5000)
+              .preempted_at(NOW - 60).draining(NOW + 60, for_job="claimant"))
+    run = [victim, _ends_at("a", M1, range(8), NOW + 1000), _ends_at("b", M2, range(8), NOW + 3000)]
+    claimant = job("claimant").gpus(8).priority(claimant_class).expected(claimant_runs).submitted(submitted)
+    earmark = Earmark(job_id="claimant", gpus=tuple((M0, g) for g in range(8)), expires=NOW + 240)
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=[STARVING, claimant], earmarks=[earmark]))
+    [hold] = result.reservations
+    assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (machine,), start)
+    assert "claimant" in pending(result) and not result.preemptions
+
+
+def test_a_reservation_counts_back_the_gpus_of_a_job_placed_earlier_in_the_same_cycle():
+    """m0: 4 GPUs free, taken this cycle by a high job of 200 s (its team's guarantee covers it:
+    admitted before the starving job), the other 4 held until NOW+500; m1 held until NOW+1000.
+    m0 is whole again at NOW+500: before, the placed job's GPUs never came back and the hold
+    went to m1."""
+    run = [_ends_at("x", M0, range(4, 8), NOW + 500), _ends_at("y", M1, range(8), NOW + 1000)]
+    first = job("first").gpus(4).priority("high").expected(200).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=[STARVING, first.team("ops")],
+                            quotas={"ops": {"guaranteed": 8}}))
+    assert machines_of(placements(result)["first"].gpus) == {M0}
+    assert not placements(result)["first"].backfilled
+    [hold] = result.reservations
+    assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (M0,), NOW + 500)

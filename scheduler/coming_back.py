@@ -1,0 +1,71 @@
+"""When the GPUs held now come back to use, with this cycle's promises kept: the calendar that
+reservations (admission, step g) and the estimate's walk (step 7) read.
+
+A running job gives its GPUs back at its expected end, or at the end of its grace once told to
+leave. GPUs promised to a job (an earmark: made when it preempted, or had others moved for it)
+do not come back when the job on them leaves: they are its promised job's, and come back when
+that job has run on them. A waiting claimant starts as the last of its promised GPUs is left,
+a mover on its new GPUs as it leaves its old ones; each runs out its expected work there. A job
+placed this cycle gives its GPUs back at the end of its expected run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+
+from scheduler.eta import MIN_RUN, remaining_work
+from scheduler.expected_ends import Ends
+from scheduler.models import GpuSlot, QueuedJob, RunningJob
+
+if TYPE_CHECKING:
+    from scheduler.admission import Admission
+
+
+class Return(NamedTuple):
+    """GPUs coming back to use at `at`: all or some of one job's."""
+
+    at: float
+    job: RunningJob | QueuedJob
+    slots: Sequence[GpuSlot]
+    machines: list[tuple[int, int]] | None  # (machine, GPU count): given when all of a running job's come back
+    counted: int  # the GPUs its team stops holding then (a mover's team holds its count on, on its new GPUs)
+
+
+def gpus_coming_back(state: Admission, ends: Ends, claimants: Iterable[QueuedJob]) -> tuple[list[Return], dict[str, float]]:
+    """Every return of GPUs held now or placed this cycle, from the running jobs' expected
+    `ends`, with `claimants` (the waiting jobs that hold an earmark) starting on theirs; and
+    when each of those starts. In order: the running jobs', the placed jobs', the claimants',
+    the movers'."""
+    now, config = state.now, state.config
+    restart, grace, going, earmarks = config.expected_restart_s, config.grace_period, state.going, state.earmarks
+    promised = {slot: job_id for job_id, earmark in earmarks.items() for slot in earmark.gpus}
+    leave_at: dict[str, float] = {}  # per earmark holder: when the last of its promised GPUs is left
+    out: list[Return] = []
+    for job, end, machines in ends:
+        spec = job.spec
+        at = now + grace if spec.job_id in going else end
+        counted = 0 if spec.job_id in earmarks else spec.num_gpus
+        if promised and not promised.keys().isdisjoint(job.gpus):
+            for slot in job.gpus:
+                holder = promised.get(slot)
+                if holder is not None:
+                    leave_at[holder] = max(leave_at.get(holder, now), at)
+            out.append(Return(at, job, [slot for slot in job.gpus if slot not in promised], None, counted))
+        else:
+            out.append(Return(at, job, job.gpus, machines, counted))
+    for job, slots, _ in state.placed:
+        out.append(Return(now + remaining_work(job, restart), job, slots, None, job.spec.num_gpus))
+    starts: dict[str, float] = {}
+    for job in claimants:
+        spec = job.spec
+        start = starts[spec.job_id] = leave_at.get(spec.job_id, now)
+        out.append(Return(start + remaining_work(job, restart), job, earmarks[spec.job_id].gpus, None, spec.num_gpus))
+    for job in state.running if len(starts) < len(earmarks) else ():
+        earmark = earmarks.get(job.spec.job_id)
+        if earmark is not None:
+            # A mover: it restarts on its new GPUs as it leaves its old ones, then runs out its
+            # estimate; its team's count comes back as it ends.
+            leaves = now + grace if job.spec.job_id in going else job.expected_end(now)
+            rest = job.model_copy(update={"draining_until": None}).expected_end(now) - now
+            out.append(Return(leaves + max(rest, MIN_RUN) + restart, job, earmark.gpus, None, job.spec.num_gpus))
+    return out, starts
