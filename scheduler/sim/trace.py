@@ -83,15 +83,18 @@ def parse_trace(text: str, source: str, check: TraceCheck | None = None) -> list
     field and the problem, and the error names the row's line.
     """
     reader = csv.reader(io.StringIO(text.lstrip("\ufeff"), newline=""))
+    # Quotes come in pairs in any CSV (a quote inside a value is written twice): an odd count
+    # means one is never closed, and the reader took the rest of the file as one value.
+    unclosed = text.count('"') % 2 == 1
     try:
-        jobs = _read_rows(reader, source, check)
+        jobs = _read_rows(reader, source, check, unclosed)
     except csv.Error as e:  # a lone carriage return in a cell, a cell over the csv module's limit
         raise InputError(source, max(1, reader.line_num), None, f"is not valid CSV ({e}); save it as plain CSV") from None
     jobs.sort(key=lambda j: (j.submit_time, j.spec.job_id))
     return jobs
 
 
-def _read_rows(reader, source: str, check: TraceCheck | None) -> list[TraceJob]:
+def _read_rows(reader, source: str, check: TraceCheck | None, unclosed: bool) -> list[TraceJob]:
     header = _header(next(reader, None), source)
     jobs: list[TraceJob] = []
     first_line_of: dict[str, int] = {}
@@ -104,6 +107,10 @@ def _read_rows(reader, source: str, check: TraceCheck | None) -> list[TraceJob]:
         line = reader.line_num
         spread = next((name for name, cell in zip(header, row) if "\n" in cell or "\r" in cell), None)
         if spread is not None or began != ended:
+            if unclosed and next(reader, None) is None:
+                raise InputError(source, began, spread, (
+                    f"opens a quote that is never closed: the rest of the file, to line {ended}, was read as "
+                    "one value; close the quote on this line"))
             raise InputError(
                 source, began, spread,
                 f"a quoted value runs on to line {ended}; close the quote on its own line "
