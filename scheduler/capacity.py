@@ -389,11 +389,14 @@ class Capacity:
         return grouped(self.layout, job).counts
 
     def counts_of(self, slots: Iterable[GpuSlot]) -> list[tuple[int, int]]:
-        """(machine, GPU count) of `slots`, on the machines this capacity knows."""
+        """(machine, GPU count) of those of `slots` that can be given out again when they come
+        back, as `grouped` counts a running job's: none on a sick GPU, or on a machine that takes
+        no work or that this capacity does not know."""
         counts: dict[int, int] = {}
-        for machine_id, _ in slots:
+        healthy = self.layout.healthy_mask
+        for machine_id, gpu in slots:
             i = self.index.get(machine_id)
-            if i is not None:
+            if i is not None and healthy[i] >> gpu & 1:
                 counts[i] = counts.get(i, 0) + 1
         return list(counts.items())
 

@@ -32,10 +32,10 @@ class Return(NamedTuple):
 
 
 def gpus_coming_back(state: Admission, ends: Ends, claimants: Iterable[QueuedJob]) -> tuple[list[Return], dict[str, float]]:
-    """Every return of GPUs held now or placed this cycle, from the running jobs' expected
-    `ends`, with `claimants` (the waiting jobs that hold an earmark) starting on theirs; and
-    when each of those starts. In order: the running jobs', the placed jobs', the claimants',
-    the movers'."""
+    """Every return of the GPUs of the running jobs (from their expected `ends`; lost jobs are
+    the caller's) and of the jobs placed this cycle, with `claimants` (the waiting jobs that hold
+    an earmark) starting on theirs; and when each of those starts. In order: the running jobs',
+    the placed jobs', the claimants', the movers'."""
     now, config = state.now, state.config
     restart, grace, going, earmarks = config.expected_restart_s, config.grace_period, state.going, state.earmarks
     promised = {slot: job_id for job_id, earmark in earmarks.items() for slot in earmark.gpus}

@@ -2,9 +2,9 @@
 
 Greedy placement lets small jobs flow around a big blocked job indefinitely. Once a large gang
 job (a whole machine or more) has waited past the starvation threshold, it reserves the place
-where it would fit soonest (by the
-running jobs' expected ends). Other jobs may still use free GPUs there, but only if they are
-expected to finish before the reservation starts — that is backfill that never delays it.
+where it would fit soonest (by when GPUs come back: scheduler/coming_back.py). Other jobs may
+still use free GPUs there, but only if they are expected to finish before the reservation
+starts — that is backfill that never delays it.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ class Hold:
 
 
 class ReleaseBook:
-    """When each machine's GPUs come back, by the running jobs' expected ends."""
+    """When each machine's GPUs come back to use."""
 
     def __init__(self, releases: Iterable[tuple[float, Sequence[tuple[int, int]]]]):
-        """`releases`: (expected end, (machine, GPU count) of what it frees) per running job.
+        """`releases`: (when, (machine, GPU count) of the GPUs usable again then) per return.
         Grouped by machine, or put in time order, when first asked for: a cycle usually plans
         for one shape of job and needs only one of the two."""
         self.releases = list(releases)

@@ -355,3 +355,48 @@ def test_a_reservation_counts_back_the_gpus_of_a_job_placed_earlier_in_the_same_
     assert not placements(result)["first"].backfilled
     [hold] = result.reservations
     assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (M0,), NOW + 500)
+
+
+# A 16-GPU victim leaves m0 and m1 at NOW+60; all of m0 is promised to `claimant`; m2 frees at
+# NOW+3000. m1's GPUs come back to use only if m1 can give them out again.
+UNUSABLE_CASES = [
+    (lambda machines: machines, M1, NOW + 60),
+    (lambda machines: unhealthy(machines, M1, [3]), M2, NOW + 3000),
+    (lambda machines: silent(machines, M1), M2, NOW + 3000),
+]
+UNUSABLE_IDS = [
+    "the victim's GPUs that are not promised come back when it leaves them",
+    "a sick GPU among them never comes back: the machine cannot host the job then",
+    "nor do they on a machine that takes no work",
+]
+
+
+@pytest.mark.parametrize("state_of,machine,start", UNUSABLE_CASES, ids=UNUSABLE_IDS)
+def test_a_reservation_counts_back_only_gpus_that_can_be_given_out_again(state_of, machine, start):
+    from scheduler.models import Earmark
+
+    victim = (running(job("v").gpus(16).priority("low")).on(M0, range(8)).on(M1, range(8)).started(NOW - 5000)
+              .preempted_at(NOW - 60).draining(NOW + 60, for_job="claimant"))
+    run = [victim, _ends_at("b", M2, range(8), NOW + 3000)]
+    claimant = job("claimant").gpus(8).priority("high").expected(5000).submitted(NOW - 100)
+    earmark = Earmark(job_id="claimant", gpus=tuple((M0, g) for g in range(8)), expires=NOW + 240)
+    result = cycle(snapshot(state_of(fleet(machines=3)), running=run, queue=[STARVING, claimant],
+                            earmarks=[earmark]))
+    [hold] = result.reservations
+    assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (machine,), start)
+
+
+def test_a_victim_preempted_in_the_same_cycle_leaves_its_promised_gpus_to_its_claimant_first():
+    """A high job of team ops (under its guarantee: admitted first) preempts the low job on m0 and
+    is promised m0; m0 comes back when the victim has left it (grace 120 s) and the claimant has
+    run 100 s there, sooner than m1 (NOW+1000). Before, m0 came back at the victim's own end
+    (NOW+9000), and the hold went to m1."""
+    low = running(job("low").gpus(8).priority("low").expected(14_000)).on(M0, range(8)).started(NOW - 5000)
+    run = [low, _ends_at("c1", M1, range(8), NOW + 1000, priority="critical"),
+           _ends_at("c2", M2, range(8), NOW + 3000, priority="critical")]
+    claimant = job("claimant").gpus(8).priority("high").expected(100).team("ops").submitted(NOW)
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=[STARVING, claimant],
+                            quotas={"ops": {"guaranteed": 8}}))
+    assert [(p.job_id, p.for_job) for p in result.preemptions] == [("low", "claimant")]
+    [hold] = result.reservations
+    assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (M0,), NOW + 120 + 100)
