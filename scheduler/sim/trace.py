@@ -82,19 +82,17 @@ def parse_trace(text: str, source: str, check: TraceCheck | None = None) -> list
     job against what the trace alone cannot know (the fleet's clusters and teams): it returns the
     field and the problem, and the error names the row's line.
     """
-    reader = csv.reader(io.StringIO(text.lstrip("\ufeff"), newline=""))
-    # Quotes come in pairs in any CSV (a quote inside a value is written twice): an odd count
-    # means one is never closed, and the reader took the rest of the file as one value.
-    unclosed = text.count('"') % 2 == 1
+    text = text.lstrip("\ufeff")
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
-        jobs = _read_rows(reader, source, check, unclosed)
+        jobs = _read_rows(reader, source, check, text)
     except csv.Error as e:  # a lone carriage return in a cell, a cell over the csv module's limit
         raise InputError(source, max(1, reader.line_num), None, f"is not valid CSV ({e}); save it as plain CSV") from None
     jobs.sort(key=lambda j: (j.submit_time, j.spec.job_id))
     return jobs
 
 
-def _read_rows(reader, source: str, check: TraceCheck | None, unclosed: bool) -> list[TraceJob]:
+def _read_rows(reader, source: str, check: TraceCheck | None, text: str) -> list[TraceJob]:
     header = _header(next(reader, None), source)
     jobs: list[TraceJob] = []
     first_line_of: dict[str, int] = {}
@@ -107,7 +105,7 @@ def _read_rows(reader, source: str, check: TraceCheck | None, unclosed: bool) ->
         line = reader.line_num
         spread = next((name for name, cell in zip(header, row) if "\n" in cell or "\r" in cell), None)
         if spread is not None or began != ended:
-            if unclosed and next(reader, None) is None:
+            if next(reader, None) is None and _ends_inside_a_quote(text):
                 raise InputError(source, began, spread, (
                     f"opens a quote that is never closed: the rest of the file, to line {ended}, was read as "
                     "one value; close the quote on this line"))
@@ -150,6 +148,18 @@ def _read_rows(reader, source: str, check: TraceCheck | None, unclosed: bool) ->
     if not jobs:
         raise InputError(source, None, None, "the trace has a header but no jobs; add at least one row")
     return jobs
+
+
+def _ends_inside_a_quote(text: str) -> bool:
+    """Whether a quote is never closed, so that the rest of the file was read as one value. The
+    lenient reader takes that silently; the strict one says so, where a quote inside an unquoted
+    value (read as a plain character by both) does not trouble it."""
+    try:
+        for _ in csv.reader(io.StringIO(text, newline=""), strict=True):
+            pass
+    except csv.Error as e:
+        return "unexpected end of data" in str(e)
+    return False
 
 
 def format_trace(jobs: list[TraceJob]) -> str:
