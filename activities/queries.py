@@ -216,6 +216,10 @@ POLICY_OF_JOB = "SELECT c.policy FROM jobs j JOIN clusters c ON c.name = j.clust
 # --- allocations --------------------------------------------------------------------------------
 
 ALLOCATION = "SELECT * FROM allocations WHERE id = $1"
+# Whether a job's allocation holds a GPU of a machine (a GPU's path is its machine's, then its index).
+ALLOCATION_ON_MACHINE = """
+SELECT EXISTS (SELECT 1 FROM allocations AS a, unnest(a.gpus) AS g
+               WHERE a.id = $1 AND a.job_id = $2 AND regexp_replace(g, '/[^/]*$', '') = $3)"""
 LIVE_ALLOCATIONS_OF_JOB = "SELECT id, state FROM allocations WHERE job_id = $1 AND state <> 'ended'"
 START_ATTEMPT = f"""
 UPDATE allocations SET state = 'running', started_at = {NOW_EPOCH}, version = version + 1

@@ -448,6 +448,10 @@ class Store:
         row = await self.pool.fetchrow(q.JOB, job_id)
         return None if row is None else JobRequest.model_validate(rows.json_value(row["request"]))
 
+    async def allocation_on_machine(self, job_id: str, allocation_id: int, machine_id: str) -> bool:
+        """Whether the job's allocation holds a GPU of the machine: what its agent may report for."""
+        return bool(await self.pool.fetchval(q.ALLOCATION_ON_MACHINE, allocation_id, job_id, machine_id))
+
     async def checkpoint_phase(self, allocation_id: int) -> float | None:
         row = await self.pool.fetchrow(q.ALLOCATION, allocation_id)
         return None if row is None else row["checkpoint_phase"]

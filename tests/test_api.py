@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from live.jobs import sleeper
-from workers.settings import api_headers
+from workers.settings import MACHINE_HEADER, api_headers, machine_token
 
 pytestmark = pytest.mark.live
 
@@ -74,6 +74,47 @@ def test_the_api_answers_only_those_who_have_its_token(stack):
     assert api.get("/machines", headers=api_headers(s.up.settings)).status_code == 200
     assert api.get("/jobs", headers={"Authorization": f"bearer {s.up.settings.api_token}"}).status_code == 200
     assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # no forged report took
+
+
+def test_a_machines_token_speaks_for_that_machine_alone(stack):
+    """Each agent of the stack carries its machine's token (an HMAC of the machine under the API's
+    token), not the API's: a machine taken over can report for itself, and for nothing else."""
+    s = stack(machines=2, gpus=4)
+    settings = s.up.settings
+    m0, m1 = "c1/b0/r0/m0", "c1/b0/r0/m1"
+    as_m0 = httpx.Client(base_url=settings.api_url, timeout=10,
+                         headers=api_headers(settings.model_copy(update={"api_token": machine_token(settings.api_token, m0)}), m0))
+    beat = {"pid": 1, "gpus": [{"index": i} for i in range(4)], "running_allocations": []}
+    assert as_m0.post(f"/machines/{m0}/heartbeat", json=beat).status_code == 200
+    sick = {"pid": 1, "gpus": [{"index": i, "healthy": False} for i in range(4)], "running_allocations": []}
+    other = as_m0.post(f"/machines/{m1}/heartbeat", json=sick)
+    assert other.status_code == 403 and m1 in other.json()["detail"], other.text
+    for path in ("/jobs", "/machines", "/quotas"):
+        assert as_m0.get(path).status_code == 403, path
+    s.submit("running", 1, sleeper(60))
+    s.until(lambda: s.status("running").state == "running")  # its agent, with its own token, started it
+    [row] = s.sql("SELECT id, gpus FROM allocations WHERE job_id = 'running'")
+    alloc = row["id"]
+    speaker = m0 if row["gpus"][0].startswith(m1 + "/") else m1  # a machine the job does not run on
+    as_other = httpx.Client(base_url=settings.api_url, timeout=10,
+                            headers=api_headers(settings.model_copy(update={"api_token": machine_token(settings.api_token, speaker)}), speaker))
+    report = {"seq": 1, "key": "checkpoints/running/0000000001", "size": 1, "sha256": "0" * 64}
+    refused = as_other.post("/jobs/running/checkpoints", json={"allocation_id": alloc, "report": report})
+    assert refused.status_code == 403 and "holds no GPU" in refused.json()["detail"], refused.text
+    assert as_other.post("/jobs/running/restarts", json={"allocation_id": alloc, "seconds": 3}).status_code == 403
+    here = m1 if speaker == m0 else m0
+    as_here = httpx.Client(base_url=settings.api_url, timeout=10,
+                           headers=api_headers(settings.model_copy(update={"api_token": machine_token(settings.api_token, here)}), here))
+    taken = as_here.post("/jobs/running/checkpoints", json={"allocation_id": alloc, "report": report})
+    assert taken.status_code == 200, taken.text  # judged (the object is not there: refused), not forbidden
+    # A token names its machine: another machine's token, or the header changed, is no token at all.
+    forged = httpx.Client(base_url=settings.api_url, timeout=10, headers={
+        "Authorization": f"Bearer {machine_token(settings.api_token, m0)}", MACHINE_HEADER: m1.replace("/", "%2F")})
+    assert forged.post(f"/machines/{m1}/heartbeat", json=sick).status_code == 401
+    assert s.sql("SELECT count(*) AS n FROM gpus WHERE NOT healthy")[0]["n"] == 0  # no report for m1 took
+    # The stack's agents run with their machines' tokens, and the stack works: the job ran.
+    assert all(m["silent_for"] is not None and m["silent_for"] < 10
+               for m in httpx.get(f"{settings.api_url}/machines", headers=api_headers(settings)).json())
 
 
 def test_a_request_body_over_a_mebibyte_is_refused_before_it_is_read_whole(stack):

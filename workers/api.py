@@ -21,7 +21,11 @@ Machine ids are topology paths (``c1/b0/r0/m0``) and stay slash-separated in the
 With a token (``GPUSCHED_API_TOKEN``; ``gpusched dev up`` makes one), every request but
 ``/healthz`` must carry ``Authorization: Bearer <token>``, or is answered 401: a heartbeat decides
 which GPUs jobs go to and a checkpoint report which state a job resumes from, so only agents (and
-operators) may send them. Without one, the API warns at start that it answers anyone. A request
+operators) may send them. An agent carries its machine's own token instead
+(``workers.settings.machine_token``, ``gpusched fleet token``) and names its machine in the
+``X-Gpusched-Machine`` header: it may send that machine's heartbeats and the reports of
+allocations with a GPU there, and nothing else (403), so a machine taken over cannot speak for
+the rest of the fleet. Without a token, the API warns at start that it answers anyone. A request
 body over 1 MiB is refused with 413.
 """
 
@@ -32,13 +36,14 @@ import asyncio
 import hmac
 import time
 import logging
+from urllib.parse import unquote
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
 import asyncpg
 import uvicorn
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,8 +52,8 @@ from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailab
 from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
-from workers.settings import (Settings, add_settings_flags, keep_connecting, mark_ready, settings_from_args,
-                              without_password)
+from workers.settings import (MACHINE_HEADER, MACHINE_TOKEN_PREFIX, Settings, add_settings_flags, keep_connecting,
+                              machine_token, mark_ready, settings_from_args, without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
 
@@ -138,14 +143,35 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.middleware("http")
     async def authorized(request: Request, call_next):
+        request.state.machine = None  # the whole API's token, or none asked: every request
         if expected is None or request.url.path == "/healthz":
             return await call_next(request)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
-                "detail": "missing or wrong API token: send the API's GPUSCHED_API_TOKEN as "
-                          "'Authorization: Bearer <token>'"})
-        return await call_next(request)
+        given = given.strip()
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected):
+            return await call_next(request)
+        machine = unquote(request.headers.get(MACHINE_HEADER, ""))
+        if scheme.lower() == "bearer" and given.startswith(MACHINE_TOKEN_PREFIX) and machine and hmac.compare_digest(
+                given.encode(), machine_token(settings.api_token, machine).encode()):
+            request.state.machine = machine
+            return await call_next(request)
+        return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
+            "detail": "missing or wrong API token: send the API's GPUSCHED_API_TOKEN, or an agent its machine's "
+                      f"token with the machine in {MACHINE_HEADER}, as 'Authorization: Bearer <token>'"})
+
+    def machine_of(request: Request) -> str | None:
+        """The machine a request's token speaks for, or None for the API's own token."""
+        return request.state.machine
+
+    def for_operators(machine: str | None = Depends(machine_of)) -> None:
+        if machine is not None:
+            raise HTTPException(status_code=403, detail=f"the token of machine '{machine}' sends its heartbeats "
+                                                        "and its jobs' reports only; reading needs the API's token")
+
+    async def for_an_allocation_here(job_id: str, allocation_id: int, machine: str | None) -> None:
+        if machine is not None and not await ctx["store"].allocation_on_machine(job_id, allocation_id, machine):
+            raise HTTPException(status_code=403, detail=f"allocation {allocation_id} of job '{job_id}' holds no GPU "
+                                                        f"of machine '{machine}', whose token this is")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -204,23 +230,26 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(content={"ok": True})
 
     @app.post("/machines/{machine_id:path}/heartbeat")
-    async def heartbeat(machine_id: str, beat: Heartbeat) -> HeartbeatReply:
+    async def heartbeat(machine_id: str, beat: Heartbeat, machine: str | None = Depends(machine_of)) -> HeartbeatReply:
+        if machine is not None and machine.strip("/") != machine_id:
+            raise HTTPException(status_code=403, detail=f"the token of machine '{machine}' cannot report for "
+                                                        f"machine '{machine_id}'")
         try:
             live = await ctx["store"].machine_heartbeat(machine_id, beat.pid, beat.gpus, beat.accepting_work)
         except ValueError as e:
             raise HTTPException(status_code=422, detail=str(e)) from None
         return HeartbeatReply(live_allocations=live)
 
-    @app.get("/machines")
+    @app.get("/machines", dependencies=[Depends(for_operators)])
     async def machines(cluster: str | None = None) -> list[dict]:
         return await ctx["store"].list_machines(cluster)
 
-    @app.get("/jobs")
+    @app.get("/jobs", dependencies=[Depends(for_operators)])
     async def jobs(team: str | None = None, state: JobState | None = None,
                    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[JobView]:
         return await ctx["store"].list_jobs(team=team, state=state.value if state else None, limit=limit)
 
-    @app.get("/jobs/{job_id}")
+    @app.get("/jobs/{job_id}", dependencies=[Depends(for_operators)])
     async def job(job_id: str) -> JobView:
         view = await ctx["store"].job_view(job_id)
         if view is None:
@@ -228,16 +257,19 @@ def create_app(settings: Settings) -> FastAPI:
         return view
 
     @app.post("/jobs/{job_id}/checkpoints")
-    async def checkpoint(job_id: str, submission: CheckpointSubmission) -> CheckpointAck:
+    async def checkpoint(job_id: str, submission: CheckpointSubmission,
+                         machine: str | None = Depends(machine_of)) -> CheckpointAck:
         if await ctx["store"].request_of(job_id) is None:
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
+        await for_an_allocation_here(job_id, submission.allocation_id, machine)
         try:
             return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
         except CheckpointStoreUnavailable as e:  # no verdict: the agent sends the report again
             raise HTTPException(status_code=503, detail=f"cannot check the checkpoint now: {e}") from e
 
     @app.post("/jobs/{job_id}/restarts")
-    async def restart(job_id: str, report: RestartReport) -> dict:
+    async def restart(job_id: str, report: RestartReport, machine: str | None = Depends(machine_of)) -> dict:
+        await for_an_allocation_here(job_id, report.allocation_id, machine)
         if await ctx["store"].record_restart(job_id, report.allocation_id, report.seconds):
             return {"recorded": True}
         if await ctx["store"].request_of(job_id) is None:  # only a refusal asks why
@@ -245,7 +277,7 @@ def create_app(settings: Settings) -> FastAPI:
         raise HTTPException(status_code=409, detail=f"allocation {report.allocation_id} is not a resumed "
                                                      f"attempt of job '{job_id}', or its restart is recorded")
 
-    @app.get("/quotas")
+    @app.get("/quotas", dependencies=[Depends(for_operators)])
     async def quotas() -> dict:
         return {t: q.model_dump() for t, q in (await ctx["store"].list_quotas()).items()}
 

@@ -7,28 +7,59 @@ Machines still join the live fleet by their agents' heartbeats (`--machine-id` n
 operator puts machines in the inference partition, and how the fleet and the quotas the
 simulator was given become the live ones. A declared machine is scheduled on once its agent
 heartbeats; until then it is unreachable, as a machine whose agent died.
+
+`gpusched fleet token MACHINE_ID` prints the API token of one machine's agent: made from the API's
+token, it lets that agent speak for its machine alone (workers/api.py), so the API's own token
+stays off the machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from scheduler.errors import InputError
 from scheduler.fleet import parse_fleet
 from workers.arg_types import read_input
-from workers.cli_jobs import run_with_client
+from workers.cli_jobs import EXIT_REFUSED, run_with_client
+from workers.settings import SettingsError, load_settings, machine_token
 from workflows.types import team_problem
 
 
 def add_fleet_commands(subparsers) -> None:
     fleet = subparsers.add_parser("fleet", help="declare the live fleet's machines and quotas from a fleet file")
-    commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="{apply}")
+    commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="{apply,token}")
     apply = commands.add_parser(
         "apply", help="register the file's machines (place, GPU type, partition) and set its quotas")
     apply.add_argument("file", help="a fleet YAML file (docs/traces.md, \"Fleet YAML\"), e.g. examples/fleet-small.yaml")
     apply.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
     apply.set_defaults(func=cmd_fleet_apply)
+    token = commands.add_parser(
+        "token", help="print the API token for one machine's agent (its GPUSCHED_API_TOKEN): it speaks for "
+                      "that machine alone")
+    token.add_argument("machine_id", help="the machine's place, as its agent's --machine-id: c1/b0/r3/m7")
+    token.add_argument("--data-dir", type=Path, default=None,
+                       help="the embedded stack's directory (else GPUSCHED_API_TOKEN gives the API's token)")
+    token.set_defaults(func=cmd_fleet_token)
+
+
+def cmd_fleet_token(args: argparse.Namespace) -> int:
+    machine_id = args.machine_id.strip("/")
+    if not machine_id or not machine_id.isprintable():
+        raise InputError("machine_id", None, None, f"{args.machine_id!r} is no machine; give its place as its agent's "
+                                                   "--machine-id names it, e.g. c1/b0/r3/m7")
+    try:
+        settings = load_settings(args.data_dir)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    if not settings.api_token:
+        print("error: the API has no token here: set GPUSCHED_API_TOKEN to the API's, or give --data-dir of a "
+              "stack made by `gpusched dev up`", file=sys.stderr)
+        return EXIT_REFUSED
+    print(machine_token(settings.api_token, machine_id))
+    return 0
 
 
 def cmd_fleet_apply(args: argparse.Namespace) -> int:

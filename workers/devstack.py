@@ -44,6 +44,7 @@ from workers.settings import (
     default_data_dir,
     env_overrides,
     machine_component,
+    machine_token,
     ready_path,
     settings_env,
     stack_present,
@@ -514,6 +515,9 @@ def _agent_grace(cmd: list[str]) -> float:
 
 def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, str]) -> None:
     ready_path(data_dir, name).unlink(missing_ok=True)
+    if comp.machine_id is not None and env.get("GPUSCHED_API_TOKEN"):
+        # An agent carries its machine's token, not the API's: it speaks for its machine alone.
+        env = {**env, "GPUSCHED_API_TOKEN": machine_token(env["GPUSCHED_API_TOKEN"], comp.machine_id)}
     comp.pid = servers.spawn(comp.cmd, Path(comp.log), env=env, cwd=PROJECT_ROOT).pid
 
 

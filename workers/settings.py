@@ -16,20 +16,23 @@ embedded stack's ``stack.json`` (written by ``gpusched dev up`` into its data di
 | GPUSCHED_S3_ACCESS_KEY/SECRET_KEY | credentials                                    |
 | GPUSCHED_S3_REGION              | region (us-east-1)                               |
 | GPUSCHED_API_URL                | http://host:port of the HTTP API                 |
-| GPUSCHED_API_TOKEN              | the secret the API asks of callers (agents)      |
+| GPUSCHED_API_TOKEN              | the secret the API asks of callers; an agent's   |
+|                                 | own: its machine's token (`machine_token`)       |
 | GPUSCHED_TEMPORAL_UI_URL        | the Temporal UI, for links to job histories      |
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -176,9 +179,25 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def api_headers(settings: Settings) -> dict[str, str]:
-    """The headers a request to the API carries: the token, when the API has one."""
-    return {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+MACHINE_HEADER = "X-Gpusched-Machine"  # the machine an agent speaks for, percent-encoded
+MACHINE_TOKEN_PREFIX = "machine-"
+
+
+def machine_token(secret: str, machine_id: str) -> str:
+    """The token of one machine's agent, made from the API's own token: it lets the agent speak
+    for that machine alone (its heartbeats, its jobs' checkpoint reports), so the API's token need
+    not be on every machine, and a machine taken over cannot speak for the rest of the fleet."""
+    digest = hmac.new(secret.encode(), machine_id.encode(), hashlib.sha256).hexdigest()
+    return MACHINE_TOKEN_PREFIX + digest
+
+
+def api_headers(settings: Settings, machine_id: str | None = None) -> dict[str, str]:
+    """The headers a request to the API carries: the token, when the API has one, and for an
+    agent the machine it speaks for (which a machine's token is checked against)."""
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    if machine_id is not None:
+        headers[MACHINE_HEADER] = quote(machine_id, safe="")
+    return headers
 
 
 async def connect_temporal(settings: Settings):
