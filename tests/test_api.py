@@ -89,8 +89,10 @@ def test_a_machines_token_speaks_for_that_machine_alone(stack):
     sick = {"pid": 1, "gpus": [{"index": i, "healthy": False} for i in range(4)], "running_allocations": []}
     other = as_m0.post(f"/machines/{m1}/heartbeat", json=sick)
     assert other.status_code == 403 and m1 in other.json()["detail"], other.text
-    for path in ("/jobs", "/machines", "/quotas"):
+    for path in ("/jobs", "/jobs/any", "/machines", "/quotas", "/openapi.json", "/docs"):
         assert as_m0.get(path).status_code == 403, path
+    report = {"seq": 1, "key": "checkpoints/nope/0000000001", "size": 1, "sha256": "0" * 64}
+    assert as_m0.post("/jobs/nope/checkpoints", json={"allocation_id": 1, "report": report}).status_code == 403
     s.submit("running", 1, sleeper(60))
     s.until(lambda: s.status("running").state == "running")  # its agent, with its own token, started it
     [row] = s.sql("SELECT id, gpus FROM allocations WHERE job_id = 'running'")

@@ -34,6 +34,7 @@ REFUSED = [
     ("no API token is known here", None, "c1/b0/r0/m0", "the API has no token here"),
     ("a blank machine", "s3cret", "/", "is no machine"),
     ("a machine with a control character", "s3cret", "c1/b0/r0/m\x07", "is no machine"),
+    ("a machine's token given as the API's", "machine-" + "0" * 64, "c1/b0/r0/m0", "is a machine's token"),
 ]
 
 

@@ -24,8 +24,8 @@ which GPUs jobs go to and a checkpoint report which state a job resumes from, so
 operators) may send them. An agent carries its machine's own token instead
 (``workers.settings.machine_token``, ``gpusched fleet token``) and names its machine in the
 ``X-Gpusched-Machine`` header: it may send that machine's heartbeats and the reports of
-allocations with a GPU there, and nothing else (403), so a machine taken over cannot speak for
-the rest of the fleet. Without a token, the API warns at start that it answers anyone. A request
+allocations with a GPU there, and nothing else (403: no reads, no schema), so a machine taken
+over cannot speak for the rest of the fleet. Without a token, the API warns at start that it answers anyone. A request
 body over 1 MiB is refused with 413.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import re
 import time
 import logging
 from urllib.parse import unquote
@@ -52,12 +53,15 @@ from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailab
 from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
-from workers.settings import (MACHINE_HEADER, MACHINE_TOKEN_PREFIX, Settings, add_settings_flags, keep_connecting,
+from workers.settings import (MACHINE_HEADER, Settings, add_settings_flags, is_machine_token, keep_connecting,
                               machine_token, mark_ready, settings_from_args, without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
 
 log = logging.getLogger("gpusched.api")
+
+# What a machine's token may ask: its heartbeats, its jobs' checkpoint and restart reports.
+_FOR_A_MACHINE = re.compile(r"/machines/.+/heartbeat|/jobs/[^/]+/(checkpoints|restarts)")
 
 CONNECT_WITHIN = 60.0  # seconds to wait for Postgres at start (then the supervisor restarts us)
 WARN_EVERY_S = 10.0  # at most one line per this while the database does not answer
@@ -151,8 +155,13 @@ def create_app(settings: Settings) -> FastAPI:
         if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected):
             return await call_next(request)
         machine = unquote(request.headers.get(MACHINE_HEADER, ""))
-        if scheme.lower() == "bearer" and given.startswith(MACHINE_TOKEN_PREFIX) and machine and hmac.compare_digest(
+        if scheme.lower() == "bearer" and is_machine_token(given) and machine and hmac.compare_digest(
                 given.encode(), machine_token(settings.api_token, machine).encode()):
+            if request.method != "POST" or not _FOR_A_MACHINE.fullmatch(request.url.path):
+                # Whatever else the API answers now or later (reads, its schema) is for operators.
+                return JSONResponse(status_code=403, content={
+                    "detail": f"the token of machine '{machine}' sends its heartbeats and its jobs' reports only; "
+                              "anything else needs the API's token"})
             request.state.machine = machine
             return await call_next(request)
         return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
@@ -162,11 +171,6 @@ def create_app(settings: Settings) -> FastAPI:
     def machine_of(request: Request) -> str | None:
         """The machine a request's token speaks for, or None for the API's own token."""
         return request.state.machine
-
-    def for_operators(machine: str | None = Depends(machine_of)) -> None:
-        if machine is not None:
-            raise HTTPException(status_code=403, detail=f"the token of machine '{machine}' sends its heartbeats "
-                                                        "and its jobs' reports only; reading needs the API's token")
 
     async def for_an_allocation_here(job_id: str, allocation_id: int, machine: str | None) -> None:
         if machine is not None and not await ctx["store"].allocation_on_machine(job_id, allocation_id, machine):
@@ -231,7 +235,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/machines/{machine_id:path}/heartbeat")
     async def heartbeat(machine_id: str, beat: Heartbeat, machine: str | None = Depends(machine_of)) -> HeartbeatReply:
-        if machine is not None and machine.strip("/") != machine_id:
+        if machine is not None and machine != machine_id:
             raise HTTPException(status_code=403, detail=f"the token of machine '{machine}' cannot report for "
                                                         f"machine '{machine_id}'")
         try:
@@ -240,16 +244,16 @@ def create_app(settings: Settings) -> FastAPI:
             raise HTTPException(status_code=422, detail=str(e)) from None
         return HeartbeatReply(live_allocations=live)
 
-    @app.get("/machines", dependencies=[Depends(for_operators)])
+    @app.get("/machines")
     async def machines(cluster: str | None = None) -> list[dict]:
         return await ctx["store"].list_machines(cluster)
 
-    @app.get("/jobs", dependencies=[Depends(for_operators)])
+    @app.get("/jobs")
     async def jobs(team: str | None = None, state: JobState | None = None,
                    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[JobView]:
         return await ctx["store"].list_jobs(team=team, state=state.value if state else None, limit=limit)
 
-    @app.get("/jobs/{job_id}", dependencies=[Depends(for_operators)])
+    @app.get("/jobs/{job_id}")
     async def job(job_id: str) -> JobView:
         view = await ctx["store"].job_view(job_id)
         if view is None:
@@ -259,9 +263,9 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/jobs/{job_id}/checkpoints")
     async def checkpoint(job_id: str, submission: CheckpointSubmission,
                          machine: str | None = Depends(machine_of)) -> CheckpointAck:
+        await for_an_allocation_here(job_id, submission.allocation_id, machine)  # before: says no job to a machine
         if await ctx["store"].request_of(job_id) is None:
             raise HTTPException(status_code=404, detail=f"no job '{job_id}'")
-        await for_an_allocation_here(job_id, submission.allocation_id, machine)
         try:
             return await ctx["checkpoints"].commit(job_id, submission.allocation_id, submission.report)
         except CheckpointStoreUnavailable as e:  # no verdict: the agent sends the report again
@@ -277,7 +281,7 @@ def create_app(settings: Settings) -> FastAPI:
         raise HTTPException(status_code=409, detail=f"allocation {report.allocation_id} is not a resumed "
                                                      f"attempt of job '{job_id}', or its restart is recorded")
 
-    @app.get("/quotas", dependencies=[Depends(for_operators)])
+    @app.get("/quotas")
     async def quotas() -> dict:
         return {t: q.model_dump() for t, q in (await ctx["store"].list_quotas()).items()}
 

@@ -23,7 +23,7 @@ from scheduler.errors import InputError
 from scheduler.fleet import parse_fleet
 from workers.arg_types import read_input
 from workers.cli_jobs import EXIT_REFUSED, run_with_client
-from workers.settings import SettingsError, load_settings, machine_token
+from workers.settings import SettingsError, is_machine_token, load_settings, machine_token
 from workflows.types import team_problem
 
 
@@ -40,7 +40,8 @@ def add_fleet_commands(subparsers) -> None:
                       "that machine alone")
     token.add_argument("machine_id", help="the machine's place, as its agent's --machine-id: c1/b0/r3/m7")
     token.add_argument("--data-dir", type=Path, default=None,
-                       help="the embedded stack's directory (else GPUSCHED_API_TOKEN gives the API's token)")
+                       help="the embedded stack's directory, whose API token is taken unless GPUSCHED_API_TOKEN "
+                            "is set")
     token.set_defaults(func=cmd_fleet_token)
 
 
@@ -57,6 +58,10 @@ def cmd_fleet_token(args: argparse.Namespace) -> int:
     if not settings.api_token:
         print("error: the API has no token here: set GPUSCHED_API_TOKEN to the API's, or give --data-dir of a "
               "stack made by `gpusched dev up`", file=sys.stderr)
+        return EXIT_REFUSED
+    if is_machine_token(settings.api_token):
+        print("error: GPUSCHED_API_TOKEN here is a machine's token, not the API's: a machine's token is made from "
+              "the API's own; set that (or unset it and give --data-dir of the stack)", file=sys.stderr)
         return EXIT_REFUSED
     print(machine_token(settings.api_token, machine_id))
     return 0

@@ -450,8 +450,8 @@ def _start_workers(data_dir: Path, state: StackState, before: Settings, *, stand
         prefer = (api.ports if api else None) or (STANDARD_PORTS["api"] if standard_ports else {})
         api_port = servers.choose_ports(["port"], prefer)["port"]
     state.settings["api_url"] = f"http://{servers.HOST}:{api_port}"
-    # The agents' secret for the API, made once and kept with the stack (a token given in the
-    # environment or as a setting wins).
+    # The API's secret, made once and kept with the stack (a token given in the environment or
+    # as a setting wins); each agent is given its machine's token made from it (_launch_worker).
     state.settings.setdefault("api_token", None)
     if not state.settings["api_token"]:
         state.settings["api_token"] = secrets.token_urlsafe(32)
@@ -492,10 +492,17 @@ def _start_workers(data_dir: Path, state: StackState, before: Settings, *, stand
     return restarted
 
 
+# Workers started by an older build that cannot work beside this one's: changed, it restarts every
+# worker of a running stack at its next `up`. ("machine-tokens": an older API refuses the agents'
+# own tokens, and older agents carry the API's.)
+WORKERS_SPEAK = "machine-tokens"
+
+
 def _settings_digest(settings: Settings, machine_id: str | None) -> str:
     """What tells the settings a worker reads from others, without keeping secrets twice. An
     agent (a worker with a machine) never reads the database's: a new DSN must not stop its jobs."""
     env = settings_env(settings.model_copy(update={"pg_dsn": None}) if machine_id is not None else settings)
+    env["speaks"] = WORKERS_SPEAK
     return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -65,6 +65,7 @@ class Settings(BaseModel):
     api_url: str = "http://127.0.0.1:8080"
     # The API's secret: it answers only requests that carry it (``Authorization: Bearer``), so
     # nobody else on the network can report for a machine or commit a checkpoint. None: no check.
+    # An agent's is its machine's token (`machine_token`), which speaks for that machine alone.
     api_token: str | None = None
     temporal_ui_url: str | None = None  # where people read job histories, when there is a UI
     # Task queue names are prefixed so that several stacks (parallel test runs) can share one
@@ -181,6 +182,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 MACHINE_HEADER = "X-Gpusched-Machine"  # the machine an agent speaks for, percent-encoded
 MACHINE_TOKEN_PREFIX = "machine-"
+
+
+def is_machine_token(token: str) -> bool:
+    return token.startswith(MACHINE_TOKEN_PREFIX)
 
 
 def machine_token(secret: str, machine_id: str) -> str:
