@@ -400,3 +400,21 @@ def test_a_victim_preempted_in_the_same_cycle_leaves_its_promised_gpus_to_its_cl
     assert [(p.job_id, p.for_job) for p in result.preemptions] == [("low", "claimant")]
     [hold] = result.reservations
     assert (hold.job_id, hold.machines, hold.expected_start) == ("starving", (M0,), NOW + 120 + 100)
+
+
+def test_the_second_reservation_of_a_cycle_counts_back_the_gpus_of_a_job_placed_after_the_first():
+    """Critical jobs hold every machine: m0's other half until NOW+500, m1 until NOW+200, m2 until
+    NOW+3000. s0 reserves m1; p then takes m0's free half for 100 s; s1 reserves next. m0 is
+    whole at NOW+500 only if p's GPUs come back: the calendar made for s0 did not have p."""
+    def critical(job_id, machine, gpus, end):
+        return _ends_at(job_id, machine, gpus, end, priority="critical")
+
+    run = [critical("x", M0, range(4, 8), NOW + 500), critical("y", M1, range(8), NOW + 200),
+           critical("z", M2, range(8), NOW + 3000)]
+    queue = [job("s0").gpus(8).priority("high").submitted(0), job("p").gpus(4).priority("high").expected(100).submitted(NOW),
+             job("s1").gpus(8).submitted(0)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, max_reservations=2,
+                            quotas={"t": {"guaranteed": 64}}))
+    assert machines_of(placements(result)["p"].gpus) == {M0}
+    holds = {h.job_id: (h.machines, h.expected_start) for h in result.reservations}
+    assert holds == {"s0": ((M1,), NOW + 200), "s1": ((M0,), NOW + 500)}
