@@ -19,6 +19,8 @@ from builders import (
     unhealthy,
 )
 
+from scheduler.models import Earmark
+
 M0, M1, M2 = mid(0, 0, 0), mid(0, 0, 1), mid(0, 0, 2)
 
 
@@ -329,8 +331,6 @@ PROMISED_IDS = [
 @pytest.mark.parametrize("claimant_class,submitted,claimant_runs,machine,start", PROMISED_CASES, ids=PROMISED_IDS)
 def test_a_reservation_counts_promised_gpus_back_only_after_the_job_they_are_promised_to(
         claimant_class, submitted, claimant_runs, machine, start):
-    from scheduler.models import Earmark
-
     victim = (running(job("v").gpus(8).priority("low")).on(M0, range(8)).started(NOW - 5000)
               .preempted_at(NOW - 60).draining(NOW + 60, for_job="claimant"))
     run = [victim, _ends_at("a", M1, range(8), NOW + 1000), _ends_at("b", M2, range(8), NOW + 3000)]
@@ -373,8 +373,6 @@ UNUSABLE_IDS = [
 
 @pytest.mark.parametrize("state_of,machine,start", UNUSABLE_CASES, ids=UNUSABLE_IDS)
 def test_a_reservation_counts_back_only_gpus_that_can_be_given_out_again(state_of, machine, start):
-    from scheduler.models import Earmark
-
     victim = (running(job("v").gpus(16).priority("low")).on(M0, range(8)).on(M1, range(8)).started(NOW - 5000)
               .preempted_at(NOW - 60).draining(NOW + 60, for_job="claimant"))
     run = [victim, _ends_at("b", M2, range(8), NOW + 3000)]
