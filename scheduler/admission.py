@@ -268,8 +268,7 @@ def _release_book(state: Admission) -> reservation.ReleaseBook:
     is placed."""
     made_at = (len(state.placed), len(state.earmarks), len(state.going))
     if state.book is None or state.book_made_at != made_at:
-        holders = [job for job_id, job in state.claimants.items() if job_id in state.earmarks]
-        back, _ = gpus_coming_back(state, expected_ends(state), holders)
+        back, _ = gpus_coming_back(state, expected_ends(state))
         counts_of = state.cap.counts_of
         state.book = reservation.ReleaseBook(
             (r.at, r.machines if r.machines is not None else counts_of(r.slots)) for r in back)

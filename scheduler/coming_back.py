@@ -11,11 +11,11 @@ placed this cycle gives its GPUs back at the end of its expected run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from scheduler.eta import MIN_RUN, remaining_work
 from scheduler.expected_ends import Ends
-from scheduler.models import GpuSlot, QueuedJob, RunningJob
+from scheduler.models import Earmark, GpuSlot, QueuedJob, RunningJob
 
 if TYPE_CHECKING:
     from scheduler.admission import Admission
@@ -31,14 +31,19 @@ class Return(NamedTuple):
     counted: int  # the GPUs its team stops holding then (a mover's team holds its count on, on its new GPUs)
 
 
-def gpus_coming_back(state: Admission, ends: Ends, claimants: Iterable[QueuedJob]) -> tuple[list[Return], dict[str, float]]:
+def promised_slots(earmarks: Mapping[str, Earmark]) -> dict[GpuSlot, str]:
+    """Each promised GPU, and the job it is promised to."""
+    return {slot: job_id for job_id, earmark in earmarks.items() for slot in earmark.gpus}
+
+
+def gpus_coming_back(state: Admission, ends: Ends) -> tuple[list[Return], dict[str, float]]:
     """Every return of the GPUs of the running jobs (from their expected `ends`; lost jobs are
-    the caller's) and of the jobs placed this cycle, with `claimants` (the waiting jobs that hold
-    an earmark) starting on theirs; and when each of those starts. In order: the running jobs',
+    the caller's) and of the jobs placed this cycle, with the waiting jobs that hold an earmark
+    (claimants) starting on theirs; and when each of those starts. In order: the running jobs',
     the placed jobs', the claimants', the movers'."""
     now, config = state.now, state.config
     restart, grace, going, earmarks = config.expected_restart_s, config.grace_period, state.going, state.earmarks
-    promised = {slot: job_id for job_id, earmark in earmarks.items() for slot in earmark.gpus}
+    promised = promised_slots(earmarks)
     leave_at: dict[str, float] = {}  # per earmark holder: when the last of its promised GPUs is left
     out: list[Return] = []
     for job, end, machines in ends:
@@ -56,7 +61,7 @@ def gpus_coming_back(state: Admission, ends: Ends, claimants: Iterable[QueuedJob
     for job, slots, _ in state.placed:
         out.append(Return(now + remaining_work(job, restart), job, slots, None, job.spec.num_gpus))
     starts: dict[str, float] = {}
-    for job in claimants:
+    for job in (job for job_id, job in state.claimants.items() if job_id in earmarks):  # those placed since: above
         spec = job.spec
         start = starts[spec.job_id] = leave_at.get(spec.job_id, now)
         out.append(Return(start + remaining_work(job, restart), job, earmarks[spec.job_id].gpus, None, spec.num_gpus))

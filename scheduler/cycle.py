@@ -19,7 +19,7 @@ from pydantic import TypeAdapter
 from scheduler import admission, eta, health, ordering, quotas, staggering
 from scheduler.admission import Admission
 from scheduler.capacity import Capacity
-from scheduler.coming_back import gpus_coming_back
+from scheduler.coming_back import gpus_coming_back, promised_slots
 from scheduler.forecast import ArrivalLoad
 from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
 from scheduler.preemptible import first_past
@@ -131,7 +131,7 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
     expected run; a mover holds its new GPUs for the rest of its run."""
     now, config, cap = snapshot.now, snapshot.config, state.cap
     walked = cap.clone()
-    promised = {slot: job_id for job_id, earmark in state.earmarks.items() for slot in earmark.gpus}
+    promised = promised_slots(state.earmarks) if gone else {}
     for job in gone:  # the lost jobs' GPUs come back at once, for the estimate
         if promised and not promised.keys().isdisjoint(job.gpus):
             # A victim that lost a machine in its grace: its earmarked GPUs are the claimant's,
@@ -140,8 +140,7 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
         else:
             walked.give_held(cap.masks_of(job))
     restart = config.expected_restart_s
-    holders = [job for job, _ in state.waiting if job.spec.job_id in state.earmarks]
-    back, claimants = gpus_coming_back(state, admission.expected_ends(state), holders)
+    back, claimants = gpus_coming_back(state, admission.expected_ends(state))
     releases = [eta.Release(r.at, r.slots, r.job.spec.team, r.counted, r.machines,
                             None if r.machines is None else cap.masks_of(r.job)) for r in back]
     waiting = [job for job, _ in state.waiting if job.spec.job_id not in state.earmarks]

@@ -210,7 +210,7 @@ class Agent:
         self.health_reader = HealthReader(devices, timeout=max(1.0, interval))
         self.orphans = OrphanWatch()
         self.url = heartbeat_url(settings.api_url, machine_id)
-        self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2), headers=api_headers(settings, machine_id.strip('/')))
+        self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2), headers=api_headers(settings, machine_id))
         self._api_ok: bool | None = None
         self._tasks: set[asyncio.Task] = set()  # references, so the tasks are not collected
         self._killing: set[int] = set()
@@ -409,7 +409,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("no GPUs: %s", err)
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
-    reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings, args.machine_id.strip('/')))
+    reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings, args.machine_id))
     node = NodeActivities(args.machine_id, agent_log_dir(data_dir, args.machine_id),
                           shutdown_grace=args.grace_period,
                           report_sink=lambda job, alloc, report: forward_checkpoint(reports, settings.api_url,

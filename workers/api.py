@@ -34,13 +34,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import logging
 import re
 import time
-import logging
-from urllib.parse import unquote
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import unquote
 
 import asyncpg
 import uvicorn
@@ -151,11 +151,11 @@ def create_app(settings: Settings) -> FastAPI:
         if expected is None or request.url.path == "/healthz":
             return await call_next(request)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given = given.strip()
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected):
+        bearer, given = scheme.lower() == "bearer", given.strip()
+        if bearer and hmac.compare_digest(given.encode(), expected):
             return await call_next(request)
         machine = unquote(request.headers.get(MACHINE_HEADER, ""))
-        if scheme.lower() == "bearer" and is_machine_token(given) and machine and hmac.compare_digest(
+        if bearer and is_machine_token(given) and machine and hmac.compare_digest(
                 given.encode(), machine_token(settings.api_token, machine).encode()):
             if request.method != "POST" or not _FOR_A_MACHINE.fullmatch(request.url.path):
                 # Whatever else the API answers now or later (reads, its schema) is for operators.

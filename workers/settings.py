@@ -198,10 +198,11 @@ def machine_token(secret: str, machine_id: str) -> str:
 
 def api_headers(settings: Settings, machine_id: str | None = None) -> dict[str, str]:
     """The headers a request to the API carries: the token, when the API has one, and for an
-    agent the machine it speaks for (which a machine's token is checked against)."""
+    agent the machine it speaks for (which a machine's token is checked against), as its
+    heartbeat's URL names it: without slashes at either end."""
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
     if machine_id is not None:
-        headers[MACHINE_HEADER] = quote(machine_id, safe="")
+        headers[MACHINE_HEADER] = quote(machine_id.strip("/"), safe="")
     return headers
 
 
