@@ -7,19 +7,11 @@ from temporalio import activity
 from activities.store import CycleConflict, Store
 from scheduler.cycle import run_cycle
 from scheduler.gc_policy import no_collections
-from scheduler.models import CycleResult, Snapshot
 from workflows.types import CycleInput, CycleOutcome
 
 # A cycle that meets a concurrent change (a job cancelled while it read, say) reads again; past
 # this many tries the activity fails and Temporal retries it with backoff.
 CONFLICT_RETRIES = 5
-
-
-def plan(snapshot: Snapshot) -> CycleResult:
-    """The pure core as the live loop runs it: with the collector off for the cycle, so a
-    collection never lands inside a decision (scheduler/gc_policy.py); bench/cycle.py times this."""
-    with no_collections():
-        return run_cycle(snapshot)
 
 
 class PlanningActivities:
@@ -30,7 +22,10 @@ class PlanningActivities:
     async def plan_cycle(self, inp: CycleInput) -> CycleOutcome:
         for attempt in range(CONFLICT_RETRIES):
             try:
-                return await self.store.plan_cycle(inp.cluster, inp.cycle_seq, plan)
+                # The collector off from the read to the commit: what the cycle's allocations
+                # owe it is collected after the decisions are committed (scheduler/gc_policy.py).
+                with no_collections():
+                    return await self.store.plan_cycle(inp.cluster, inp.cycle_seq, run_cycle)
             except CycleConflict:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import math
@@ -284,6 +285,26 @@ def describe(snapshot: Snapshot) -> str:
     ])
 
 
+class CollectorTimes:
+    """The collector's runs (a `gc.callbacks` observer), split by whether a cycle was being timed."""
+
+    def __init__(self) -> None:
+        self.timing = False
+        self.inside_ms: list[float] = []
+        self.outside: list[tuple[int, float]] = []  # (generation, ms)
+        self._began = 0.0
+
+    def observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._began) * 1000.0
+        if self.timing:
+            self.inside_ms.append(ms)
+        else:
+            self.outside.append((info["generation"], ms))
+
+
 def span_of(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo}" if lo == hi else f"{lo}–{hi} (mean {sum(values) / len(values):.1f})"
@@ -327,22 +348,32 @@ def main(argv: list[str] | None = None) -> int:
 
     profiler = cProfile.Profile() if args.profile else None
     times_ms: list[float] = []
+    # What the collector takes outside the timed cycles: with the collector off for a cycle, the
+    # collection its allocations owe runs as soon as it is back on, after the decisions, as in
+    # the planning activity after its commit. Timed apart: a full collection walks the whole
+    # heap of the process (its imports, the snapshots here), and comes every ~50 cycles.
+    collections = CollectorTimes()
+    gc.callbacks.append(collections.observe)
     # Only counts are kept, as the live loop keeps nothing of a cycle once it is committed:
     # holding 50 results (100,000 objects) alive would time the allocator, not the cycle.
     placements, preemptions, pending, reservations, estimated = [], [], [], [], []
     for snap in snapshots[WARMUP:]:
         if profiler is not None:
             profiler.enable()
-        t0 = time.perf_counter()
         if args.default_gc:
+            collections.timing, t0 = True, time.perf_counter()
             result = run_cycle(snap)
+            elapsed, collections.timing = time.perf_counter() - t0, False
         elif args.held_gc:
             with few_collections():
+                collections.timing, t0 = True, time.perf_counter()
                 result = run_cycle(snap)
+                elapsed, collections.timing = time.perf_counter() - t0, False
         else:
             with no_collections():
+                collections.timing, t0 = True, time.perf_counter()
                 result = run_cycle(snap)
-        elapsed = time.perf_counter() - t0
+                elapsed, collections.timing = time.perf_counter() - t0, False
         if profiler is not None:
             profiler.disable()
         times_ms.append(elapsed * 1000.0)
@@ -359,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     p50, p99 = percentile(times_ms, 50), percentile(times_ms, 99)
     print(f"cycle time over {len(times_ms)} cycles: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
           f"max {max(times_ms):.1f} ms" + (" (under cProfile: inflated)" if profiler else ""))
+    gc.callbacks.remove(collections.observe)
+    full = [ms for generation, ms in collections.outside if generation == 2]
+    young = [ms for generation, ms in collections.outside if generation < 2]
+    print(f"the collector inside the timed cycles: {len(collections.inside_ms)} runs, "
+          f"{sum(collections.inside_ms):.1f} ms in all; after them (off the decisions' path): "
+          f"{len(young)} young-generation runs (p50 {percentile(young, 50) if young else 0:.1f} ms), "
+          f"{len(full)} of the whole heap (max {max(full, default=0):.1f} ms)")
 
     if profiler is not None:
         out = io.StringIO()
@@ -388,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         "default_gc": args.default_gc,
         "held_gc": args.held_gc,
         "profiled": bool(profiler),
+        "collector_inside_ms": round(sum(collections.inside_ms), 3),
+        "collector_after_young_runs": len(young),
+        "collector_after_full_runs": len(full),
+        "collector_after_full_max_ms": round(max(full, default=0.0), 3),
         "build_s": round(build_s, 3),
         "python": platform.python_version(),
     }))

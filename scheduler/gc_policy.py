@@ -7,10 +7,16 @@ starts every 700 allocations and walks the young objects each time: a tenth of a
 and the cause of most of its slowest cycles. Raising the thresholds is not enough: the counts
 carry over from between cycles, so now and then a full collection of the whole heap still falls
 inside a cycle. That walks every object of the process: 7 ms at rest in the benchmark's process,
-45 ms in one with the control worker's imports (Temporal SDK, asyncpg, boto3), more with a
-cycle's objects alive. So one cycle runs with the collector off (`no_collections`): it has
-nothing to find there, and whatever the process owes is collected after the cycle, off the path
-of the decisions.
+25 ms with the benchmark's snapshots alive, 45 ms in one with the control worker's imports
+(Temporal SDK, asyncpg, boto3). So the collector is off while a cycle is planned and committed
+(`no_collections`): the cycle has nothing for it to find, and what the process owes it (the
+allocations counted meanwhile) is collected once the collector is back on, at the first
+allocation after the commit, off the path of the decisions. Where that collection lands is the
+caller's choice: the planning activity holds the collector off across its whole transaction
+(read, cycle, commit), and `bench/cycle.py` times the cycle alone and the collection after it
+apart, as a full collection every ~50 cycles is the process's heap, not the cycle's work.
+Holders may overlap (two clusters' cycles interleave on one event loop): the collector comes
+back when the last of them is done.
 
 The simulator runs thousands of cycles and its own bookkeeping between them in one block, where
 switching the collector off would let any cyclic garbage of the engine pile up; it raises the
@@ -30,15 +36,23 @@ from typing import Iterator
 YOUNG_THRESHOLD = 50_000
 
 
+_holders = 0  # no_collections blocks open now
+_resume = False  # whether the collector was on when the first of them opened
+
+
 @contextmanager
 def no_collections() -> Iterator[None]:
-    """One cycle: the collector off, and back as it was afterwards."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """One cycle: the collector off, and back as it was once the last overlapping holder is done."""
+    global _holders, _resume
+    if _holders == 0:
+        _resume = gc.isenabled()
+        gc.disable()
+    _holders += 1
     try:
         yield
     finally:
-        if was_enabled:
+        _holders -= 1
+        if _holders == 0 and _resume:
             gc.enable()
 
 
