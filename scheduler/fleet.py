@@ -97,6 +97,30 @@ class Fleet(BaseModel):
         raise KeyError(f"no cluster named {name!r}; the fleet has: {known}")
 
 
+def guarantees_beyond_capacity(fleet: Fleet) -> list[str]:
+    """Warnings, one per cluster too small for the named teams' guarantees taken together.
+
+    Each cluster's cycles hold every team to its quota there, so a cluster whose GPUs are fewer
+    than the guarantees add up to cannot give every team under its guarantee what it is owed at
+    once: a team waiting for its guarantee may find no borrowed GPUs left to reclaim, only GPUs
+    other teams hold within theirs. Such a file is taken (an operator may mean it, as a bank may
+    lend more than it holds), but said."""
+    named = {team: q.guaranteed for team, q in fleet.quotas.items() if q.guaranteed > 0}
+    total = sum(named.values())
+    warnings = []
+    for cluster in fleet.clusters:
+        gpus = cluster.total_gpus
+        if total <= gpus:
+            continue
+        largest = sorted(named.items(), key=lambda item: (-item[1], item[0]))
+        shown = ", ".join(f"{team} {n:,}" for team, n in largest[:4]) + (", ..." if len(largest) > 4 else "")
+        warnings.append(
+            f"cluster {cluster.name} has {gpus:,} GPUs, but the teams' guarantees add up to {total:,} ({shown}): "
+            f"not every team can hold its guarantee at once, and one under its guarantee may wait for GPUs "
+            f"other teams hold within theirs; lower the guarantees to {gpus:,} in all, or add machines")
+    return warnings
+
+
 def parse_fleet(text: str, source: str) -> Fleet:
     """Read a fleet YAML document; raise ``InputError`` pointing at the first mistake."""
     try:

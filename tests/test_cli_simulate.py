@@ -250,3 +250,14 @@ def test_results_that_cannot_be_written_after_the_run_are_one_line_not_a_traceba
 def test_a_policy_name_is_read_as_compare_reads_them_spaces_and_all(tmp_path, inputs, capsys):
     assert main(simulate_argv(*inputs, tmp_path / "out", "--policy", " fifo ", "--compare", " easy ")) == 0
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["policy"] == "fifo"
+
+
+def test_guarantees_past_the_clusters_gpus_are_a_warning_and_the_run_goes_on(tmp_path, inputs, capsys):
+    trace, fleet = inputs
+    fleet.write_text(FLEET.replace("vision: {guaranteed: 8,", "vision: {guaranteed: 24,"))
+    out = tmp_path / "out"
+    assert main(simulate_argv(trace, fleet, out, "--json")) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {fleet}: cluster c1 has 24 GPUs, but the teams' guarantees add up to 32")
+    assert "Traceback" not in err
+    check_run_dir(out, "gpusched")

@@ -16,7 +16,7 @@ from workflows.types import JobRequest
 pytestmark = pytest.mark.live
 
 
-def fleet_file(tmp_path, *, b0_partition: str = "training", inference_block: str = "inf") -> str:
+def fleet_file(tmp_path, *, b0_partition: str = "training", inference_block: str = "inf", vision: int = 8) -> str:
     """c1: block b0 of two 4-GPU machines (in the partition asked), and a block of one 4-GPU
     inference machine; quotas for vision and every other team."""
     path = tmp_path / "fleet.yaml"
@@ -27,7 +27,7 @@ def fleet_file(tmp_path, *, b0_partition: str = "training", inference_block: str
               - {{name: b0, racks: 1, machines_per_rack: 2, gpus_per_machine: 4, gpu_type: H100, partition: {b0_partition}}}
               - {{name: {inference_block}, racks: 1, machines_per_rack: 1, gpus_per_machine: 4, gpu_type: H100, partition: inference}}
         quotas:
-          vision: {{guaranteed: 8, max: 16}}
+          vision: {{guaranteed: {vision}, max: 16}}
           "*": {{guaranteed: 0, max: 4}}
         """))
     return str(path)
@@ -60,6 +60,12 @@ def test_fleet_apply_declares_the_file_s_machines_partitions_and_quotas(stack, t
     assert "1 machine(s) of these clusters are not in the file, left as they are: c1/inf/r0/m0" in out
     assert machines(s)["c1/b0/r0/m0"] == ("inference", [0, 1])
     assert machines(s)["c1/inf/r0/m0"] == ("inference", [0, 1, 2, 3])
+
+    # A guarantee past the file's 12 GPUs is taken, and said.
+    assert main(["fleet", "apply", fleet_file(tmp_path, vision=16), *d]) == 0
+    err = capsys.readouterr().err
+    assert "cluster c1 has 12 GPUs, but the teams' guarantees add up to 16 (vision 16)" in err
+    assert s.run(s.client.quotas())["vision"] == Quota(guaranteed=16, max=16)
 
 
 @pytest.mark.parametrize("content, words", [

@@ -301,3 +301,31 @@ def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
     assert (error.source, error.line, error.field) == ("fleet.yaml", line, field)
     assert fix in error.message
     assert str(error).startswith(f"fleet.yaml:{line}:")
+
+
+def quotas_of(**guarantees: int) -> str:
+    return "".join(f"  {team}: {{guaranteed: {n}}}\n" for team, n in guarantees.items())
+
+
+@pytest.mark.parametrize(
+    "clusters, guarantees, warned",
+    [
+        pytest.param("c1:8", {"vision": 4, "speech": 4}, [], id="guarantees that fill the cluster exactly are no warning"),
+        pytest.param("c1:8", {"vision": 8, "speech": 1}, ["c1"], id="guarantees past the cluster's GPUs are warned of"),
+        pytest.param("c1:16,c2:8", {"vision": 6, "speech": 6}, ["c2"],
+                     id="each cluster is held to the quotas alone: only the smaller one is warned of"),
+        pytest.param("c1:8", {"vision": 0, "speech": 8}, [], id="a team with no guarantee adds nothing"),
+    ],
+)
+def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, guarantees, warned):
+    from scheduler.fleet import guarantees_beyond_capacity
+
+    blocks = "".join(
+        f"  - {{name: {name}, blocks: [{block(machines_per_rack=int(gpus) // 8)}]}}\n"
+        for name, gpus in (c.split(":") for c in clusters.split(","))
+    )
+    fleet = parse_fleet(f"clusters:\n{blocks}quotas:\n{quotas_of(**guarantees)}", "f.yaml")
+    warnings = guarantees_beyond_capacity(fleet)
+    assert [w.split()[1] for w in warnings] == warned
+    for w in warnings:
+        assert f"add up to {sum(guarantees.values())}" in w and "lower the guarantees" in w

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from scheduler.errors import InputError
-from scheduler.fleet import Fleet, parse_fleet
+from scheduler.fleet import Fleet, guarantees_beyond_capacity, parse_fleet
 from scheduler.models import PolicyConfig
 from scheduler.sim.engine import POLICIES, SimSettings, simulate
 from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_json, write_run
@@ -123,6 +123,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise InputError("simulate", None, "--out", "is empty; give the folder for the results")
     out = Path(args.out)
     _check_writable(out, names, {"--trace": args.trace, "--fleet": args.fleet})
+    for warning in guarantees_beyond_capacity(fleet):
+        print(f"warning: {args.fleet}: {warning}", file=sys.stderr)
     summaries = {}
     for name in names:
         began = time.perf_counter()

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from scheduler.errors import InputError
-from scheduler.fleet import parse_fleet
+from scheduler.fleet import guarantees_beyond_capacity, parse_fleet
 from workers.arg_types import read_input
 from workers.cli_jobs import EXIT_REFUSED, run_with_client
 from workers.settings import SettingsError, is_machine_token, load_settings, machine_token
@@ -91,6 +91,8 @@ def cmd_fleet_apply(args: argparse.Namespace) -> int:
             shown = ", ".join(applied.undeclared[:5]) + (", ..." if len(applied.undeclared) > 5 else "")
             print(f"{len(applied.undeclared)} machine(s) of these clusters are not in the file, left as they are: "
                   f"{shown}")
+        for warning in guarantees_beyond_capacity(fleet):
+            print(f"warning: {args.file}: {warning}", file=sys.stderr)
         return 0
 
     return run_with_client(args, body)
