@@ -6,7 +6,6 @@ from temporalio import activity
 
 from activities.store import CycleConflict, Store
 from scheduler.cycle import run_cycle
-from scheduler.gc_policy import no_collections
 from workflows.types import CycleInput, CycleOutcome
 
 # A cycle that meets a concurrent change (a job cancelled while it read, say) reads again; past
@@ -22,10 +21,8 @@ class PlanningActivities:
     async def plan_cycle(self, inp: CycleInput) -> CycleOutcome:
         for attempt in range(CONFLICT_RETRIES):
             try:
-                # The collector off from the read to the commit: what the cycle's allocations
-                # owe it is collected after the decisions are committed (scheduler/gc_policy.py).
-                with no_collections():
-                    return await self.store.plan_cycle(inp.cluster, inp.cycle_seq, run_cycle)
+                # The store holds the collector off from its read to its commit (gc_policy.py).
+                return await self.store.plan_cycle(inp.cluster, inp.cycle_seq, run_cycle)
             except CycleConflict:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise

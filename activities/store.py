@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from collections import Counter
+from contextlib import ExitStack
 from importlib import resources
 from typing import Annotated, Callable
 
@@ -22,6 +23,7 @@ from activities import rows
 from activities.outages import log_outages_in_one_line
 from scheduler import in_words
 from scheduler.fleet import Fleet
+from scheduler.gc_policy import no_collections
 from scheduler.models import CycleResult, Machine, Quota, Snapshot
 from workflows.types import (
     HEARD,
@@ -652,19 +654,26 @@ class Store:
         changes nothing and only returns the orders not yet acted on whose re-send is due.
         Raises ``CycleConflict`` when a concurrent change invalidates what it read."""
         try:
-            async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):
-                lock = await conn.fetchrow(q.LOCK_CLUSTER, cluster)
-                if lock is None:
-                    raise StoreError(f"unknown cluster '{cluster}'")
-                now = await conn.fetchval(q.NOW)
-                if lock["cycle_seq"] != cycle_seq - 1:
-                    return await self._resend(conn, cluster, lock, now, committed=False)
-                snapshot = await self._snapshot(conn, cluster, lock, now)
-                result = planner(snapshot)
-                result = await self._commit_refusing_double_booking(conn, cluster, cycle_seq, snapshot, result)
-                outcome = await self._resend(conn, cluster, lock, now, committed=True, seq=cycle_seq)
-                outcome.next_wake_in = None if result.next_wake is None else max(0.0, result.next_wake - now)
-                return outcome
+            # The collector off from the read to the commit (scheduler/gc_policy.py): what the
+            # cycle's allocations owe it is collected once its decisions are committed, as this
+            # block exits after the transaction's.
+            with ExitStack() as collector:
+                async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):
+                    lock = await conn.fetchrow(q.LOCK_CLUSTER, cluster)
+                    if lock is None:
+                        raise StoreError(f"unknown cluster '{cluster}'")
+                    now = await conn.fetchval(q.NOW)
+                    if lock["cycle_seq"] != cycle_seq - 1:
+                        return await self._resend(conn, cluster, lock, now, committed=False)
+                    # Only once the lock is held: waiting for it lasts as long as another
+                    # process's transaction.
+                    collector.enter_context(no_collections())
+                    snapshot = await self._snapshot(conn, cluster, lock, now)
+                    result = planner(snapshot)
+                    result = await self._commit_refusing_double_booking(conn, cluster, cycle_seq, snapshot, result)
+                    outcome = await self._resend(conn, cluster, lock, now, committed=True, seq=cycle_seq)
+                    outcome.next_wake_in = None if result.next_wake is None else max(0.0, result.next_wake - now)
+                    return outcome
         except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as e:
             raise CycleConflict(str(e)) from e
 

@@ -14,8 +14,9 @@ allowing for a day of expected arrivals (the forecast the live loop makes from t
 
 Each timed cycle runs on the same cluster with ``now`` a few seconds later than the last one, so
 no call sees the same snapshot twice. Three warm-up calls come first. Each cycle runs as the live
-planner runs it (activities/planning.py): with the garbage collector off for the cycle
-(scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults, `--held-gc` only raises
+planner runs it (activities/store.py, `Store.plan_cycle`): with the garbage collector off for
+the cycle, and what the cycle owes it collected after the clock stops, as the live store
+collects it after its commit (scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults, `--held-gc` only raises
 its thresholds, as the simulator does (and the live planner did before commit 973e126). This is a
 benchmark, not a test: it prints a short summary and, as its last line, one JSON object with the timings.
 """
@@ -350,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     times_ms: list[float] = []
     # What the collector takes outside the timed cycles: with the collector off for a cycle, the
     # collection its allocations owe runs as soon as it is back on, after the decisions, as in
-    # the planning activity after its commit. Timed apart: a full collection walks the whole
-    # heap of the process (its imports, the snapshots here), and comes every ~50 cycles.
+    # the live store after its commit (Store.plan_cycle). Timed apart: a full collection walks
+    # the whole heap of the process (its imports, the snapshots here), every ~50 cycles.
     collections = CollectorTimes()
     gc.callbacks.append(collections.observe)
     # Only counts are kept, as the live loop keeps nothing of a cycle once it is committed:

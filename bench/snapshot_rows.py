@@ -67,7 +67,7 @@ def as_rows(snap: Snapshot) -> dict:
 def timed(cycles: int, table: dict, reuse: rows.Reuse | None, step: float) -> tuple[list[float], list[float]]:
     read_ms, cycle_ms = [], []
     for k in range(cycles):
-        with no_collections():  # as the planning activity holds it, from the read to the commit
+        with no_collections():  # as the store holds it, from the read to the commit (Store.plan_cycle)
             t0 = time.perf_counter()
             snap = rows.snapshot(cluster="c1", now=NOW + k * step, lock=table["lock"],
                                  config=rows.policy(table["lock"]), machines=table["machines"],

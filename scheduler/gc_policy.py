@@ -12,8 +12,9 @@ inside a cycle. That walks every object of the process: 7 ms at rest in the benc
 (`no_collections`): the cycle has nothing for it to find, and what the process owes it (the
 allocations counted meanwhile) is collected once the collector is back on, at the first
 allocation after the commit, off the path of the decisions. Where that collection lands is the
-caller's choice: the planning activity holds the collector off across its whole transaction
-(read, cycle, commit), and `bench/cycle.py` times the cycle alone and the collection after it
+caller's choice: the live store's cycle (`Store.plan_cycle`) holds the collector off from its
+read, once the cluster's lock is held, to its commit, and `bench/cycle.py` times the cycle alone
+and the collection after it
 apart, as a full collection every ~50 cycles is the process's heap, not the cycle's work.
 Holders may overlap (two clusters' cycles interleave on one event loop): the collector comes
 back when the last of them is done.

@@ -1,7 +1,6 @@
 """The collector is off inside a cycle (held back for a simulation) and put back exactly as it
 was afterwards; a cycle leaves nothing that only the collector could free."""
 
-import asyncio
 import gc
 
 import pytest
@@ -78,28 +77,3 @@ def test_overlapping_holders_keep_the_collector_off_until_the_last_is_done():
     second.__exit__(None, None, None)
     assert gc.isenabled()
 
-
-class _Store:
-    """The planning activity's store: records whether the collector was on at each step."""
-
-    def __init__(self):
-        self.seen = {}
-
-    async def plan_cycle(self, cluster, cycle_seq, planner):
-        self.seen["read"] = gc.isenabled()
-        planner(_busy_snapshot())
-        self.seen["commit"] = gc.isenabled()  # the planner has returned; the commit comes next
-        return "committed"
-
-
-def test_the_planning_activity_keeps_the_collector_off_from_the_read_to_the_commit():
-    """What a cycle's allocations owe the collector is paid after its decisions are committed."""
-    from activities.planning import PlanningActivities
-    from workflows.types import CycleInput
-
-    store = _Store()
-    gc.enable()
-    outcome = asyncio.run(PlanningActivities(store).plan_cycle(CycleInput(cluster="c1", cycle_seq=1)))
-    assert outcome == "committed"
-    assert store.seen == {"read": False, "commit": False}
-    assert gc.isenabled()

@@ -841,3 +841,31 @@ def test_listing_the_newest_jobs_reads_them_along_an_index_not_the_whole_table_s
     assert reading["Node Type"] in ("Index Scan", "Index Only Scan") and reading["Scan Direction"] == "Backward", \
         reading
     assert [v.job_id for v in run(store.list_jobs(team=team, state=state, limit=2))] == ["j1", "j2"]
+
+
+@pytest.mark.parametrize("seq, off_inside", [
+    pytest.param(1, True, id="a cycle keeps the collector off from its read to its commit"),
+    pytest.param(0, False, id="a stale cycle, which plans nothing, leaves it alone"),
+])
+def test_what_a_cycle_owes_the_collector_is_collected_after_its_commit(store_env, monkeypatch, seq, off_inside):
+    import gc
+
+    run, store = store_env
+    run(store.admit(job("a")))
+    seen = {}
+
+    def planner(snapshot):
+        seen["planning"] = gc.isenabled()
+        return run_cycle(snapshot)
+
+    resend = store._resend
+
+    async def last_statement(*args, **kwargs):  # the transaction's last: the commit follows it
+        seen["before the commit"] = gc.isenabled()
+        return await resend(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_resend", last_statement)
+    gc.enable()
+    run(store.plan_cycle("c1", seq, planner))
+    assert seen == ({"planning": False, "before the commit": False} if off_inside else {"before the commit": True})
+    assert gc.isenabled()
