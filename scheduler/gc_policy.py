@@ -7,7 +7,7 @@ starts every 700 allocations and walks the young objects each time: a tenth of a
 and the cause of most of its slowest cycles. Raising the thresholds is not enough: the counts
 carry over from between cycles, so now and then a full collection of the whole heap still falls
 inside a cycle. That walks every object of the process: 7 ms at rest in the benchmark's process,
-25 ms with the benchmark's snapshots alive, 45 ms in one with the control worker's imports
+25–90 ms with the benchmark's snapshots alive, 45 ms in one with the control worker's imports
 (Temporal SDK, asyncpg, boto3). So the collector is off while a cycle is planned and committed
 (`no_collections`): the cycle has nothing for it to find, and what the process owes it (the
 allocations counted meanwhile) is collected once the collector is back on, at the first
