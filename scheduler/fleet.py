@@ -98,26 +98,31 @@ class Fleet(BaseModel):
 
 
 def guarantees_beyond_capacity(fleet: Fleet) -> list[str]:
-    """Warnings, one per cluster too small for the named teams' guarantees taken together.
+    """Warnings, one per cluster too small for the teams' guarantees taken together.
 
     Each cluster's cycles hold every team to its quota there, so a cluster whose GPUs are fewer
     than the guarantees add up to cannot give every team under its guarantee what it is owed at
     once: a team waiting for its guarantee may find no borrowed GPUs left to reclaim, only GPUs
-    other teams hold within theirs. Such a file is taken (an operator may mean it, as a bank may
+    other teams hold within theirs. The ``"*"`` default's guarantee counts once: any team
+    without its own entry has it. Such a file is taken (an operator may mean it, as a bank may
     lend more than it holds), but said."""
-    named = {team: q.guaranteed for team, q in fleet.quotas.items() if q.guaranteed > 0}
-    total = sum(named.values())
+    owed = {team: q.guaranteed for team, q in fleet.quotas.items() if q.guaranteed > 0}
+    if fleet.default_quota is not None and fleet.default_quota.guaranteed > 0:
+        owed['"*" (each team without its own entry)'] = fleet.default_quota.guaranteed
+    total = sum(owed.values())
+    largest = sorted(owed.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{team} {n:,}" for team, n in largest[:4]) + (", ..." if len(largest) > 4 else "")
     warnings = []
     for cluster in fleet.clusters:
         gpus = cluster.total_gpus
         if total <= gpus:
             continue
-        largest = sorted(named.items(), key=lambda item: (-item[1], item[0]))
-        shown = ", ".join(f"{team} {n:,}" for team, n in largest[:4]) + (", ..." if len(largest) > 4 else "")
+        inference = sum(m.gpus for m in cluster.machines if m.partition == INFERENCE_PARTITION)
+        of_them = f" ({inference:,} of them in the inference partition, for inference jobs only)" if inference else ""
         warnings.append(
-            f"cluster {cluster.name} has {gpus:,} GPUs, but the teams' guarantees add up to {total:,} ({shown}): "
-            f"not every team can hold its guarantee at once, and one under its guarantee may wait for GPUs "
-            f"other teams hold within theirs; lower the guarantees to {gpus:,} in all, or add machines")
+            f"cluster {cluster.name} has {gpus:,} GPUs{of_them}, but the teams' guarantees add up to {total:,} "
+            f"({shown}): not every team can hold its guarantee at once, and one under its guarantee may wait "
+            f"for GPUs other teams hold within theirs; lower the guarantees to {gpus:,} in all, or add machines")
     return warnings
 
 

@@ -13,18 +13,20 @@ inside a cycle. That walks every object of the process: 7 ms at rest in the benc
 allocations counted meanwhile) is collected once the collector is back on, at the first
 allocation after the commit, off the path of the decisions. Where that collection lands is the
 caller's choice: the live store's cycle (`Store.plan_cycle`) holds the collector off from its
-read, once the cluster's lock is held, to its commit, and `bench/cycle.py` times the cycle alone
-and the collection after it
-apart, as a full collection every ~50 cycles is the process's heap, not the cycle's work.
-Holders may overlap (two clusters' cycles interleave on one event loop): the collector comes
-back when the last of them is done.
+read, once the cluster's lock is held, until its transaction has committed and its connection
+is back in the pool; `bench/cycle.py` times the cycle alone and the collections after it apart,
+as a full collection every ~50 cycles walks the process's heap, which is not the cycle's work.
+The store's hold lasts as long as its statements: reads that wait for nobody, then the commit's
+writes, which wait for a job's row only while another transaction holds it (the server ends one
+left idle past `IDLE_IN_TRANSACTION_S`, activities/store.py). Holders may overlap (two clusters'
+cycles interleave on one event loop): the collector comes back when the last of them is done.
 
 The simulator runs thousands of cycles and its own bookkeeping between them in one block, where
 switching the collector off would let any cyclic garbage of the engine pile up; it raises the
 thresholds instead (`few_collections`), so the collector starts only every 50,000 allocations,
 and sets everything loaded so far aside (`freeze`), so no collection walks the trace again.
 
-This is process configuration at the edge (the live planner activity, the simulator, the
+This is process configuration at the edge (the live store's cycle, the simulator, the
 benchmarks); the scheduling core itself never touches the collector.
 """
 

@@ -258,6 +258,7 @@ def test_guarantees_past_the_clusters_gpus_are_a_warning_and_the_run_goes_on(tmp
     out = tmp_path / "out"
     assert main(simulate_argv(trace, fleet, out, "--json")) == 0
     err = capsys.readouterr().err
-    assert err.startswith(f"warning: {fleet}: cluster c1 has 24 GPUs, but the teams' guarantees add up to 32")
+    assert err.startswith(f"warning: {fleet}: cluster c1 has 24 GPUs (8 of them in the inference partition, "
+                          "for inference jobs only), but the teams' guarantees add up to 32 (vision 24, language 8)")
     assert "Traceback" not in err
     check_run_dir(out, "gpusched")

@@ -64,7 +64,8 @@ def test_fleet_apply_declares_the_file_s_machines_partitions_and_quotas(stack, t
     # A guarantee past the file's 12 GPUs is taken, and said.
     assert main(["fleet", "apply", fleet_file(tmp_path, vision=16), *d]) == 0
     err = capsys.readouterr().err
-    assert "cluster c1 has 12 GPUs, but the teams' guarantees add up to 16 (vision 16)" in err
+    assert ("cluster c1 has 12 GPUs (4 of them in the inference partition, for inference jobs only), but the "
+            "teams' guarantees add up to 16 (vision 16)") in err
     assert s.run(s.client.quotas())["vision"] == Quota(guaranteed=16, max=16)
 
 

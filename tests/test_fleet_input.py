@@ -304,20 +304,27 @@ def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
 
 
 def quotas_of(**guarantees: int) -> str:
-    return "".join(f"  {team}: {{guaranteed: {n}}}\n" for team, n in guarantees.items())
+    """Quota lines; `default` is the "*" entry."""
+    return "".join(f"  {DEFAULT_ENTRY if team == 'default' else team}: {{guaranteed: {n}}}\n"
+                   for team, n in guarantees.items())
 
+
+DEFAULT_ENTRY = '"*"'
 
 @pytest.mark.parametrize(
-    "clusters, guarantees, warned",
+    "clusters, guarantees, warned, named",
     [
-        pytest.param("c1:8", {"vision": 4, "speech": 4}, [], id="guarantees that fill the cluster exactly are no warning"),
-        pytest.param("c1:8", {"vision": 8, "speech": 1}, ["c1"], id="guarantees past the cluster's GPUs are warned of"),
-        pytest.param("c1:16,c2:8", {"vision": 6, "speech": 6}, ["c2"],
+        pytest.param("c1:8", {"vision": 4, "speech": 4}, [], [], id="guarantees that fill the cluster exactly are no warning"),
+        pytest.param("c1:8", {"vision": 8, "speech": 1}, ["c1"], ["vision 8", "speech 1"],
+                     id="guarantees past the cluster's GPUs are warned of, the largest first"),
+        pytest.param("c1:16,c2:8", {"vision": 6, "speech": 6}, ["c2"], ["speech 6", "vision 6"],
                      id="each cluster is held to the quotas alone: only the smaller one is warned of"),
-        pytest.param("c1:8", {"vision": 0, "speech": 8}, [], id="a team with no guarantee adds nothing"),
+        pytest.param("c1:8", {"vision": 0, "speech": 9}, ["c1"], ["speech 9"], id="a team with no guarantee is not named"),
+        pytest.param("c1:8", {"vision": 4, "default": 5}, ["c1"], ['"*" (each team without its own entry) 5', "vision 4"],
+                     id="the default's guarantee counts once, for any team without its own entry"),
     ],
 )
-def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, guarantees, warned):
+def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, guarantees, warned, named):
     from scheduler.fleet import guarantees_beyond_capacity
 
     blocks = "".join(
@@ -328,4 +335,14 @@ def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, g
     warnings = guarantees_beyond_capacity(fleet)
     assert [w.split()[1] for w in warnings] == warned
     for w in warnings:
-        assert f"add up to {sum(guarantees.values())}" in w and "lower the guarantees" in w
+        assert f"add up to {sum(guarantees.values())} ({', '.join(named)}):" in w and "lower the guarantees" in w
+
+
+def test_a_clusters_inference_gpus_are_named_in_the_warning():
+    from scheduler.fleet import guarantees_beyond_capacity
+
+    fleet = parse_fleet(f"clusters:\n  - {{name: c1, blocks: [{block()}, {block('inf', partition='inference')}]}}\n"
+                        f"quotas:\n{quotas_of(vision=20)}", "f.yaml")
+    assert guarantees_beyond_capacity(fleet)[0].startswith(
+        "cluster c1 has 16 GPUs (8 of them in the inference partition, for inference jobs only), "
+        "but the teams' guarantees add up to 20 (vision 20)")

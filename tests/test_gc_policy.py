@@ -65,15 +65,20 @@ def test_a_cycle_leaves_no_reference_cycles_for_the_collector():
     assert gc.collect() == 0
 
 
-def test_overlapping_holders_keep_the_collector_off_until_the_last_is_done():
+@pytest.mark.parametrize("enabled", [True, False], ids=["on before: on again after the last", "off before: still off after"])
+def test_overlapping_holders_keep_the_collector_off_until_the_last_is_done(enabled):
     """Two clusters' cycles interleave on one event loop: the first done must not turn it on
-    under the second."""
-    gc.enable()
+    under the second, nor the last turn on a collector that was off before the first."""
+    (gc.enable if enabled else gc.disable)()
     first, second = no_collections(), no_collections()
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)
-    assert not gc.isenabled()
-    second.__exit__(None, None, None)
-    assert gc.isenabled()
-
+    try:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert not gc.isenabled()
+    finally:
+        second.__exit__(None, None, None)
+    try:
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

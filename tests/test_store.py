@@ -844,11 +844,13 @@ def test_listing_the_newest_jobs_reads_them_along_an_index_not_the_whole_table_s
 
 
 @pytest.mark.parametrize("seq, off_inside", [
-    pytest.param(1, True, id="a cycle keeps the collector off from its read to its commit"),
+    pytest.param(1, True, id="a cycle keeps the collector off from its read until its commit is done"),
     pytest.param(0, False, id="a stale cycle, which plans nothing, leaves it alone"),
 ])
 def test_what_a_cycle_owes_the_collector_is_collected_after_its_commit(store_env, monkeypatch, seq, off_inside):
     import gc
+
+    from asyncpg.transaction import Transaction
 
     run, store = store_env
     run(store.admit(job("a")))
@@ -858,14 +860,15 @@ def test_what_a_cycle_owes_the_collector_is_collected_after_its_commit(store_env
         seen["planning"] = gc.isenabled()
         return run_cycle(snapshot)
 
-    resend = store._resend
+    commit = Transaction._Transaction__commit
 
-    async def last_statement(*args, **kwargs):  # the transaction's last: the commit follows it
-        seen["before the commit"] = gc.isenabled()
-        return await resend(*args, **kwargs)
+    async def committing(self):  # the outer transaction's COMMIT, not a savepoint's release
+        if not self._nested:
+            seen["committing"] = gc.isenabled()
+        return await commit(self)
 
-    monkeypatch.setattr(store, "_resend", last_statement)
+    monkeypatch.setattr(Transaction, "_Transaction__commit", committing)
     gc.enable()
     run(store.plan_cycle("c1", seq, planner))
-    assert seen == ({"planning": False, "before the commit": False} if off_inside else {"before the commit": True})
+    assert seen == ({"planning": False, "committing": False} if off_inside else {"committing": True})
     assert gc.isenabled()
