@@ -379,9 +379,16 @@ def read_stamps(stamps: Path, reaped: dict[tuple[str, str], float] | None = None
     return lives
 
 
-def overlaps(lives: list[dict], start: str, end: str) -> list[str]:
+# How far a stamped start may read early: a process's start in whole clock ticks since boot,
+# against an uptime in hundredths of a second (bench/chaos_job.py), each truncated: within one
+# tick either way; two allowed.
+STARTS_TO_S = 2 / os.sysconf("SC_CLK_TCK")
+
+
+def overlaps(lives: list[dict], start: str, end: str, within: float = 0.0) -> list[str]:
     """Pairs of lives that held one GPU at the same time: ``start``/``end`` name their bounds, and
-    ``gpus`` their GPUs. Touching ends do not overlap."""
+    ``gpus`` their GPUs. Touching ends do not overlap, nor ends closer than ``within`` seconds,
+    the resolution of the bounds."""
     by_gpu = defaultdict(list)
     for life in lives:
         for gpu in life["gpus"]:
@@ -391,8 +398,10 @@ def overlaps(lives: list[dict], start: str, end: str) -> list[str]:
         held.sort(key=lambda life: life[start])
         for i, a in enumerate(held):
             for b in held[i + 1:]:
-                if b[start] >= a[end]:
+                if b[start] >= a[end] - within:
                     break
+                if min(a[end], b[end]) - b[start] <= within:
+                    continue
                 found.append(f"{gpu}: {a['job']} attempt {a['attempt']} and {b['job']} attempt {b['attempt']} "
                              f"for {min(a[end], b[end]) - b[start]:.2f} s")
     return found
@@ -486,7 +495,9 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     succeeded = [j for j in steps if states.get(j, {}).get("state") == "succeeded"]
     ran = sum(len(re.findall(r"^step \d+/", p.read_text(), re.M)) for j in succeeded  # as needed is counted
               for p in data_dir.glob(f"jobs/*/{j}/attempt-*.log"))
-    gpu_overlaps = overlaps(lives, "first", "last")
+    # A stamped start is good to a clock tick (STARTS_TO_S): a new process started as soon as the
+    # one before it was reaped may seem to begin a few milliseconds before that one ended.
+    gpu_overlaps = overlaps(lives, "first", "last", within=STARTS_TO_S)
     allocation_overlaps = overlaps(allocations, "held_from", "held_to")
     bad_checkpoints = await asyncio.to_thread(verify_checkpoints, settings, rows)
     gangs = {r.job_id for _, r in jobs if r.num_gpus > 4}  # each machine of a gang runs the steps

@@ -55,6 +55,15 @@ def test_the_chaos_bench_finds_every_pair_of_lives_that_held_one_gpu_at_once(liv
     assert len(chaos_bench().overlaps(lives, "first", "last")) == found
 
 
+@pytest.mark.parametrize("second_from, found", [
+    (9.997, 0), (9.98, 0), (9.9, 1),
+], ids=["a start 3 ms before the last end, within the stamps' resolution, is none",
+        "nor one 20 ms before it", "one 100 ms before it is"])
+def test_the_chaos_bench_takes_ends_closer_than_the_stamps_resolution_for_touching(second_from, found):
+    lives = [life("a", ["m0/0"], 0, 10), life("a", ["m0/0"], second_from, 20)]
+    assert len(chaos_bench().overlaps(lives, "first", "last", within=0.02)) == found
+
+
 def test_the_chaos_bench_freezes_a_process_with_every_process_under_it():
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
     try:
