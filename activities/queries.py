@@ -277,9 +277,14 @@ INSERT INTO allocations (job_id, cluster, attempt, gpus, state, cycle_seq, check
                          progress_at_start, placed_at, placed_reason)
 VALUES ($1, $2, $3, $4, 'placed', $5, $6, $7, $8, $9)
 RETURNING id"""
+# A hold opens at the database's clock, or where the GPU's last hold closed if that is later: a
+# clock stepped back (a VM resumed, NTP stepping it) would otherwise open it inside the closed
+# one, the constraint would refuse it, and each cycle would commit without its placements until
+# the clock caught up. Still refused while the GPU's last hold is open (greatest() skips NULL).
 INSERT_HOLD = """
 INSERT INTO gpu_holds (allocation_id, machine_id, idx, held)
-VALUES ($1, $2, $3, tstzrange(clock_timestamp(), NULL))"""
+SELECT $1, $2, $3, tstzrange(greatest(clock_timestamp(), (SELECT max(upper(held)) FROM gpu_holds
+                                                         WHERE machine_id = $2 AND idx = $3)), NULL)"""
 MARK_JOB_PLACED = """
 UPDATE jobs SET state = 'placed', position = NULL, estimated_start = NULL, pending_reason = NULL,
     updated_at = $2

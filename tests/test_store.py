@@ -872,3 +872,24 @@ def test_what_a_cycle_owes_the_collector_is_collected_after_its_commit(store_env
     run(store.plan_cycle("c1", seq, planner))
     assert seen == ({"planning": False, "committing": False} if off_inside else {"committing": True})
     assert gc.isenabled()
+
+
+def test_a_database_clock_stepped_back_does_not_stop_the_cycles_placing(store_env):
+    """A hold closes at the database's clock; if that clock then steps back (a VM resumed, NTP
+    stepping it), a new hold of the same GPU opened at the earlier clock would overlap the closed
+    one, the constraint would refuse it, and every cycle would commit without any placement until
+    the clock caught up. A hold opens no earlier than the GPU's last one closed."""
+    run, store = store_env
+    alloc = started(run, store, "a", gpus=4)
+    run(store.end_attempt("a", alloc, EndReason.completed, 0, JobState.succeeded, "completed"))
+    # As if the clock had stepped back an hour since: the closed hold ends an hour ahead of it.
+    run(store.pool.execute(
+        "UPDATE gpu_holds SET held = tstzrange(lower(held), clock_timestamp() + interval '1 hour') "
+        "WHERE allocation_id = $1", alloc))
+    run(store.admit(job("b", gpus=8)))  # the whole cluster: the GPUs a held among them
+    outcome = run(store.plan_cycle("c1", 2, run_cycle))
+    assert [p.job_id for p in outcome.placements] == ["b"]
+    overlapping = run(store.pool.fetchval(
+        "SELECT count(*) FROM gpu_holds x JOIN gpu_holds y ON x.machine_id = y.machine_id AND x.idx = y.idx "
+        "AND x.allocation_id < y.allocation_id AND x.held && y.held"))
+    assert overlapping == 0
