@@ -137,6 +137,14 @@ GROUP BY m.id, c.machine_timeout ORDER BY m.id"""
 
 # --- quotas -------------------------------------------------------------------------------------
 
+# Before a change that cycles read but never write (a quota, a machine's partition): every
+# cluster's row locked in name order (as a cycle locks its own first) and touched. A cycle in
+# flight commits first, under what it read; one that took its snapshot before the change commits
+# and locks its row after finds the row changed, fails (a serialization failure, a conflict the
+# planning activity reads again after) and plans with the change.
+ORDER_AFTER_CYCLES = """
+UPDATE clusters SET cycle_seq = cycle_seq
+WHERE name IN (SELECT name FROM clusters ORDER BY name FOR NO KEY UPDATE)"""
 SET_QUOTA = """
 INSERT INTO quotas (team, guaranteed, max_gpus, queue_cap) VALUES ($1, $2, $3, $4)
 ON CONFLICT (team) DO UPDATE SET guaranteed = EXCLUDED.guaranteed, max_gpus = EXCLUDED.max_gpus,

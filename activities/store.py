@@ -231,6 +231,7 @@ class Store:
         reported and takes the file's partition. Machines the file leaves out are left alone."""
         applied = FleetApplied()
         async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(q.ORDER_AFTER_CYCLES)  # partitions and quotas: after the cycles in flight
             for cluster in fleet.clusters:
                 await conn.execute(q.UPSERT_CLUSTER, cluster.name)
                 for m in cluster.machines:
@@ -325,7 +326,10 @@ class Store:
     # --- quotas -----------------------------------------------------------------------------
 
     async def set_quota(self, team: str, quota: Quota) -> None:
-        await self.pool.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)
+        """Set a team's quota, after the cycles in flight (queries.ORDER_AFTER_CYCLES)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(q.ORDER_AFTER_CYCLES)
+            await conn.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)
 
     async def list_quotas(self) -> dict[str, Quota]:
         return {r["team"]: rows.quota(r) for r in await self.pool.fetch(q.LIST_QUOTAS)}

@@ -893,3 +893,43 @@ def test_a_database_clock_stepped_back_does_not_stop_the_cycles_placing(store_en
         "SELECT count(*) FROM gpu_holds x JOIN gpu_holds y ON x.machine_id = y.machine_id AND x.idx = y.idx "
         "AND x.allocation_id < y.allocation_id AND x.held && y.held"))
     assert overlapping == 0
+
+
+def test_a_quota_changed_while_a_cycle_plans_applies_after_that_cycle_commits(store_env, live_servers):
+    """A cycle reads the quotas once (its snapshot) and does not write them: a maximum lowered
+    while it planned used to commit under it, and the cycle then placed past the new maximum.
+    A change of quota now waits for the cycle in flight (and a cycle that read before it and
+    locks after it reads again)."""
+    import threading
+
+    from workers.servers import with_database
+
+    run, store = store_env
+    dsn = with_database(live_servers.pg_dsn, run(store.pool.fetchval("SELECT current_database()")))
+    for name in ("a", "b"):
+        run(store.admit(job(name, gpus=4)))  # vision's maximum (8) takes both
+    changed = threading.Event()
+
+    def lower_the_maximum() -> None:
+        async def change() -> None:
+            other = await Store.connect(dsn, max_size=1)
+            try:
+                await other.set_quota("vision", Quota(guaranteed=4, max=4, queue_cap=3))
+            finally:
+                await other.close()
+        asyncio.run(change())
+        changed.set()
+
+    changer = threading.Thread(target=lower_the_maximum)
+
+    def planner(snapshot):
+        changer.start()
+        seen["changed while planning"] = changed.wait(3.0)
+        return run_cycle(snapshot)
+
+    seen = {}
+    outcome = run(store.plan_cycle("c1", 1, planner))
+    changer.join(30)
+    assert seen == {"changed while planning": False}
+    assert sorted(p.job_id for p in outcome.placements) == ["a", "b"]  # as the quotas were when it read them
+    assert changed.is_set() and run(store.list_quotas())["vision"].max == 4
