@@ -933,3 +933,27 @@ def test_a_quota_changed_while_a_cycle_plans_applies_after_that_cycle_commits(st
     assert seen == {"changed while planning": False}
     assert sorted(p.job_id for p in outcome.placements) == ["a", "b"]  # as the quotas were when it read them
     assert changed.is_set() and run(store.list_quotas())["vision"].max == 4
+
+
+def test_a_cycle_that_read_before_a_quota_change_and_locks_after_it_plans_again(store_env):
+    """The other order: the change holds the clusters' rows when the cycle begins; the cycle's
+    snapshot predates the change's commit, so taking its row then fails, and the planning
+    activity's next read has the new quota."""
+    run, store = store_env
+    for name in ("a", "b"):
+        run(store.admit(job(name, gpus=4)))
+
+    async def change_during_the_cycles_first_read() -> None:
+        async with store.pool.acquire() as conn:
+            change = conn.transaction()
+            await change.start()
+            await conn.execute(q.ORDER_AFTER_CYCLES)
+            cycle = asyncio.ensure_future(store.plan_cycle("c1", 1, run_cycle))
+            await until_blocked_or_done(conn, cycle)
+            await conn.execute(q.SET_QUOTA, "vision", 4, 4, 3)
+            await change.commit()
+            with pytest.raises(CycleConflict):
+                await cycle
+
+    run(change_during_the_cycles_first_read())
+    assert [p.job_id for p in run(store.plan_cycle("c1", 1, run_cycle)).placements] == ["a"]
