@@ -16,8 +16,8 @@ Each timed cycle runs on the same cluster with ``now`` a few seconds later than 
 no call sees the same snapshot twice. Three warm-up calls come first. Each cycle runs as the live
 planner runs it (activities/store.py, `Store.plan_cycle`): with the garbage collector off for
 the cycle, and what the cycle owes it collected after the clock stops, as the live store
-collects it after its commit (scheduler/gc_policy.py); `--default-gc` leaves it at Python's defaults, `--held-gc` only raises
-its thresholds, as the simulator does (and the live planner did before commit 973e126). This is a
+collects it after its commit (scheduler/gc_policy.py); `--default-gc` leaves it at Python's
+defaults, `--held-gc` only raises its thresholds, as the simulator does (and the live planner did before commit 973e126). This is a
 benchmark, not a test: it prints a short summary and, as its last line, one JSON object with the timings.
 """
 
@@ -35,6 +35,7 @@ import random
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -355,26 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     # the whole heap of the process (its imports, the snapshots here), every ~50 cycles.
     collections = CollectorTimes()
     gc.callbacks.append(collections.observe)
+    collector_setting = nullcontext if args.default_gc else few_collections if args.held_gc else no_collections
     # Only counts are kept, as the live loop keeps nothing of a cycle once it is committed:
     # holding 50 results (100,000 objects) alive would time the allocator, not the cycle.
     placements, preemptions, pending, reservations, estimated = [], [], [], [], []
     for snap in snapshots[WARMUP:]:
         if profiler is not None:
             profiler.enable()
-        if args.default_gc:
+        with collector_setting():
             collections.timing, t0 = True, time.perf_counter()
             result = run_cycle(snap)
             elapsed, collections.timing = time.perf_counter() - t0, False
-        elif args.held_gc:
-            with few_collections():
-                collections.timing, t0 = True, time.perf_counter()
-                result = run_cycle(snap)
-                elapsed, collections.timing = time.perf_counter() - t0, False
-        else:
-            with no_collections():
-                collections.timing, t0 = True, time.perf_counter()
-                result = run_cycle(snap)
-                elapsed, collections.timing = time.perf_counter() - t0, False
         if profiler is not None:
             profiler.disable()
         times_ms.append(elapsed * 1000.0)

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from scheduler.errors import InputError
-from scheduler.fleet import parse_fleet
+from scheduler.fleet import guarantees_beyond_capacity, parse_fleet
 from scheduler.models import Quota
 
 
@@ -303,13 +303,14 @@ def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):
     assert str(error).startswith(f"fleet.yaml:{line}:")
 
 
+DEFAULT_ENTRY = '"*"'
+
+
 def quotas_of(**guarantees: int) -> str:
     """Quota lines; `default` is the "*" entry."""
     return "".join(f"  {DEFAULT_ENTRY if team == 'default' else team}: {{guaranteed: {n}}}\n"
                    for team, n in guarantees.items())
 
-
-DEFAULT_ENTRY = '"*"'
 
 @pytest.mark.parametrize(
     "clusters, guarantees, warned, named",
@@ -325,8 +326,6 @@ DEFAULT_ENTRY = '"*"'
     ],
 )
 def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, guarantees, warned, named):
-    from scheduler.fleet import guarantees_beyond_capacity
-
     blocks = "".join(
         f"  - {{name: {name}, blocks: [{block(machines_per_rack=int(gpus) // 8)}]}}\n"
         for name, gpus in (c.split(":") for c in clusters.split(","))
@@ -339,8 +338,6 @@ def test_guarantees_beyond_a_clusters_gpus_are_warned_of_not_refused(clusters, g
 
 
 def test_a_clusters_inference_gpus_are_named_in_the_warning():
-    from scheduler.fleet import guarantees_beyond_capacity
-
     fleet = parse_fleet(f"clusters:\n  - {{name: c1, blocks: [{block()}, {block('inf', partition='inference')}]}}\n"
                         f"quotas:\n{quotas_of(vision=20)}", "f.yaml")
     assert guarantees_beyond_capacity(fleet)[0].startswith(

@@ -4,18 +4,22 @@ version check, attempts, and the database's own refusal to double-book a GPU."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
+import threading
 from pathlib import Path
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 
 from activities import queries as q
 from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, GpuReport, Store, held_back
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from live.servers import until_blocked_or_done
+from workers.servers import with_database
 from workflows.types import CheckpointReport, EndReason, JobRequest, JobState
 
 pytestmark = pytest.mark.live
@@ -848,10 +852,6 @@ def test_listing_the_newest_jobs_reads_them_along_an_index_not_the_whole_table_s
     pytest.param(0, False, id="a stale cycle, which plans nothing, leaves it alone"),
 ])
 def test_what_a_cycle_owes_the_collector_is_collected_after_its_commit(store_env, monkeypatch, seq, off_inside):
-    import gc
-
-    from asyncpg.transaction import Transaction
-
     run, store = store_env
     run(store.admit(job("a")))
     seen = {}
@@ -900,10 +900,6 @@ def test_a_quota_changed_while_a_cycle_plans_applies_after_that_cycle_commits(st
     while it planned used to commit under it, and the cycle then placed past the new maximum.
     A change of quota now waits for the cycle in flight (and a cycle that read before it and
     locks after it reads again)."""
-    import threading
-
-    from workers.servers import with_database
-
     run, store = store_env
     dsn = with_database(live_servers.pg_dsn, run(store.pool.fetchval("SELECT current_database()")))
     for name in ("a", "b"):
