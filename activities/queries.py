@@ -150,6 +150,16 @@ INSERT INTO quotas (team, guaranteed, max_gpus, queue_cap) VALUES ($1, $2, $3, $
 ON CONFLICT (team) DO UPDATE SET guaranteed = EXCLUDED.guaranteed, max_gpus = EXCLUDED.max_gpus,
     queue_cap = EXCLUDED.queue_cap, updated_at = now()"""
 LIST_QUOTAS = "SELECT team, guaranteed, max_gpus, queue_cap FROM quotas ORDER BY team"
+
+# --- machine tokens (migration 0014) ------------------------------------------------------------
+
+TOKEN_GENERATIONS = "SELECT machine_id, generation FROM machine_tokens"
+TOKEN_GENERATION = "SELECT coalesce((SELECT generation FROM machine_tokens WHERE machine_id = $1), 0)"
+RENEW_MACHINE_TOKEN = """
+INSERT INTO machine_tokens (machine_id, generation) VALUES ($1, 1)
+ON CONFLICT (machine_id) DO UPDATE SET generation = machine_tokens.generation + 1, renewed_at = clock_timestamp()
+RETURNING generation
+"""
 # The team's own quota, else the "*" default every team not named has (as the scheduler reads them).
 QUOTA = """
 SELECT guaranteed, max_gpus, queue_cap FROM quotas WHERE team = $1 OR team = '*'

@@ -334,6 +334,20 @@ class Store:
     async def list_quotas(self) -> dict[str, Quota]:
         return {r["team"]: rows.quota(r) for r in await self.pool.fetch(q.LIST_QUOTAS)}
 
+    # --- machine tokens ---------------------------------------------------------------------
+
+    async def token_generations(self) -> dict[str, int]:
+        """The generation of every machine token renewed at least once (the others are at 0)."""
+        return {r["machine_id"]: r["generation"] for r in await self.pool.fetch(q.TOKEN_GENERATIONS)}
+
+    async def token_generation(self, machine_id: str) -> int:
+        return await self.pool.fetchval(q.TOKEN_GENERATION, machine_id)
+
+    async def renew_machine_token(self, machine_id: str) -> int:
+        """Move a machine's token to its next generation, which refuses the one before; the new
+        generation."""
+        return await self.pool.fetchval(q.RENEW_MACHINE_TOKEN, machine_id)
+
     # --- jobs -------------------------------------------------------------------------------
 
     @_again_after_a_migration

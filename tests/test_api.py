@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import asyncpg
 import httpx
 import pytest
 
 from live.jobs import sleeper
-from workers.settings import MACHINE_HEADER, api_headers, machine_token
+from workers import devstack
+from workers.cli import main
+from workers.settings import MACHINE_HEADER, api_headers, machine_component, machine_token
+from workers.token_generations import FRESH_FOR_S
 
 pytestmark = pytest.mark.live
 
@@ -117,6 +121,45 @@ def test_a_machines_token_speaks_for_that_machine_alone(stack):
     # The stack's agents run with their machines' tokens, and the stack works: the job ran.
     assert all(m["silent_for"] is not None and m["silent_for"] < 10
                for m in httpx.get(f"{settings.api_url}/machines", headers=api_headers(settings)).json())
+
+
+def test_a_renewed_machine_token_is_taken_at_once_the_old_one_refused_within_seconds_and_a_restarted_agent_given_it(
+        stack, capsys):
+    """`gpusched fleet token MACHINE --renew`: a machine taken over or retired is cut off alone."""
+    s = stack(machines=2, gpus=4)
+    settings, d = s.up.settings, ["--data-dir", str(s.data_dir)]
+    m0, m1 = "c1/b0/r0/m0", "c1/b0/r0/m1"
+    beat = {"pid": 1, "gpus": [{"index": i} for i in range(4)], "running_allocations": []}
+
+    def beats(token: str, machine: str) -> int:
+        return httpx.post(f"{settings.api_url}/machines/{machine}/heartbeat", json=beat, timeout=10,
+                          headers=api_headers(settings.model_copy(update={"api_token": token}), machine)).status_code
+
+    def silent_for(machine: str) -> float:
+        seen = httpx.get(f"{settings.api_url}/machines", headers=api_headers(settings), timeout=10).json()
+        return next(m["silent_for"] for m in seen if m["id"] == machine)
+
+    assert main(["fleet", "token", m0, *d]) == 0
+    old = capsys.readouterr().out.strip()
+    assert old == machine_token(settings.api_token, m0)  # never renewed: the token made before renewals
+    assert beats(old, m0) == 200
+    assert main(["fleet", "token", m0, "--renew", *d]) == 0
+    said = capsys.readouterr()
+    new = said.out.strip()
+    assert new != old and "renewed (generation 1)" in said.err
+    assert beats(new, m0) == 200  # at once, though the API's view of the generations was fresh
+    renewed = time.monotonic()
+    s.until(lambda: beats(old, m0) == 401, timeout=FRESH_FOR_S + 5)
+    assert time.monotonic() - renewed <= FRESH_FOR_S + 2
+    assert main(["fleet", "token", m0, *d]) == 0 and capsys.readouterr().out.strip() == new
+    assert beats(machine_token(settings.api_token, m1), m1) == 200  # the other machine's token stands
+    # The stack's agent of m0 still carries the old token: it is not heard any more; started
+    # again, the stack gives it the new one, and it is heard.
+    s.until(lambda: silent_for(m0) > 3, timeout=15)
+    assert silent_for(m1) < 3
+    devstack.stop_component(s.data_dir, machine_component(m0))
+    devstack.start_component(s.data_dir, machine_component(m0))
+    s.until(lambda: silent_for(m0) < 2, timeout=20)
 
 
 def test_a_request_body_over_a_mebibyte_is_refused_before_it_is_read_whole(stack):
@@ -264,7 +307,7 @@ class DownStore:
     async def listened(self, *args, **kwargs):
         self.fail()
 
-    machine_heartbeat = unmigrated = job_view = listened
+    machine_heartbeat = unmigrated = job_view = token_generations = listened
 
     async def close(self):
         pass
@@ -322,3 +365,40 @@ def test_a_connection_closed_under_a_transaction_is_a_503_not_a_500(monkeypatch,
     assert job.status_code == status
     if status == 503:
         assert "the database does not answer now" in job.json()["detail"]
+
+
+def without_the_machine_tokens_table():
+    raise asyncpg.UndefinedTableError('relation "machine_tokens" does not exist')
+
+
+@pytest.mark.parametrize("fail, words", [(refused, "the database does not answer now"),
+                                          (died_mid_transaction, "the database does not answer now"),
+                                          (without_the_machine_tokens_table, "control worker")],
+                         ids=["the database down", "the database killed under the read",
+                              "a database not migrated to machine tokens' generations"])
+def test_a_machine_token_that_cannot_be_checked_is_answered_503_in_words_not_taken_or_500(monkeypatch, fail, words):
+    """A machine's token is checked against its generation in the store (a renewed one's old
+    token is refused): while that cannot be read, the agent is told to try again."""
+    from fastapi.testclient import TestClient
+
+    from workers import api as api_module
+    from workers.settings import Settings
+
+    store = DownStore(fail)
+
+    async def heard(*args, **kwargs):
+        raise AssertionError("a heartbeat taken with its token unchecked")
+
+    store.machine_heartbeat = heard
+
+    async def connect(dsn, *args, **kwargs):
+        return store
+
+    monkeypatch.setattr(api_module.Store, "connect", connect)
+    settings = Settings(pg_dsn="postgresql://postgres:secret@127.0.0.1:1/gpusched", api_token="s3cret")
+    machine = "c1/b0/r0/m0"
+    agent = settings.model_copy(update={"api_token": machine_token("s3cret", machine)})
+    with TestClient(api_module.create_app(settings), raise_server_exceptions=False) as client:
+        beat = client.post(f"/machines/{machine}/heartbeat", json={"gpus": [{"index": 0}]},
+                           headers=api_headers(agent, machine))
+    assert beat.status_code == 503 and words in beat.json()["detail"], beat.text

@@ -24,10 +24,12 @@ def test_an_agent_names_its_machine_beside_its_token(monkeypatch, tmp_path):
     assert api_headers(settings, "c1/b0/r0/m0") == {"Authorization": "Bearer tok", MACHINE_HEADER: "c1%2Fb0%2Fr0%2Fm0"}
 
 
-def test_gpusched_fleet_token_prints_the_token_of_one_machine(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("GPUSCHED_API_TOKEN", "s3cret")
-    assert main(["fleet", "token", "c1/b0/r0/m0", "--data-dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == machine_token("s3cret", "c1/b0/r0/m0")
+def test_each_generation_of_a_machine_s_token_is_another_token_and_generation_0_is_the_first_made():
+    tokens = [machine_token("s3cret", "c1/b0/r0/m0", generation) for generation in range(4)]
+    assert len(set(tokens)) == 4 and all(t.startswith("machine-") for t in tokens)
+    assert tokens[0] == machine_token("s3cret", "c1/b0/r0/m0")  # agents started before renewals keep theirs
+    # The generation is not run into the id: machine m1 at generation 0 is not m at generation 1.
+    assert machine_token("s3cret", "c1/b0/r0/m1") != machine_token("s3cret", "c1/b0/r0/m", 1)
 
 
 REFUSED = [

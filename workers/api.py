@@ -53,6 +53,7 @@ from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailab
 from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
+from workers.token_generations import TokenGenerations
 from workers.settings import (MACHINE_HEADER, Settings, add_settings_flags, is_machine_token, keep_connecting,
                               machine_token, mark_ready, settings_from_args, without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
@@ -155,8 +156,15 @@ def create_app(settings: Settings) -> FastAPI:
         if bearer and hmac.compare_digest(given.encode(), expected):
             return await call_next(request)
         machine = unquote(request.headers.get(MACHINE_HEADER, ""))
-        if bearer and is_machine_token(given) and machine and hmac.compare_digest(
-                given.encode(), machine_token(settings.api_token, machine).encode()):
+        try:
+            spoken_for = bearer and is_machine_token(given) and machine and await machines_token(machine, given)
+        except asyncpg.UndefinedTableError as e:
+            return await unmigrated(request, e)
+        except Exception as e:  # noqa: BLE001 - the database's failures are answered as everywhere else
+            if not isinstance(e, DATABASE_DOWN) and database_down(e) is None:
+                raise
+            return await unreachable(request, e)
+        if spoken_for:
             if request.method != "POST" or not _FOR_A_MACHINE.fullmatch(request.url.path):
                 # Whatever else the API answers now or later (reads, its schema) is for operators.
                 return JSONResponse(status_code=403, content={
@@ -167,6 +175,17 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
             "detail": "missing or wrong API token: send the API's GPUSCHED_API_TOKEN, or an agent its machine's "
                       f"token with the machine in {MACHINE_HEADER}, as 'Authorization: Bearer <token>'"})
+
+    generations = TokenGenerations(lambda: ctx["store"].token_generations())
+
+    async def machines_token(machine: str, given: str) -> bool:
+        """Whether `given` is the machine's token of its current generation (a renewed one's old
+        token is refused within generations' freshness)."""
+        for again in (False, True):
+            generation = await generations.of(machine, again=again)
+            if hmac.compare_digest(given.encode(), machine_token(settings.api_token, machine, generation).encode()):
+                return True
+        return False
 
     def machine_of(request: Request) -> str | None:
         """The machine a request's token speaks for, or None for the API's own token."""

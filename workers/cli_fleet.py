@@ -24,6 +24,7 @@ from scheduler.fleet import guarantees_beyond_capacity, parse_fleet
 from workers.arg_types import read_input
 from workers.cli_jobs import EXIT_REFUSED, run_with_client
 from workers.settings import SettingsError, is_machine_token, load_settings, machine_token
+from workers.token_generations import FRESH_FOR_S
 from workflows.types import team_problem
 
 
@@ -42,6 +43,9 @@ def add_fleet_commands(subparsers) -> None:
     token.add_argument("--data-dir", type=Path, default=None,
                        help="the embedded stack's directory, whose API token is taken unless GPUSCHED_API_TOKEN "
                             "is set")
+    token.add_argument("--renew", action="store_true",
+                       help="give the machine a new token and refuse its old one (within 5 s): for a machine taken "
+                            "over or retired; its agent needs the new token to be heard again")
     token.set_defaults(func=cmd_fleet_token)
 
 
@@ -63,8 +67,17 @@ def cmd_fleet_token(args: argparse.Namespace) -> int:
         print("error: GPUSCHED_API_TOKEN here is a machine's token, not the API's: a machine's token is made from "
               "the API's own; set that (or unset it and give --data-dir of the stack)", file=sys.stderr)
         return EXIT_REFUSED
-    print(machine_token(settings.api_token, machine_id))
-    return 0
+
+    async def body(client) -> int:
+        store = client.store
+        generation = await (store.renew_machine_token(machine_id) if args.renew else store.token_generation(machine_id))
+        print(machine_token(settings.api_token, machine_id, generation))
+        if args.renew:
+            print(f"{machine_id}: token renewed (generation {generation}); the API refuses the old one within "
+                  f"{FRESH_FOR_S:g} s: give its agent the new one as GPUSCHED_API_TOKEN", file=sys.stderr)
+        return 0
+
+    return run_with_client(args, body)
 
 
 def cmd_fleet_apply(args: argparse.Namespace) -> int:

@@ -524,8 +524,29 @@ def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, st
     ready_path(data_dir, name).unlink(missing_ok=True)
     if comp.machine_id is not None and env.get("GPUSCHED_API_TOKEN"):
         # An agent carries its machine's token, not the API's: it speaks for its machine alone.
-        env = {**env, "GPUSCHED_API_TOKEN": machine_token(env["GPUSCHED_API_TOKEN"], comp.machine_id)}
+        dsn = env.get("GPUSCHED_PG_DSN")
+        generation = _token_generation(dsn, comp.machine_id) if dsn else 0
+        env = {**env, "GPUSCHED_API_TOKEN": machine_token(env["GPUSCHED_API_TOKEN"], comp.machine_id, generation)}
     comp.pid = servers.spawn(comp.cmd, Path(comp.log), env=env, cwd=PROJECT_ROOT).pid
+
+
+def _token_generation(dsn: str, machine_id: str) -> int:
+    """The generation of the machine's token now: one renewed (`gpusched fleet token --renew`)
+    is started with its new token, or the API would not hear it."""
+    from activities.store import Store
+
+    async def read() -> int:
+        store = await Store.connect(dsn, timeout=30)
+        try:
+            return await store.token_generation(machine_id)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(read())
+    except Exception as e:  # a boundary: the CLI prints one line, not a traceback
+        raise StackError(f"cannot read the token of machine {machine_id} from {without_password(dsn)}: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:

@@ -188,11 +188,15 @@ def is_machine_token(token: str) -> bool:
     return token.startswith(MACHINE_TOKEN_PREFIX)
 
 
-def machine_token(secret: str, machine_id: str) -> str:
+def machine_token(secret: str, machine_id: str, generation: int = 0) -> str:
     """The token of one machine's agent, made from the API's own token: it lets the agent speak
     for that machine alone (its heartbeats, its jobs' checkpoint reports), so the API's token need
-    not be on every machine, and a machine taken over cannot speak for the rest of the fleet."""
-    digest = hmac.new(secret.encode(), machine_id.encode(), hashlib.sha256).hexdigest()
+    not be on every machine, and a machine taken over cannot speak for the rest of the fleet.
+    Renewing a machine's token (`gpusched fleet token --renew`) moves it to its next generation,
+    and the API takes only the current one's; generation 0 is the token made before renewals
+    existed, so agents running then keep theirs."""
+    message = machine_id if generation == 0 else f"{machine_id}\0{generation}"  # ids are printable: no NUL
+    digest = hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
     return MACHINE_TOKEN_PREFIX + digest
 
 
