@@ -41,7 +41,8 @@ from pathlib import Path
 
 import httpx
 
-from activities.node import NodeActivities
+from activities.node import NodeActivities, pid_dir
+from activities.run_processes import stop_left_runs
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     Settings,
@@ -407,6 +408,13 @@ async def serve(args: argparse.Namespace) -> int:
                                  xid_file=data_dir / "faults" / f"{component}-xids.json")
     except Exception as err:  # NVML missing or failing where it is required or GPUs are present
         log.error("no GPUs: %s", err)
+        # Jobs an earlier agent of this machine left running (it was killed) run on whatever NVML
+        # says now (a driver upgraded under them), while the scheduler, hearing no agent, starts
+        # them elsewhere: two copies writing one checkpoint prefix. Stop them, as an agent that
+        # starts would; their pid files stay for the next agent to forward what they saved.
+        left = pid_dir(agent_log_dir(data_dir, args.machine_id), args.machine_id)
+        for alloc in await asyncio.to_thread(stop_left_runs, left, args.orphan_grace):
+            log.warning("stopped allocation %d, left running by an earlier agent", alloc)
         return 2
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
     reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings, args.machine_id))
