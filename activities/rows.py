@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping
@@ -231,12 +231,27 @@ def machine_from_report(machine_id: str, gpus: list) -> Machine:
             raise ValueError(f"machine id '{_shown(machine_id)}': its {what} name {_shown(part)!r} is not a name; "
                              f"each of cluster/block/rack/machine is up to {MAX_NAME_CHARS} printable characters "
                              "without spaces, as in the fleet file")
-    first = gpus[0] if gpus else None
+    gpu_type, memory_gb = reported_type(gpus)
     # GPUs 0 to the highest index reported; those not reported are marked missing.
     count = max((g.index for g in gpus), default=0) + 1
     return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=count,
-                   gpu_type=(first.gpu_type if first and first.gpu_type else "unknown"),
-                   gpu_memory_gb=(first.memory_gb if first and first.memory_gb else 80.0))
+                   gpu_type=gpu_type or UNKNOWN_GPU_TYPE, gpu_memory_gb=memory_gb or 80.0)
+
+
+UNKNOWN_GPU_TYPE = "unknown"  # what an agent reports of a GPU NVML gave no name for
+
+
+def reported_type(gpus: list) -> tuple[str | None, float | None]:
+    """A machine's GPU type and memory from its heartbeat: the type most of its GPUs report (the
+    lowest index's among equals), not GPU 0's alone, which reads "unknown" when NVML could not
+    open it as the agent started; and the memory of the first GPU of that type to report one.
+    (None, None) when no GPU reports a type."""
+    named = sorted((g for g in gpus if g.gpu_type and g.gpu_type != UNKNOWN_GPU_TYPE), key=lambda g: g.index)
+    if not named:
+        return None, None
+    counts = Counter(g.gpu_type for g in named)
+    gpu_type = max(counts, key=lambda t: counts[t])  # max keeps the first of equals: the lowest index's
+    return gpu_type, next((g.memory_gb for g in named if g.gpu_type == gpu_type and g.memory_gb), None)
 
 
 # --- views --------------------------------------------------------------------------------------

@@ -268,6 +268,8 @@ class Store:
                     raise ValueError(f"machine '{machine_id}' is not known yet and its heartbeat reports no "
                                      "GPUs; a machine joins with a heartbeat that lists them")
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
+            elif (named := rows.reported_type(gpus))[0] is not None:
+                await conn.execute(q.NAME_UNKNOWN_MACHINE, machine_id, *named)
             if gpus:  # a heartbeat without GPUs says nothing about them
                 # Every index up to the highest has a row (those not reported are then marked
                 # missing): the scheduler numbers a machine's GPUs 0 to its count, and a hold on

@@ -524,6 +524,40 @@ def test_an_unknown_machine_joins_the_fleet_by_heartbeat(store_env):
     assert (joined.block, joined.gpus, joined.gpu_type) == ("b1", 8, "H200")
 
 
+H100 = dict(gpu_type="H100", memory_gb=80.0)
+UNREAD = dict(gpu_type="unknown", memory_gb=0.0)  # what the agent reports of a GPU NVML could not open
+
+
+JOINING_TYPES = [
+    ("GPU 0 unreadable as its agent started", [UNREAD] + [H100] * 7, "H100", 80.0),
+    ("two types: the most GPUs'", [dict(gpu_type="A100", memory_gb=40.0)] * 3 + [H100] * 5, "H100", 80.0),
+    ("two types as many: the lowest index's", [dict(gpu_type="A100", memory_gb=40.0)] * 4 + [H100] * 4, "A100", 40.0),
+    ("no GPU named", [UNREAD] * 8, "unknown", 80.0),
+]
+
+
+@pytest.mark.parametrize("name, reported, gpu_type, memory_gb", JOINING_TYPES, ids=[row[0] for row in JOINING_TYPES])
+def test_a_machine_joins_as_the_type_most_of_its_gpus_report(store_env, name, reported, gpu_type, memory_gb):
+    """Before, a machine took GPU 0's type: one whose GPU 0 NVML could not open joined as
+    "unknown" for good, and no job asks for that type."""
+    run, store = store_env
+    run(store.machine_heartbeat("c1/b1/r0/m0", 1, [GpuReport(index=i, **g) for i, g in enumerate(reported)]))
+    joined = next(m for m in run(store.snapshot("c1")).machines if m.id == "c1/b1/r0/m0")
+    assert (joined.gpu_type, joined.gpu_memory_gb) == (gpu_type, memory_gb)
+
+
+def test_a_machine_that_joined_with_no_gpu_named_takes_the_type_its_agent_reports_later(store_env):
+    run, store = store_env
+    machine = "c1/b1/r0/m0"
+    run(store.machine_heartbeat(machine, 1, [GpuReport(index=i, **UNREAD) for i in range(8)]))
+    run(store.machine_heartbeat(machine, 2, [GpuReport(index=i, **H100) for i in range(8)]))  # its agent again
+    joined = next(m for m in run(store.snapshot("c1")).machines if m.id == machine)
+    assert (joined.gpu_type, joined.gpu_memory_gb) == ("H100", 80.0)
+    run(store.machine_heartbeat(machine, 2, [GpuReport(index=i, gpu_type="A100", memory_gb=40.0) for i in range(8)]))
+    named = next(m for m in run(store.snapshot("c1")).machines if m.id == machine)
+    assert named.gpu_type == "H100"  # a type once known is kept: a fleet file changes it, not a heartbeat
+
+
 @pytest.mark.parametrize("reported, count, missing", [
     ((0, 1, 2, 3, 5), 6, {4}),
     ((0, 1, 2, 3, 4, 7), 8, {5, 6}),
