@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pynvml  # its error classes and constants need no driver
@@ -23,6 +26,8 @@ from workers.devices import (
     nominal_memory_gb,
     short_gpu_type,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # -- the fake backend ---------------------------------------------------------------------------
 
@@ -487,6 +492,33 @@ def test_a_hung_health_check_never_stops_the_heartbeats():
     assert all(h.healthy for h in first) and stale == [first] * 3 and devices.calls == 2
     assert [h.faults for h in late] == [["nvml_error"]] * 2
     assert recovered == first and devices.calls == 2  # the hung call's own answer, once it came
+
+
+NEVER_ANSWERS = """
+import asyncio, sys, threading
+from workers.agent import HealthReader
+from workers.devices import FakeDevices
+
+class Hung(FakeDevices):
+    def health(self):
+        threading.Event().wait()  # an NVML call that never returns
+
+async def serve():
+    reader = HealthReader(Hung(2), timeout=0.2, stale_for=0)
+    print([h.faults for h in await reader.read()], flush=True)
+    return 0
+
+sys.exit(asyncio.run(serve()))
+"""
+
+
+def test_an_agent_whose_health_check_never_answers_still_exits_when_it_is_done():
+    """Before, the call ran on asyncio's default executor, whose threads asyncio.run and the
+    interpreter wait for at their end: a stopped agent never exited while NVML hung."""
+    done = subprocess.run([sys.executable, "-c", NEVER_ANSWERS], capture_output=True, text=True, timeout=30,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[['nvml_error'], ['nvml_error']]"
 
 
 def test_the_heartbeat_reports_each_gpu_and_the_running_allocations(tmp_path):

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
 
@@ -154,6 +157,33 @@ class OrphanWatch:
         return sorted(a for a, n in misses.items() if n >= self.confirm)
 
 
+T = TypeVar("T")
+
+
+def on_a_thread_of_its_own(call: Callable[[], T]) -> asyncio.Future[T]:
+    """``call()`` on a daemon thread of its own, its answer in the future returned. Not
+    asyncio.to_thread: asyncio.run waits for the default executor's threads at its end, and the
+    interpreter for them at exit, so one NVML call that never returns kept a stopped agent from
+    ever exiting (its jobs stopped, the process alive until SIGKILL)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if not answer.done():
+            answer.set_exception(error) if error is not None else answer.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=getattr(call, "__name__", "call"), daemon=True).start()
+    return answer
+
+
 class HealthReader:
     """Reads the GPUs' health for each heartbeat without letting a hung NVML call stop the
     heartbeats (a machine that stops heartbeating has every job on it requeued): one call at a
@@ -173,7 +203,7 @@ class HealthReader:
     async def read(self) -> list[GpuHealth]:
         loop = asyncio.get_running_loop()
         if self._call is None:
-            self._call = asyncio.ensure_future(asyncio.to_thread(self.devices.health))  # NVML calls block
+            self._call = on_a_thread_of_its_own(self.devices.health)  # NVML calls block
             self._asked_at = loop.time()
         try:
             readings = await asyncio.wait_for(asyncio.shield(self._call), self.timeout)
