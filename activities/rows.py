@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from pydantic import ValidationError
 
+from scheduler.fleet import MAX_NAME_CHARS, name_problem
 from scheduler.forecast import expected_arrivals
 from scheduler.quotas import no_quota_refusal, over_max_refusal, queue_cap_refusal
 from scheduler.models import (
@@ -213,24 +214,31 @@ def preempt_order(row: Row, now: float) -> PreemptOrder:
     )
 
 
-MAX_NAME_CHARS = 64  # a cluster's, block's, rack's or machine's name, as an agent reports it
 
 
 def _shown(text: str, most: int = 80) -> str:
     return text if len(text) <= most else text[:most] + "…"
 
 
-def machine_from_report(machine_id: str, gpus: list) -> Machine:
-    """A machine that joins by heartbeat: its id is its topology path."""
+def machine_id_problem(machine_id: str) -> str | None:
+    """Why `machine_id` cannot be a machine's id (its topology path), or None."""
     parts = machine_id.split("/")
     if len(parts) != 4 or not all(parts):
-        raise ValueError(f"machine id '{_shown(machine_id)}' is not a topology path cluster/block/rack/machine")
+        return f"machine id '{_shown(machine_id)}' is not a topology path cluster/block/rack/machine"
     for what, part in zip(("cluster", "block", "rack", "machine"), parts):
         # A blank cluster would sort first and take the jobs submitted for any cluster.
-        if not part.isprintable() or any(c.isspace() for c in part) or len(part) > MAX_NAME_CHARS:
-            raise ValueError(f"machine id '{_shown(machine_id)}': its {what} name {_shown(part)!r} is not a name; "
-                             f"each of cluster/block/rack/machine is up to {MAX_NAME_CHARS} printable characters "
-                             "without spaces, as in the fleet file")
+        if name_problem(part) is not None:
+            return (f"machine id '{_shown(machine_id)}': its {what} name {_shown(part)!r} is not a name; "
+                    f"each of cluster/block/rack/machine is up to {MAX_NAME_CHARS} printable characters "
+                    "without spaces, as in the fleet file")
+    return None
+
+
+def machine_from_report(machine_id: str, gpus: list) -> Machine:
+    """A machine that joins by heartbeat: its id is its topology path."""
+    if (problem := machine_id_problem(machine_id)) is not None:
+        raise ValueError(problem)
+    parts = machine_id.split("/")
     gpu_type, memory_gb = reported_type(gpus)
     # GPUs 0 to the highest index reported; those not reported are marked missing.
     count = max((g.index for g in gpus), default=0) + 1

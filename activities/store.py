@@ -342,6 +342,9 @@ class Store:
         """The generation of every machine token renewed at least once (the others are at 0)."""
         return {r["machine_id"]: r["generation"] for r in await self.pool.fetch(q.TOKEN_GENERATIONS)}
 
+    async def machine_known(self, machine_id: str) -> bool:
+        return bool(await self.pool.fetchval(q.MACHINE_EXISTS, machine_id))
+
     async def token_generation(self, machine_id: str) -> int:
         return await self.pool.fetchval(q.TOKEN_GENERATION, machine_id)
 

@@ -166,6 +166,19 @@ _UNREADABLE = object()  # a scalar its tag cannot read (`!!int abc`)
 # Numbers as they look: signed, so that `-4` is refused as negative, and `2.5` as not whole.
 _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)(\.[0-9]*)?([eE][-+]?[0-9]+)?|[-+]?\.[0-9]+([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF|nan|NaN|NAN)")
 MAX_GPUS_PER_MACHINE = 1024
+# A cluster's, block's, rack's or machine's name: a part of machine ids, which agents report and
+# Temporal's workflow ids carry ("scheduler-<cluster>": a fleet file's 995-character cluster was
+# stored, and every control worker's start failed on it after).
+MAX_NAME_CHARS = 64
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be a part of a machine id, or None."""
+    if not name or "/" in name or not name.isprintable() or any(c.isspace() for c in name):
+        return "must be printable characters without '/' or spaces"
+    if len(name) > MAX_NAME_CHARS:
+        return f"is {len(name)} characters; at most {MAX_NAME_CHARS}"
+    return None
 MAX_MACHINES_PER_BLOCK = 100_000
 MAX_MACHINES_PER_FLEET = 100_000  # across its clusters: 800,000 GPUs of 8, past any fleet there is
 MAX_GPUS_PER_FLEET = 1_000_000  # and so GPUs too: 100,000 machines of 1,024 would take gigabytes
@@ -439,13 +452,13 @@ class _FleetReader:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             # As written: YAML reads `010` as 8 and `0x1F` as 31, but the ids say what the file says.
             name = value if isinstance(value, str) else str(node.value)
-            if name and "/" not in name and name.isprintable() and not any(c.isspace() for c in name):
+            if name_problem(name) is None:
                 return name
         raise self.error(
             node,
             field,
-            f"must be a short name of printable characters without '/' or spaces (it becomes part of machine "
-            f"ids), got {self.shown(node)}",
+            f"must be a name of up to {MAX_NAME_CHARS} printable characters without '/' or spaces (it becomes part of "
+            f"machine ids), got {self.shown(node)}",
         )
 
     def error(self, node: yaml.Node, field: str | None, message: str) -> InputError:

@@ -374,6 +374,24 @@ def test_a_database_restarting_under_a_command_is_said_in_one_line_not_a_traceba
     assert capsys.readouterr().err.startswith(f"error: the database did not answer ({error});")
 
 
+def test_a_value_too_long_for_the_database_s_index_is_refused_with_exit_2_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """Postgres refuses an index entry over 2,704 bytes; the CLI took only its other value errors."""
+    async def list_jobs(**kw):
+        raise asyncpg.ProgramLimitExceededError("index row size 3016 exceeds btree version 4 maximum 2704")
+
+    async def connect(cls, settings=None):
+        return GpuschedClient(settings=settings, temporal=None, store=SimpleNamespace(list_jobs=list_jobs))
+
+    async def close(self):
+        pass
+
+    monkeypatch.setattr(GpuschedClient, "connect", classmethod(connect))
+    monkeypatch.setattr(GpuschedClient, "close", close)
+    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://x@127.0.0.1:1/x")
+    assert main(["list", "--data-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: the database cannot store a value of this request (index row")
+
+
 @pytest.mark.parametrize("error", [RPCError("unavailable", RPCStatusCode.UNAVAILABLE, b""),
                                    asyncpg.CannotConnectNowError("the database system is starting up")],
                          ids=["Temporal gone", "the database restarting"])

@@ -65,6 +65,19 @@ def test_from_philly_converts_the_window_and_reports_the_load(tmp_path, capsys):
     assert "1 jobs over 7 days" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cluster", ["😀", "vc·é", "a\"b"], ids=["past U+FFFF", "accents", "a quote"])
+def test_from_philly_writes_a_fleet_whose_team_names_read_back_as_written(tmp_path, capsys, cluster):
+    """A name past U+FFFF was written as JSON escapes it (a surrogate pair), which YAML reads as
+    two lone surrogates: the fleet could not be read back, and was said too big."""
+    source = tmp_path / "philly.csv"
+    source.write_text(PHILLY_HEADER + f"2017-10-16 02:00:00,3600,4,1,{cluster}\n", encoding="utf-8")
+    out, fleet_out = tmp_path / "t.csv", tmp_path / "f.yaml"
+    assert run("trace", "from-philly", "--input", str(source), "--out", str(out), "--fleet-out", str(fleet_out)) == 0
+    assert f"vc-{cluster}" in parse_fleet(fleet_out.read_text(encoding="utf-8"), str(fleet_out)).quotas
+    [job] = parse_trace(out.read_text(encoding="utf-8"), str(out))
+    assert job.spec.team == f"vc-{cluster}"
+
+
 def test_a_fleet_file_that_cannot_be_written_is_named_not_the_trace(tmp_path, capsys):
     """/dev/full opens but refuses the write, with no file name on the error."""
     out = tmp_path / "t.csv"

@@ -645,8 +645,16 @@ def test_dev_commands_refuse_bad_arguments_with_exit_code_2(argv, capsys):
     (["dev", "up", "--fleet", "examples/fleet-small.yaml", "--machines", "3", "--gpu-type", "A100"],
      "--fleet gives the machines; leave out --machines, --gpu-type"),
     (["dev", "up", "--fleet", "missing.yaml"], "missing.yaml: cannot read the fleet file"),
-], ids=["a fleet of more machines than agents to run here", "a fleet and machines alike", "no such file"])
-def test_dev_up_refuses_a_fleet_file_it_cannot_run_before_it_starts_anything(argv, words, capsys, tmp_path, monkeypatch):
+    # Before, each was started and said healthy: the machine never joined (a heartbeat lists at
+    # most 1,024 GPUs) or 65 agent processes were started; the cluster made ids no agent could have.
+    (["dev", "up", "--machines", "1", "--gpus-per-machine", "2000"], "--gpus-per-machine 2000: the embedded stack takes at most 1024"),
+    (["dev", "up", "--machines", "65"], "--machines 65: the embedded stack takes at most 64"),
+    (["dev", "up", "--cluster", "us/east"], "--cluster 'us/east' must be printable characters without '/'"),
+    (["dev", "up", "--cluster", "c" * 65], "is 65 characters; at most 64"),
+], ids=["a fleet of more machines than agents to run here", "a fleet and machines alike", "no such file",
+        "more GPUs than a heartbeat lists", "more machines than agents to run here", "a cluster with a slash",
+        "a cluster name too long for machine ids"])
+def test_dev_up_refuses_what_it_cannot_run_before_it_starts_anything(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     assert main([*argv, "--data-dir", str(tmp_path / "stack")]) == 2
     assert words in capsys.readouterr().err

@@ -239,6 +239,8 @@ BAD_FLEETS = [
      "is written '0x100', which YAML reads as 256"),
     ("# a page break \x0c\nclusters: []\n", 1, None, "holds the control character U+000C"),
     ("clusters:\n  - name: c1\x1b\n", 2, None, "holds the control character U+001B"),
+    (one_block(block(name="b" * 65)), 4, "clusters[0].blocks[0].name", "a name of up to 64 printable characters"),
+    ("clusters:\n  - name: " + "c" * 995 + "\n    blocks: []\n", 2, "clusters[0].name", "up to 64"),
 ]
 
 
@@ -292,6 +294,8 @@ BAD_FLEETS = [
         "a quota in hexadecimal",
         "a control character in a comment, which the YAML reader refuses before reading anything",
         "a control character in a value, on its line",
+        "a block name longer than machine ids take",
+        "a cluster name longer than machine ids take, which took every control worker down",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):

@@ -37,6 +37,10 @@ REFUSED = [
     ("a blank machine", "s3cret", "/", "is no machine"),
     ("a machine with a control character", "s3cret", "c1/b0/r0/m\x07", "is no machine"),
     ("a machine's token given as the API's", "machine-" + "0" * 64, "c1/b0/r0/m0", "is a machine's token"),
+    # Before, each was renewed in the store (a name past the key's index was a traceback):
+    # no agent could ever speak for such a machine.
+    ("a machine that is no topology path", "s3cret", "c1/m0", "is not a topology path cluster/block/rack/machine"),
+    ("a machine name longer than ids take", "s3cret", "c1/b0/r0/" + "m" * 3000, "up to 64 printable characters"),
 ]
 
 

@@ -1239,3 +1239,37 @@ def test_a_gpu_that_an_ended_jobs_processes_still_hold_is_reported_sick():
     assert with_lingering(health, set()) == health
     assert with_lingering(health, {0, 1}) == [GpuHealth(index=0, healthy=False, faults=[LINGERING]),
                                               GpuHealth(index=1, healthy=False, faults=["xid:79", LINGERING])]
+
+
+def test_the_agent_logs_each_change_of_how_the_api_takes_its_heartbeats_once(tmp_path, caplog):
+    """An agent started before its API, which then refused every heartbeat (a machine of more GPUs
+    than a heartbeat may list), logged nothing: unreachable and refused were one state."""
+    import httpx
+
+    from workers.agent import Agent
+    from workers.devices import FakeDevices
+    from workers.settings import Settings
+
+    answers = ["down", "down", 422, 422, 422, 200, 200, 401, "down"]
+
+    def api(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0)
+        if answer == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(answer, json={"detail": f"answer {answer}", "live_allocations": []})
+
+    async def scenario():
+        agent = Agent(MACHINE, Settings(api_url="http://api"), FakeDevices(2), node_in(tmp_path),
+                      interval=0.05, orphan_grace=1.0)
+        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(api))
+        for _ in range(9):
+            await agent.heartbeat()
+        await agent.close()
+
+    with caplog.at_level("INFO", logger="gpusched.agent"):
+        run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpusched.agent"]
+    assert [" ".join(line.split()[:3]) for line in lines] == [
+        "API unreachable at", "heartbeat refused: HTTP", "API answers heartbeats", "heartbeat refused: HTTP",
+        "API unreachable at"]
+    assert "HTTP 422" in lines[1] and "HTTP 401" in lines[3]

@@ -242,7 +242,7 @@ class Agent:
         self.orphans = OrphanWatch()
         self.url = heartbeat_url(settings.api_url, machine_id)
         self.http = httpx.AsyncClient(timeout=max(2.0, interval * 2), headers=api_headers(settings, machine_id))
-        self._api_ok: bool | None = None
+        self._api_state_was: str | None = None  # "answers", "unreachable" or "refused <status>"
         self._tasks: set[asyncio.Task] = set()  # references, so the tasks are not collected
         self._killing: set[int] = set()
         self.serving = False  # the worker polls, and no shutdown has begun
@@ -280,22 +280,24 @@ class Agent:
         try:
             response = await self.http.post(self.url, json=payload)
         except httpx.HTTPError as err:
-            self._api_state(False, f"API unreachable at {self.url}: {err!r}")
+            self._api_state("unreachable", f"API unreachable at {self.url}: {err!r}")
             return None
         if response.is_success:
-            self._api_state(True, "API answers heartbeats")
+            self._api_state("answers", "API answers heartbeats")
             if reap:
                 self._reap_orphans(running, response)
         else:
-            self._api_state(False, f"heartbeat refused: HTTP {response.status_code} "
+            self._api_state(f"refused {response.status_code}", f"heartbeat refused: HTTP {response.status_code} "
                                    f"{response.text[:200]}")
         return response
 
-    def _api_state(self, ok: bool, message: str) -> None:
-        # Log changes, not every beat: a down API would otherwise fill the log every interval.
-        if ok != self._api_ok:
-            (log.info if ok else log.warning)(message)
-        self._api_ok = ok
+    def _api_state(self, state: str, message: str) -> None:
+        # Log changes, not every beat: a down API would otherwise fill the log every interval. A
+        # change from unreachable to refused is one: the agent started before its API, which then
+        # refused every heartbeat (a wrong token, a heartbeat it cannot take), was silent before.
+        if state != self._api_state_was:
+            (log.info if state == "answers" else log.warning)(message)
+        self._api_state_was = state
 
     def _reap_orphans(self, sent: list[int], response: httpx.Response) -> None:
         try:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from scheduler.errors import InputError
-from scheduler.fleet import parse_fleet
+from scheduler.fleet import MAX_GPUS_PER_MACHINE, name_problem, parse_fleet
 from workers.arg_types import count, positive_float, positive_int, read_input
 
 
@@ -90,6 +90,16 @@ def run_up(args: argparse.Namespace) -> int:
                 f"declares {count} machines; the embedded stack runs an agent process for each, at most "
                 f"{devstack.MAX_MACHINES}: give `dev up` a smaller fleet file (declare a real fleet with "
                 "`gpusched fleet apply`)"))
+    for flag, value, most in (("--machines", args.machines, devstack.MAX_MACHINES),
+                              ("--gpus-per-machine", args.gpus_per_machine, MAX_GPUS_PER_MACHINE)):
+        if value is not None and value > most:
+            print(f"error: {flag} {value}: the embedded stack takes at most {most}" + (
+                " (an agent process each; declare a real fleet with `gpusched fleet apply`)" if flag == "--machines"
+                else " (as many as a heartbeat lists)"), file=sys.stderr)
+            return 2
+    if args.cluster is not None and (problem := name_problem(args.cluster)) is not None:
+        print(f"error: --cluster {args.cluster!r} {problem} (it becomes part of machine ids)", file=sys.stderr)
+        return 2
     try:
         devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
                     cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from activities.rows import machine_id_problem
 from scheduler.errors import InputError
 from scheduler.fleet import guarantees_beyond_capacity, parse_fleet
 from workers.arg_types import read_input
@@ -54,6 +55,9 @@ def cmd_fleet_token(args: argparse.Namespace) -> int:
     if not machine_id or not machine_id.isprintable():
         raise InputError("machine_id", None, None, f"{args.machine_id!r} is no machine; give its place as its agent's "
                                                    "--machine-id names it, e.g. c1/b0/r3/m7")
+    if (problem := machine_id_problem(machine_id)) is not None:  # no agent could speak for it
+        raise InputError("machine_id", None, None, f"{problem}; give its place as its agent's --machine-id names it, "
+                                                   "e.g. c1/b0/r3/m7")
     try:
         settings = load_settings(args.data_dir)
     except SettingsError as e:
@@ -75,6 +79,9 @@ def cmd_fleet_token(args: argparse.Namespace) -> int:
         if args.renew:
             print(f"{machine_id}: token renewed (generation {generation}); the API refuses the old one within "
                   f"{FRESH_FOR_S:g} s: give its agent the new one as GPUSCHED_API_TOKEN", file=sys.stderr)
+        if not await store.machine_known(machine_id):  # not an error: a machine may get its token before it joins
+            print(f"note: no machine {machine_id} has joined the fleet yet: is that its place, as its agent's "
+                  "--machine-id names it?", file=sys.stderr)
         return 0
 
     return run_with_client(args, body)

@@ -182,7 +182,7 @@ def run_with_client(args, body) -> int:
                 print(f"error: the database has no gpusched schema, or an older one ({e}); {UNMIGRATED_FIX}",
                       file=sys.stderr)
                 return EXIT_UNREACHABLE
-            except asyncpg.DataError as e:  # a value the database cannot store
+            except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as e:  # a value the database cannot store
                 print(f"error: the database cannot store a value of this request ({e}); give a smaller "
                       "or plainer one", file=sys.stderr)
                 return EXIT_REFUSED

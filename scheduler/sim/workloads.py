@@ -575,4 +575,6 @@ def _yaml_name(name: str) -> str:
     """The name as a YAML scalar: bare when YAML reads it back as the same string, else quoted."""
     if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) and yaml.safe_load(name) == name:
         return name
-    return json.dumps(name)  # a JSON string is a valid double-quoted YAML scalar
+    # A JSON string is a valid double-quoted YAML scalar; not ASCII-escaped, as YAML reads a
+    # character past U+FFFF escaped as JSON does (a surrogate pair) as two lone surrogates.
+    return json.dumps(name, ensure_ascii=False)
