@@ -350,14 +350,8 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert (done.returncode, done.stderr) == (1, "")
 
 
-@pytest.mark.parametrize("error", [
-    asyncpg.AdminShutdownError("terminating connection due to administrator command"),
-    asyncpg.CannotConnectNowError("the database system is starting up"),
-    asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress"),
-], ids=["shutting down", "starting up", "a pooled connection the shutdown left broken"])
-def test_a_database_restarting_under_a_command_is_said_in_one_line_not_a_traceback(monkeypatch, capsys, tmp_path,
-                                                                                    error):
-    """What the API answers 503 for. Before, these three went out as tracebacks."""
+def listing_raises(monkeypatch, error: Exception) -> None:
+    """The CLI's client connects to nothing, and its store's job listing raises `error`."""
     async def list_jobs(**kw):
         raise error
 
@@ -370,24 +364,25 @@ def test_a_database_restarting_under_a_command_is_said_in_one_line_not_a_traceba
     monkeypatch.setattr(GpuschedClient, "connect", classmethod(connect))
     monkeypatch.setattr(GpuschedClient, "close", close)
     monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://x@127.0.0.1:1/x")
+
+
+@pytest.mark.parametrize("error", [
+    asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+    asyncpg.CannotConnectNowError("the database system is starting up"),
+    asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress"),
+], ids=["shutting down", "starting up", "a pooled connection the shutdown left broken"])
+def test_a_database_restarting_under_a_command_is_said_in_one_line_not_a_traceback(monkeypatch, capsys, tmp_path,
+                                                                                    error):
+    """What the API answers 503 for. Before, these three went out as tracebacks."""
+    listing_raises(monkeypatch, error)
     assert main(["list", "--data-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith(f"error: the database did not answer ({error});")
 
 
 def test_a_value_too_long_for_the_database_s_index_is_refused_with_exit_2_not_a_traceback(monkeypatch, capsys, tmp_path):
     """Postgres refuses an index entry over 2,704 bytes; the CLI took only its other value errors."""
-    async def list_jobs(**kw):
-        raise asyncpg.ProgramLimitExceededError("index row size 3016 exceeds btree version 4 maximum 2704")
-
-    async def connect(cls, settings=None):
-        return GpuschedClient(settings=settings, temporal=None, store=SimpleNamespace(list_jobs=list_jobs))
-
-    async def close(self):
-        pass
-
-    monkeypatch.setattr(GpuschedClient, "connect", classmethod(connect))
-    monkeypatch.setattr(GpuschedClient, "close", close)
-    monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://x@127.0.0.1:1/x")
+    listing_raises(monkeypatch, asyncpg.ProgramLimitExceededError("index row size 3016 exceeds btree version 4 "
+                                                                  "maximum 2704"))
     assert main(["list", "--data-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error: the database cannot store a value of this request (index row")
 
