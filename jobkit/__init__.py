@@ -54,7 +54,9 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         store that does not answer (or answers 5xx) before raising
                                         :class:`CheckpointStoreUnreachable` (default 300; a save
                                         never past the grace deadline; a scheduled save does not
-                                        wait: it raises at once, and the job saves when next due)
+                                        wait: it raises at once, and the job saves when next due).
+                                        Once a stop is asked, no one call to the store outlasts the
+                                        grace deadline either: it is given up, and raises
 ``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
                                         reports, nothing is committed: a local run)
 ``GPUSCHED_LAUNCHED_AT``                the epoch time the agent started this process; a restore
@@ -188,6 +190,7 @@ MAX_PARTS = 10_000  # S3's most parts in one upload
 UPLOAD_THREADS = 8  # parts sent at once (GPUSCHED_S3_UPLOAD_THREADS)
 S3_RETRY_FOR = 300.0  # seconds a save or restore keeps asking an unreachable store (GPUSCHED_S3_RETRY_S)
 LOOK_FIRST_BYTES = 8 * MIB  # a checkpoint bigger than this looks its number up before the upload
+GRACE_WATCH_S = 0.25  # how often a store call looks whether the grace has run out
 RESTORED_REPORT = "restored.json"  # in the report directory: how long the restart took
 UNUSABLE_REPORT = "unusable.json"  # in the report directory: the resume checkpoint cannot be used
 STOP_ORDER = "stop.json"  # in the report directory, from the agent: the grace the stop really gives
@@ -393,7 +396,11 @@ class _FileStore:
     def put_new(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
         path = Path("/" + key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        host = _host()
+        _remove_saves_of_the_gone(path.parent, host)
+        # Named for its host and process: a save killed in its grace leaves its copy, which the
+        # next save here removes once that process is gone.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{host}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 if isinstance(source, (bytes, bytearray, memoryview)):
@@ -708,6 +715,20 @@ def _remove_partials_of_the_gone(path: Path, host: str) -> None:
         if pid.isdigit() and not _process_alive(int(pid)):
             with contextlib.suppress(OSError):
                 partial.unlink()
+
+
+def _remove_saves_of_the_gone(folder: Path, host: str) -> None:
+    """Remove the copies saves into ``folder`` on ``host`` (this one) left when their processes
+    were killed (``.<name>.<host>.<pid>.<random>.tmp``)."""
+    try:
+        left = list(folder.glob(f".*.{glob.escape(host)}.*.tmp"))
+    except OSError:
+        return
+    for copy in left:
+        parts = copy.name[1:].split(".")
+        if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not _process_alive(int(parts[2])):
+            with contextlib.suppress(OSError):
+                copy.unlink()
 
 
 def _host() -> str:
@@ -1083,7 +1104,9 @@ class Checkpointer:
                     if patiently(f"writing checkpoint {seq}", put):
                         break
                     theirs = patiently(f"looking up checkpoint {seq}", store.head, location.bucket, key)
-                if theirs is not None and all(theirs.get(k) == v for k, v in metadata.items()):
+                # An empty value is not kept by S3 (nor SeaweedFS): a writer run without ids (a
+                # local run) must find its own write with those missing, not take it for another's.
+                if theirs is not None and all(theirs.get(k, "") == v for k, v in metadata.items()):
                     log.info("jobkit: checkpoint %d was already written by this allocation", seq)
                     break
                 refused.append(seq)
@@ -1136,14 +1159,15 @@ class Checkpointer:
             began, again = self._monotonic(), False
             while True:
                 try:
-                    return operation(*args)
+                    return self._before_the_grace_ends(what, operation, args)
                 except CheckpointStoreUnreachable as e:
                     left = (deadline() if callable(deadline) else deadline) - self._monotonic()
                     if left <= pause:
                         asked = self._monotonic() - began
                         # Say what was done: a scheduled save does not wait, and a save in the
                         # grace waits only as long as the grace leaves.
-                        why = ("not asked again: no time left to wait (a scheduled save does not wait: the job "
+                        why = ("not asked again: the grace period has run out" if not again and self.stop_requested
+                               else "not asked again: no time left to wait (a scheduled save does not wait: the job "
                                "saves when next due)" if not again else
                                f"still unreachable after asking again for {asked:.0f} s "
                                f"(GPUSCHED_S3_RETRY_S: {self.s3_retry_for:g} s at most)")
@@ -1160,6 +1184,38 @@ class Checkpointer:
                     pause, again = min(pause * 2, 30.0), True
 
         return call
+
+    def _before_the_grace_ends(self, what: str, operation: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
+        """``operation(*args)`` on a thread of its own, given up (``CheckpointStoreUnreachable``)
+        once the grace deadline less the reserve for exiting has passed, when a stop was asked. A
+        store that takes the connection and never answers held a save after SIGTERM for botocore's
+        timeouts and retries (12 minutes), past SIGKILL; the deadline was looked at only between
+        calls. The call given up runs on until the process exits: a write it completes is one
+        nobody reported, which the next attempt's conditional write steps over."""
+        outcome: Dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = operation(*args)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                outcome["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="jobkit-store", daemon=True).start()
+        # Looked at often: SIGTERM may come during the call, and bring the deadline in.
+        while True:
+            left = self._within_grace(math.inf) - self._monotonic()
+            if left <= 0:
+                raise CheckpointStoreUnreachable(
+                    f"{what}: the checkpoint store had not answered when the grace period ran out; given up "
+                    "so that the job can exit before it is killed")
+            if done.wait(min(GRACE_WATCH_S, left)):
+                break
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _ack_deadline(self, began: float) -> float:
         deadline = began + self.ack_timeout

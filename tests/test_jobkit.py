@@ -4,6 +4,7 @@ temporary folder, and (marked live) real S3 on the session's SeaweedFS."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -171,6 +172,49 @@ def test_a_big_checkpoint_whose_upload_answer_was_lost_is_looked_up_not_uploaded
     ck.request_stop()
     result = ck.save(b"x" * (jobkit.LOOK_FIRST_BYTES + 1))
     assert (result.seq, result.refused, store.writes) == (1, (), ["0000000001"])
+
+
+def test_a_writer_without_ids_whose_answer_was_lost_finds_its_own_write_where_the_store_drops_empty_values(tmp_path):
+    """S3 and SeaweedFS keep no metadata entry whose value is empty: a local run's writer (no
+    allocation, attempt or job id) took its own write for another's and wrote it again under the
+    next number."""
+    class LikeS3(Counting):
+        def put_new(self, bucket, key, *args):
+            made = super().put_new(bucket, key, *args)
+            if len(self.writes) == 1:
+                raise CheckpointStoreUnreachable("writing: read timeout")  # made, its answer lost
+            return made
+
+        def head(self, bucket, key):
+            kept = self.inner.head(bucket, key)
+            return None if kept is None else {k: v for k, v in kept.items() if v != ""}
+
+    ck = Checkpointer(f"file://{tmp_path}/ck/", grace_period=60, sleep=lambda s: None)
+    store = ck._stores["file"] = LikeS3(ck._store("file"))
+    ck.request_stop()
+    result = ck.save(b"state")
+    assert (result.seq, result.refused, set(store.writes)) == (1, (), {"0000000001"})  # asked again, refused, looked up
+    assert not (tmp_path / "ck" / "0000000002").exists()
+
+
+def test_a_save_s_copy_left_by_a_killed_process_is_removed_by_the_next_save_and_no_other(tmp_path):
+    """A file:// save killed in its grace (SIGKILL) left its hidden full-size copy for good."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = jobkit._host()
+    left = {
+        "a killed save's": (folder / f".0000000003.{host}.{gone.pid}.k1ll3d.tmp", False),
+        "a running save's": (folder / f".0000000004.{host}.{os.getpid()}.l1ve00.tmp", True),
+        "another host's": (folder / f".0000000004.other-host-1.{gone.pid}.0th3r0.tmp", True),
+    }
+    for path, _ in left.values():
+        path.write_bytes(b"x" * 100)
+    assert local(tmp_path).save(b"next").seq == 1
+    assert {what: path.exists() for what, (path, _) in left.items()} == {what: kept for what, (_, kept) in left.items()}
+    assert sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp")) == sorted(
+        path.name for path, kept in left.values() if kept)  # the save's own copy is gone too
 
 
 def test_after_a_refusal_the_writer_jumps_past_every_taken_number(tmp_path):
@@ -1079,3 +1123,58 @@ def test_a_plain_path_is_a_path_and_the_uri_a_save_reports_leads_back_to_it(tmp_
 def test_a_file_uri_with_a_query_or_fragment_is_refused(uri):
     with pytest.raises(CheckpointError, match="percent-encode"):
         Checkpointer(uri, allocation_id="a", attempt="1", job_id="j")
+
+
+@pytest.fixture
+def silent_store():
+    """A checkpoint store's address that takes connections and never answers: a hung gateway, a
+    stopped server. Yields its endpoint; closes what it took."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    taken = []
+
+    def take():
+        with contextlib.suppress(OSError):
+            while True:
+                taken.append(server.accept()[0])
+
+    threading.Thread(target=take, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for conn in taken:
+        conn.close()
+
+
+# (sentence, what the job does, when its stop comes: None before the call, else seconds into it)
+HUNG_CALLS = [
+    ("a save after SIGTERM", "save", None),
+    ("a scheduled save when SIGTERM comes during it", "save", 0.5),
+    ("a restore when SIGTERM comes during it", "restore", 0.5),
+]
+
+
+@pytest.mark.parametrize("sentence, does, stop_after", HUNG_CALLS, ids=[row[0] for row in HUNG_CALLS])
+def test_a_store_that_never_answers_is_given_up_before_the_grace_period_ends(silent_store, sentence, does, stop_after):
+    """Before, the grace deadline was looked at between store calls only, and one call waited out
+    botocore's timeouts and retries: 12 minutes, past SIGKILL, with nothing saved or said."""
+    grace = 2.0
+    settings = dict(grace_period=grace, s3_endpoint=silent_store, s3_access_key="a", s3_secret_key="b",
+                    allocation_id="1", attempt="1", job_id="j")
+    if does == "restore":
+        ck = Checkpointer("s3://b/ck/", resume_from="s3://b/ck/0000000001", resume_seq=1, **settings)
+        act = ck.restore
+    else:
+        ck = Checkpointer("s3://b/ck/", **settings)
+        act = lambda: ck.save(b"state")  # noqa: E731
+    if stop_after is None:
+        ck.request_stop()
+    else:
+        threading.Timer(stop_after, ck.request_stop).start()  # as SIGTERM's handler would
+    began = time.monotonic()
+    with pytest.raises(CheckpointStoreUnreachable, match="had not answered when the grace period ran out"):
+        act()
+    took = time.monotonic() - began
+    assert took <= (stop_after or 0) + grace, took  # the grace's reserve for exiting is left over
