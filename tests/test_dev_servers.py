@@ -670,3 +670,32 @@ def test_a_damaged_stack_file_says_how_to_start_again_exit_2(argv, capsys, tmp_p
     err = capsys.readouterr().err
     assert f"move it aside (`mv {tmp_path}/stack.json {tmp_path}/stack.json.damaged`)" in err, err
     assert f"pgrep -af {tmp_path}" in err and "did start" not in err and "Traceback" not in err
+
+
+def _failing_read(dsn, machine_id):
+    raise ConnectionRefusedError(111, "Connect call failed")
+
+
+@pytest.mark.parametrize("read, generation, said", [
+    (lambda dsn, machine_id: 3, 3, False),
+    (_failing_read, 2, True),
+], ids=["the database answers: its machine's current token", "the database does not: the token it last had"])
+def test_an_agent_is_started_with_its_machine_s_token_even_while_the_database_does_not_answer(
+        tmp_path, monkeypatch, read, generation, said):
+    """A chaos run found an agent killed while Postgres was down left unstarted: the stack read its
+    token's generation first, and took a failed read for a failed start."""
+    from workers.settings import machine_token
+
+    spawned = []
+    monkeypatch.setattr(devstack, "_token_generation", read)
+    monkeypatch.setattr(devstack.servers, "spawn",
+                        lambda cmd, log, env, cwd: spawned.append(env) or type("P", (), {"pid": 4242})())
+    machine = "c1/b0/r0/m0"
+    comp = devstack.Component(kind="worker", machine_id=machine, cmd=["agent"], log=str(tmp_path / "logs" / "a.log"),
+                              token_generation=2)
+    devstack._launch_worker(tmp_path, "agent-c1-b0-r0-m0", comp,
+                            {"GPUSCHED_API_TOKEN": "s3cret", "GPUSCHED_PG_DSN": "postgresql://x@127.0.0.1:1/x"})
+    assert spawned[0]["GPUSCHED_API_TOKEN"] == machine_token("s3cret", machine, generation)
+    assert (comp.pid, comp.token_generation) == (4242, generation)
+    log = Path(comp.log).read_text() if Path(comp.log).exists() else ""
+    assert ("started with generation 2, as last time" in log) is said

@@ -95,6 +95,9 @@ class Component(BaseModel):
     stop_grace: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
     # A worker's: a digest of the settings it was started with (None: started by an older build).
     settings_digest: str | None = None
+    # An agent's: the generation of its machine's token it was last started with, for a start
+    # while the database does not answer.
+    token_generation: int = Field(default=0, ge=0)
 
     def running(self) -> bool:
         return servers.is_running(self.pid, self.cmd)
@@ -135,6 +138,7 @@ class UpResult(BaseModel):
 # Each machine of the embedded stack is an agent process on this one: a fleet file of more is for
 # the simulator, or for `gpusched fleet apply` against real machines.
 MAX_MACHINES = 64
+TOKEN_READ_TIMEOUT_S = 5.0  # a database that does not answer (stopped, frozen) keeps no agent from starting
 
 
 def fleet_machines(cluster: str, count: int, gpus: int, gpu_type: str) -> list[Machine]:
@@ -525,8 +529,15 @@ def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, st
     if comp.machine_id is not None and env.get("GPUSCHED_API_TOKEN"):
         # An agent carries its machine's token, not the API's: it speaks for its machine alone.
         dsn = env.get("GPUSCHED_PG_DSN")
-        generation = _token_generation(dsn, comp.machine_id) if dsn else 0
-        env = {**env, "GPUSCHED_API_TOKEN": machine_token(env["GPUSCHED_API_TOKEN"], comp.machine_id, generation)}
+        try:
+            comp.token_generation = _token_generation(dsn, comp.machine_id) if dsn else 0
+        except Exception as e:  # noqa: BLE001 - an agent needs the API, not the database: it starts
+            Path(comp.log).parent.mkdir(parents=True, exist_ok=True)
+            with open(comp.log, "a") as log:
+                log.write(f"--- cannot read the generation of {comp.machine_id}'s token ({type(e).__name__}: {e}); "
+                          f"started with generation {comp.token_generation}, as last time\n")
+        env = {**env, "GPUSCHED_API_TOKEN": machine_token(env["GPUSCHED_API_TOKEN"], comp.machine_id,
+                                                          comp.token_generation)}
     comp.pid = servers.spawn(comp.cmd, Path(comp.log), env=env, cwd=PROJECT_ROOT).pid
 
 
@@ -536,17 +547,13 @@ def _token_generation(dsn: str, machine_id: str) -> int:
     from activities.store import Store
 
     async def read() -> int:
-        store = await Store.connect(dsn, timeout=30)
+        store = await Store.connect(dsn, timeout=TOKEN_READ_TIMEOUT_S)
         try:
             return await store.token_generation(machine_id)
         finally:
             await store.close()
 
-    try:
-        return asyncio.run(read())
-    except Exception as e:  # a boundary: the CLI prints one line, not a traceback
-        raise StackError(f"cannot read the token of machine {machine_id} from {without_password(dsn)}: "
-                         f"{type(e).__name__}: {e}") from e
+    return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S))
 
 
 def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:
