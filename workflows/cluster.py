@@ -35,6 +35,9 @@ CYCLE_CALL = dict(start_to_close_timeout=timedelta(seconds=20),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
                                            maximum_interval=timedelta(seconds=5)))
 
+# Orders signalled at once: Temporal refuses a workflow task that leaves over 2,000 signals in flight.
+ORDERS_AT_ONCE = 500
+
 
 @workflow.defn(name="ClusterSchedulerWorkflow")
 class ClusterSchedulerWorkflow:
@@ -91,7 +94,14 @@ class ClusterSchedulerWorkflow:
                      for o in outcome.placements]
             sends += [self._signal(prefix + job_workflow_id(o.job_id), "preempt", o.signal)
                       for o in outcome.preemptions]
-            delivered = await asyncio.gather(*sends)
+            if workflow.patched("orders-in-chunks"):
+                # Temporal takes at most 2,000 signals in flight from one workflow: a cycle of more
+                # orders failed its task on every retry, and the cluster's scheduling stopped.
+                delivered = []
+                for at in range(0, len(sends), ORDERS_AT_ONCE):
+                    delivered += await asyncio.gather(*sends[at:at + ORDERS_AT_ONCE])
+            else:
+                delivered = await asyncio.gather(*sends)
             # A job whose workflow is gone (terminated by hand, say) can never take its GPUs up:
             # give them back and end the job with the reason, rather than hold them forever.
             gone = [Abandoned(job_id=o.job_id, allocation_id=o.signal.allocation_id, workflow_id_prefix=prefix)
