@@ -42,6 +42,7 @@ MACHINE_IDS = "SELECT id FROM machines WHERE cluster = $1 ORDER BY id"
 UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
+MACHINE_GPU_TYPE = "SELECT gpu_type FROM machines WHERE id = $1"  # NULL: no such machine
 # A machine that joined when none of its GPUs could be named takes the type its agent reports later.
 NAME_UNKNOWN_MACHINE = """
 UPDATE machines SET gpu_type = $2, gpu_memory_gb = coalesce($3, gpu_memory_gb) WHERE id = $1 AND gpu_type = 'unknown'"""

@@ -214,10 +214,11 @@ def preempt_order(row: Row, now: float) -> PreemptOrder:
     )
 
 
-
-
 def _shown(text: str, most: int = 80) -> str:
     return text if len(text) <= most else text[:most] + "…"
+
+
+UNKNOWN_GPU_TYPE = "unknown"  # what an agent reports of a GPU NVML gave no name for
 
 
 def machine_id_problem(machine_id: str) -> str | None:
@@ -244,9 +245,6 @@ def machine_from_report(machine_id: str, gpus: list) -> Machine:
     count = max((g.index for g in gpus), default=0) + 1
     return Machine(id=machine_id, cluster=parts[0], block=parts[1], rack=parts[2], gpus=count,
                    gpu_type=gpu_type or UNKNOWN_GPU_TYPE, gpu_memory_gb=memory_gb or 80.0)
-
-
-UNKNOWN_GPU_TYPE = "unknown"  # what an agent reports of a GPU NVML gave no name for
 
 
 def reported_type(gpus: list) -> tuple[str | None, float | None]:

@@ -263,12 +263,13 @@ class Store:
             raise ValueError(f"the heartbeat reports GPU {', '.join(map(str, twice))} more than once; "
                              "each GPU once, by its index")
         async with self.pool.acquire() as conn, conn.transaction():
-            if not await conn.fetchval(q.MACHINE_EXISTS, machine_id):
+            gpu_type = await conn.fetchval(q.MACHINE_GPU_TYPE, machine_id)
+            if gpu_type is None:
                 if not gpus:
                     raise ValueError(f"machine '{machine_id}' is not known yet and its heartbeat reports no "
                                      "GPUs; a machine joins with a heartbeat that lists them")
                 await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
-            elif (named := rows.reported_type(gpus))[0] is not None:
+            elif gpu_type == rows.UNKNOWN_GPU_TYPE and (named := rows.reported_type(gpus))[0] is not None:
                 await conn.execute(q.NAME_UNKNOWN_MACHINE, machine_id, *named)
             if gpus:  # a heartbeat without GPUs says nothing about them
                 # Every index up to the highest has a row (those not reported are then marked

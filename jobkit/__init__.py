@@ -1166,11 +1166,14 @@ class Checkpointer:
                         asked = self._monotonic() - began
                         # Say what was done: a scheduled save does not wait, and a save in the
                         # grace waits only as long as the grace leaves.
-                        why = ("not asked again: the grace period has run out" if not again and self.stop_requested
-                               else "not asked again: no time left to wait (a scheduled save does not wait: the job "
-                               "saves when next due)" if not again else
-                               f"still unreachable after asking again for {asked:.0f} s "
-                               f"(GPUSCHED_S3_RETRY_S: {self.s3_retry_for:g} s at most)")
+                        if again:
+                            why = (f"still unreachable after asking again for {asked:.0f} s "
+                                   f"(GPUSCHED_S3_RETRY_S: {self.s3_retry_for:g} s at most)")
+                        elif self.stop_requested:
+                            why = "not asked again: the grace period has run out"
+                        else:
+                            why = ("not asked again: no time left to wait (a scheduled save does not wait: the "
+                                   "job saves when next due)")
                         raise CheckpointStoreUnreachable(f"{e} ({why})") from e
                     log.warning("jobkit: %s: the checkpoint store is unreachable (%s); asking again in "
                                 "%.0f s", what, e, pause)

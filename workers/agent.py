@@ -169,8 +169,12 @@ def on_a_thread_of_its_own(call: Callable[[], T]) -> asyncio.Future[T]:
     answer: asyncio.Future[T] = loop.create_future()
 
     def settle(result: T | None, error: BaseException | None) -> None:
-        if not answer.done():
-            answer.set_exception(error) if error is not None else answer.set_result(result)
+        if answer.done():
+            return
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(result)
 
     def run() -> None:
         try:

@@ -90,12 +90,12 @@ def run_up(args: argparse.Namespace) -> int:
                 f"declares {count} machines; the embedded stack runs an agent process for each, at most "
                 f"{devstack.MAX_MACHINES}: give `dev up` a smaller fleet file (declare a real fleet with "
                 "`gpusched fleet apply`)"))
-    for flag, value, most in (("--machines", args.machines, devstack.MAX_MACHINES),
-                              ("--gpus-per-machine", args.gpus_per_machine, MAX_GPUS_PER_MACHINE)):
+    for flag, value, most, why in (
+            ("--machines", args.machines, devstack.MAX_MACHINES,
+             "an agent process each; declare a real fleet with `gpusched fleet apply`"),
+            ("--gpus-per-machine", args.gpus_per_machine, MAX_GPUS_PER_MACHINE, "as many as a heartbeat lists")):
         if value is not None and value > most:
-            print(f"error: {flag} {value}: the embedded stack takes at most {most}" + (
-                " (an agent process each; declare a real fleet with `gpusched fleet apply`)" if flag == "--machines"
-                else " (as many as a heartbeat lists)"), file=sys.stderr)
+            print(f"error: {flag} {value}: the embedded stack takes at most {most} ({why})", file=sys.stderr)
             return 2
     if args.cluster is not None and (problem := name_problem(args.cluster)) is not None:
         print(f"error: --cluster {args.cluster!r} {problem} (it becomes part of machine ids)", file=sys.stderr)
