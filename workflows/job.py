@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         EndReason,
         HEARD,
         SILENT,
+        UNSURE,
         HearingAsk,
         JobOutcome,
         JobRequest,
@@ -89,6 +90,7 @@ HEARD_WITHIN_S = 4.0
 # watch was lost running for 60 s, for a watch to come again.
 HEARING_POLL = timedelta(seconds=2)
 HEARING_WAIT = timedelta(seconds=30)
+STOP_ASKED = "stop asked"  # a stop came while the control plane could not tell
 MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
 STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
 # Temporal wants a limit on an attempt's run: a year, past any training run (at 14 days, jobs of
@@ -378,6 +380,7 @@ class JobWorkflow:
             return any(r.done() and (r.exception() is not None or r.result().exit_code != 0) for r in runs)
 
         watched_again = 0
+        stopping = False  # asked to stop while its lost watches' machines were being listened for
         while True:
             await workflow.wait_condition(lambda: stop_asked() or failed_run() or all(r.done() for r in runs))
             lost = [i for i, r in enumerate(runs) if _heartbeats_lost(r)]
@@ -394,7 +397,14 @@ class JobWorkflow:
             # checkpoint and a restart; watch them again instead (an agent with no such process
             # says so, and the job is requeued then).
             if workflow.patched("wait-until-the-control-plane-can-tell"):
-                if not await self._machines_heard([hosts[i].machine_id for i in lost], stop_asked):
+                heard = await self._machines_heard([hosts[i].machine_id for i in lost], stop_asked)
+                if heard == STOP_ASKED and workflow.patched("stop-while-unsure-is-a-stop"):
+                    # The processes most likely run on (their agents keep them a while for a new
+                    # watch): stopped like any other, with the grace, where the lost watches
+                    # taken for the attempt's failure requeued the job at once and left them to
+                    # their agents, to be killed as orphans with a few seconds to checkpoint.
+                    stopping = True
+                if heard != HEARD:
                     break
             else:
                 silent = await workflow.execute_activity(
@@ -408,7 +418,7 @@ class JobWorkflow:
                                     ", ".join(hosts[i].machine_id for i in lost))
             for i in lost:
                 runs[i] = watch(i, hosts[i], attach=True)
-        if failed_run() or all(r.done() for r in runs):
+        if not stopping and (failed_run() or all(r.done() for r in runs)):
             return await self._ended(runs, [h.machine_id for h in hosts])
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
         preempt = self.preempts.get(alloc)
@@ -456,23 +466,26 @@ class JobWorkflow:
         self._publish()
         return EndReason.preempted, None, JobState.queued, f"preempted: {preempt.reason}"
 
-    async def _machines_heard(self, machine_ids: list[str], stop_asked) -> bool:
-        """Whether the control plane heard each machine within HEARD_WITHIN_S. While it cannot tell
-        (the API or Postgres was down too: a whole control plane back from an outage has heard
-        nobody yet), it is asked again every HEARING_POLL until it can, for at most HEARING_WAIT;
-        a machine heard silent while it listened, a stop asked for, or the wait run out: no."""
+    async def _machines_heard(self, machine_ids: list[str], stop_asked) -> str:
+        """HEARD if the control plane heard each machine within HEARD_WITHIN_S. While it cannot
+        tell (the API or Postgres was down too: a whole control plane back from an outage has
+        heard nobody yet), it is asked again every HEARING_POLL until it can, for at most
+        HEARING_WAIT: SILENT for a machine heard silent while it listened, STOP_ASKED for a stop
+        asked meanwhile, UNSURE for the wait run out."""
         deadline = workflow.now() + HEARING_WAIT
         while True:
             verdicts = await workflow.execute_activity(
                 "machines_heard", HearingAsk(machine_ids=machine_ids, within=HEARD_WITHIN_S),
                 result_type=list[str], **STORE_CALL)
             if all(v == HEARD for v in verdicts):
-                return True
-            if SILENT in verdicts or workflow.now() >= deadline:
-                return False
+                return HEARD
+            if SILENT in verdicts:
+                return SILENT
+            if workflow.now() >= deadline:
+                return STOP_ASKED if stop_asked() else UNSURE
             try:
                 await workflow.wait_condition(stop_asked, timeout=HEARING_POLL)
-                return False
+                return STOP_ASKED
             except asyncio.TimeoutError:
                 pass
 
