@@ -16,22 +16,19 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from live.fakes import Admitting
+from live.fakes import Launching
 from workflows.job import INFRA_STREAK_RESET, MAX_INFRA_FAILURES, JobWorkflow, infra_failures_with
 from workflows.types import (
-    AttemptGrant,
     EndAttempt,
     EndReason,
     GpuGrant,
     HostGrant,
     JobRequest,
     JobState,
-    JobStateChange,
     PlacementSignal,
     PreemptSignal,
     RunJobInput,
     RunJobResult,
-    StartAttempt,
     StopOrder,
     agent_task_queue,
 )
@@ -52,22 +49,14 @@ def test_infrastructure_failures_in_a_row(name, before, ran_for, after):
 # --- in the job workflow, on the real Temporal server with its activities played by fakes ------
 
 
-class Attempts(Admitting):
+class Attempts(Launching):
     """The store and agent activities a job's attempts meet: each attempt's run fails as an
     agent's would (an infrastructure failure) or runs until it is stopped (a preemption)."""
 
     def __init__(self, runs: list[str]):
+        super().__init__()
         self.runs = runs  # per attempt: "agent fails" or "runs"
-        self.ends: list[EndAttempt] = []
         self.started = asyncio.Event()  # an attempt that runs is under way
-
-    @activity.defn(name="start_attempt")
-    async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
-        return AttemptGrant(launch=True)
-
-    @activity.defn(name="set_job_state")
-    async def set_job_state(self, change: JobStateChange) -> None:
-        pass
 
     @activity.defn(name="stop_job")
     async def stop_job(self, order: StopOrder) -> None:
@@ -81,10 +70,6 @@ class Attempts(Admitting):
         while True:  # until cancelled (stopped), heartbeating as an agent does
             activity.heartbeat()
             await asyncio.sleep(0.2)
-
-    @activity.defn(name="end_attempt")
-    async def end_attempt(self, end: EndAttempt) -> None:
-        self.ends.append(end)
 
     def activities(self) -> list:
         return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_job_state, self.stop_job,

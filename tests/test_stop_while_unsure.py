@@ -15,48 +15,36 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.worker import Worker
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from live.fakes import Admitting
+from live.fakes import Launching
 from workflows.job import JobWorkflow
 from workflows.types import (
     UNSURE,
     AttachOrder,
-    AttemptGrant,
-    EndAttempt,
     EndReason,
     GpuGrant,
     HearingAsk,
     HostGrant,
     JobRequest,
     JobState,
-    JobStateChange,
     PlacementSignal,
     PreemptSignal,
     RunJobInput,
     RunJobResult,
-    StartAttempt,
     StopOrder,
     agent_task_queue,
 )
 
 
-class LostWatch(Admitting):
+class LostWatch(Launching):
     """An attempt whose watch stops heartbeating (Temporal lost its heartbeats) while the process
     runs on; the control plane unsure whether it heard the machine; the agent stopping the
     process when told to, and the watch attached again seeing it end stopped."""
 
     def __init__(self):
+        super().__init__()
         self.unsure_asked = asyncio.Event()
         self.stops: list[StopOrder] = []
         self.attached: list[AttachOrder] = []
-        self.ends: list[EndAttempt] = []
-
-    @activity.defn(name="start_attempt")
-    async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
-        return AttemptGrant(launch=True)
-
-    @activity.defn(name="set_job_state")
-    async def set_job_state(self, change: JobStateChange) -> None:
-        pass
 
     @activity.defn(name="run_job")
     async def run_job(self, run: RunJobInput) -> RunJobResult:
@@ -76,10 +64,6 @@ class LostWatch(Admitting):
     async def attach_job(self, order: AttachOrder) -> RunJobResult:
         self.attached.append(order)
         return RunJobResult(exit_code=None, signal=15, stopped=True, log_path="/dev/null")
-
-    @activity.defn(name="end_attempt")
-    async def end_attempt(self, end: EndAttempt) -> None:
-        self.ends.append(end)
 
     def activities(self) -> list:
         return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_job_state, self.run_job,

@@ -615,9 +615,10 @@ def drop_database(dsn: str, name: str) -> None:
 
 def start_temporal(data_dir: Path, *, port: int | None = None, ui_port: int | None = None,
                    ui: bool = True, log_path: Path | None = None,
-                   timeout: float = 60.0) -> TemporalServer:
+                   timeout: float = 60.0, dynamic_config: dict[str, object] | None = None) -> TemporalServer:
     """The Temporal dev server (SQLite file in ``data_dir``) with gpusched's search attributes;
-    ``ui=False`` leaves the web UI out (tests)."""
+    ``ui=False`` leaves the web UI out (tests); ``dynamic_config``: the server's settings to change
+    (tests: a history's limits, say)."""
     data_dir = Path(data_dir).absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path or data_dir / "temporal.log")
@@ -631,6 +632,8 @@ def start_temporal(data_dir: Path, *, port: int | None = None, ui_port: int | No
         cmd += ["--ui-port", str(ports["ui"]), "--ui-disable-news-fetch"] if ui else ["--headless"]
         for key, kind in SEARCH_ATTRIBUTES.items():  # re-registering on an existing db is a no-op
             cmd += ["--search-attribute", f"{key}={kind}"]
+        for key, value in (dynamic_config or {}).items():
+            cmd += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
         return cmd
 
     ports = choose_ports(names, preferred)

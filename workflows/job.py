@@ -13,7 +13,8 @@ Algorithm overview
      period. A watch whose heartbeats the server lost while the control plane heard its machine
      (Temporal was down) is watched again (``attach_job``) instead of the job requeued.
   5. Give the GPUs back and move on: succeeded, failed (exit code and last log lines), cancelled,
-     or queued again (preempted, or the machine stopped heartbeating) → 2.
+     or queued again (preempted, or the machine stopped heartbeating) → 2; once its history is
+     long, as a new run of the workflow (continue-as-new), carrying the job's counts and signals.
 
 The job's state, team, class, cluster and GPU count are search attributes, kept current.
 """
@@ -41,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         Admission,
         AttachOrder,
         AttemptGrant,
+        CarriedOver,
         EndAttempt,
         EndReason,
         HEARD,
@@ -111,6 +113,10 @@ def infra_failures_with(before: int, ran_for: timedelta | None) -> int:
         return 1
     return before + 1
 LOG_LINES_IN_REASON = 10
+# A run's history past either goes on in a new run between attempts, whatever the server suggests.
+CONTINUE_AFTER_EVENTS = 10_000
+CONTINUE_AFTER_BYTES = 10 * 1024 * 1024
+SEEN_KEPT = 100  # placements handled whose ids a run hands on to the next
 
 
 @workflow.defn(name="JobWorkflow")
@@ -216,7 +222,8 @@ class JobWorkflow:
         return self.request.job_id
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> JobOutcome:
+    async def run(self, raw: dict[str, Any], carried: CarriedOver | None = None) -> JobOutcome:
+        """``carried``: what the run before handed on, when it continued as new between attempts."""
         self.takes_temporal_cancel = workflow.patched("temporal-cancel-cancels-the-job")
         if not self.takes_temporal_cancel:
             return await self._life(raw)
@@ -225,7 +232,7 @@ class JobWorkflow:
         # on, shielded, to stop a running attempt with its grace and give its GPUs back through the
         # store, where the workflow cut short left the job "running" for good in its search
         # attributes and its allocation to the reconcile (ended as failed).
-        life = asyncio.create_task(self._life(raw))
+        life = asyncio.create_task(self._life(raw, carried))
         while True:
             try:
                 outcome = await asyncio.shield(life)
@@ -251,7 +258,7 @@ class JobWorkflow:
             raise asyncio.CancelledError(outcome.reason)
         return outcome
 
-    async def _life(self, raw: dict[str, Any]) -> JobOutcome:
+    async def _life(self, raw: dict[str, Any], carried: CarriedOver | None = None) -> JobOutcome:
         # The input is validated here, not by the data converter: a request that does not parse
         # must end the job with the reason, not fail every workflow task forever.
         asked = raw.get("job_id") if isinstance(raw, dict) else None
@@ -266,6 +273,9 @@ class JobWorkflow:
                 workflow.upsert_search_attributes([SearchAttributePair(JOB_STATE, self._state_attribute())])
             return self.status()
         self.request = request
+        if carried is not None:
+            self._take_over(carried)
+            return await self._attempts()
         # 1. Admission.
         admission: Admission = await workflow.execute_activity(
             "admit_job", request, result_type=Admission, **STORE_CALL)
@@ -276,8 +286,18 @@ class JobWorkflow:
         self.cluster, self.prefix = admission.cluster, admission.task_queue_prefix
         self._publish()
         await self._wake("submitted")
+        return await self._attempts()
 
+    async def _attempts(self) -> JobOutcome:
         while True:
+            if _history_long() and workflow.patched("continue-as-new-between-attempts"):
+                # Temporal ends a workflow whose history passes 51,200 events or 50 MB, and a job
+                # that lives long gets there (hundreds of attempts; a gang's large command and
+                # env, carried once per machine, in dozens). Queued and holding no GPU, it goes on
+                # as a new run of the same workflow, once no change of class is half made.
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                if self.cancel_reason is None:
+                    workflow.continue_as_new(args=[self.request.model_dump(mode="json"), self._carried()])
             # 2. Wait for a placement, or a cancel.
             await workflow.wait_condition(lambda: bool(self.placements) or self.cancel_reason is not None)
             if self.cancel_reason is not None:
@@ -322,6 +342,27 @@ class JobWorkflow:
             await self._wake(end.value)  # its GPUs are free for the next job
             if next_state.terminal:
                 return self.status()
+
+    def _carried(self) -> CarriedOver:
+        waiting = {p.allocation_id for p in self.placements}
+        return CarriedOver(
+            cluster=self.cluster, task_queue_prefix=self.prefix, state=self.state, reason=self.reason,
+            attempts=self.attempts, infra_failures=self.infra_failures, failures=self.failures,
+            placements=self.placements, preempts=[p for a, p in self.preempts.items() if a in waiting],
+            seen_allocations=sorted(self.seen_allocations)[-SEEN_KEPT:])
+
+    def _take_over(self, carried: CarriedOver) -> None:
+        self.cluster, self.prefix = carried.cluster, carried.task_queue_prefix
+        self.state, self.reason, self.attempts = carried.state, carried.reason, carried.attempts
+        self.infra_failures, self.failures = carried.infra_failures, carried.failures
+        self.seen_allocations = set(carried.seen_allocations)
+        # Those handed on first, then any sent to this run before it began: the order they came in.
+        handed = {p.allocation_id for p in carried.placements}
+        self.placements = carried.placements + [
+            p for p in self.placements if p.allocation_id not in handed | self.seen_allocations]
+        for signal in carried.preempts:
+            self.preempts.setdefault(signal.allocation_id, signal)
+        self._publish()
 
     async def _run_attempt(self, placement: PlacementSignal,
                            grant: AttemptGrant) -> tuple[EndReason, int | None, JobState, str]:
@@ -643,6 +684,14 @@ class JobWorkflow:
             SearchAttributePair(CLUSTER, self.cluster or ""),
             SearchAttributePair(GPU_COUNT, req.num_gpus),
         ])
+
+
+def _history_long() -> bool:
+    """Whether the run's history is long enough to go on in a new run: Temporal says so (its
+    `limit.history*.suggestContinueAsNew`), or, for a server set not to, it is past our own marks."""
+    info = workflow.info()
+    return (info.is_continue_as_new_suggested() or info.get_current_history_length() >= CONTINUE_AFTER_EVENTS
+            or info.get_current_history_size() >= CONTINUE_AFTER_BYTES)
 
 
 def _retries(n: int) -> str:

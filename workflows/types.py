@@ -287,6 +287,25 @@ class PreemptSignal(Model):
     end_reason: EndReason = EndReason.preempted
 
 
+class CarriedOver(Model):
+    """What a job's workflow hands its next run when it continues as new between attempts (the
+    job queued, holding no GPU): where it was admitted, its counts, and the signals not yet
+    taken. Its request, with the class it has now, is the run's first argument."""
+
+    cluster: str
+    task_queue_prefix: str = ""
+    state: JobState
+    reason: str | None = None
+    attempts: int
+    infra_failures: int = 0
+    failures: int = 0
+    placements: list[PlacementSignal] = Field(default_factory=list)  # come, not yet taken up
+    preempts: list[PreemptSignal] = Field(default_factory=list)  # for those placements
+    # The placements last handled: the scheduler sends one again until it is acknowledged, and a
+    # copy that arrives later is dropped by its id (one too old to be kept is refused by the store).
+    seen_allocations: list[int] = Field(default_factory=list)
+
+
 class PriorityBump(Model):
     priority: Priority
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from temporalio import activity
 
-from workflows.types import Admission, JobRequest, Wake
+from workflows.types import Admission, AttemptGrant, EndAttempt, JobRequest, JobStateChange, StartAttempt, Wake
 
 
 class Admitting:
@@ -18,3 +18,23 @@ class Admitting:
     @activity.defn(name="wake_scheduler")
     async def wake_scheduler(self, wake: Wake) -> None:
         pass
+
+
+class Launching(Admitting):
+    """And the store activities of its attempts: every placement launched (from scratch), the
+    checkpointing state taken, each attempt's end recorded in ``ends``."""
+
+    def __init__(self):
+        self.ends: list[EndAttempt] = []
+
+    @activity.defn(name="start_attempt")
+    async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
+        return AttemptGrant(launch=True)
+
+    @activity.defn(name="set_job_state")
+    async def set_job_state(self, change: JobStateChange) -> None:
+        pass
+
+    @activity.defn(name="end_attempt")
+    async def end_attempt(self, end: EndAttempt) -> None:
+        self.ends.append(end)

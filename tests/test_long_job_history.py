@@ -1,0 +1,160 @@
+"""A job that lives long goes on as a new run of its workflow between attempts, before its history
+reaches Temporal's limits (51,200 events or 50 MB by default, past which the server terminates
+the workflow: a lost job). Counts, pending signals and its class go with it.
+
+Run on a Temporal dev server of the module's own, with the limits lowered so that a few dozen
+attempts reach them, and the job's activities played by fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer, Worker
+
+from live.fakes import Launching
+from workers import servers as srv
+from workflows.job import JobWorkflow
+from workflows.types import (
+    EndReason,
+    GpuGrant,
+    HostGrant,
+    JobRequest,
+    JobState,
+    PlacementSignal,
+    Priority,
+    PriorityBump,
+    PriorityChange,
+    RunJobInput,
+    RunJobResult,
+    agent_task_queue,
+)
+
+# What the server suggests continuing as new at, and where it ends a workflow: a history of about
+# twenty attempts of a one-machine job, or of a few of a gang with a large command.
+LIMITS = {
+    "limit.historyCount.suggestContinueAsNew": 100,
+    "limit.historyCount.error": 500,
+    "limit.historySize.suggestContinueAsNew": 1_500_000,
+    "limit.historySize.error": 5_000_000,
+}
+
+
+@pytest.fixture(scope="module")
+def low_limits_temporal(tmp_path_factory):
+    server = srv.start_temporal(tmp_path_factory.mktemp("temporal-low-limits"), ui=False, dynamic_config=LIMITS)
+    yield server.address
+    server.stop()
+
+
+class Attempts(Launching):
+    """Each attempt's run, by its number: "fails" (the command exits 1) or "agent fails" (an
+    infrastructure failure)."""
+
+    def __init__(self, runs: list[str]):
+        super().__init__()
+        self.runs = runs
+
+    @activity.defn(name="set_priority")
+    async def set_priority(self, change: PriorityChange) -> bool:
+        return True
+
+    @activity.defn(name="run_job")
+    async def run_job(self, run: RunJobInput) -> RunJobResult:
+        if self.runs[run.attempt - 1] == "agent fails":
+            raise ApplicationError("the agent broke", type="AgentBroke")
+        return RunJobResult(exit_code=1, log_path="/dev/null", last_log_lines=["boom"])
+
+    def activities(self) -> list:
+        return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_priority, self.run_job,
+                self.end_attempt]
+
+
+async def live_a_long_life(address: str, runs: list[str], *, hosts: int = 1, spec_bytes: int = 0,
+                           max_retries: int = 0, bump_after: int | None = None):
+    """A job sent a placement per entry of ``runs`` at once (the scheduler's cycles outrunning
+    it), each on ``hosts`` machines, with a command and env of about ``spec_bytes`` each; its
+    class raised to high once ``bump_after`` attempts have ended. Returns the fakes, the job's
+    last status, the number of runs its workflow had and its status."""
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    machine = f"m-{uuid.uuid4().hex[:8]}"
+    fakes = Attempts(runs)
+    async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
+                      activities=fakes.activities()), \
+            Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
+        request = JobRequest(job_id=f"long-{machine}", team="vision", num_gpus=hosts, max_retries=max_retries,
+                             command=["train", "x" * spec_bytes], env={"BIG": "y" * spec_bytes})
+        handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
+                                             task_queue="gpusched-control-" + machine,
+                                             execution_timeout=timedelta(minutes=5))
+        for attempt in range(1, len(runs) + 1):
+            # Pending ones are handed from run to run; those sent during a hand-over go to the next.
+            await handle.signal(JobWorkflow.placement, PlacementSignal(
+                allocation_id=attempt, attempt=attempt,
+                hosts=[HostGrant(machine_id=machine, gpus=[GpuGrant(index=i, path=f"{machine}/{i}")])
+                       for i in range(hosts)]))
+        bumped = bump_after is None
+        for _ in range(1200):  # 60 s
+            if not bumped and len(fakes.ends) >= bump_after:
+                await handle.execute_update(JobWorkflow.bump_priority, PriorityBump(priority=Priority.high))
+                bumped = True
+            if fakes.ends and fakes.ends[-1].next_state.terminal:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the job never ended ({len(fakes.ends)} attempts): {await handle.describe()}")
+        with contextlib.suppress(WorkflowFailureError):
+            await handle.result()
+        status = await handle.query(JobWorkflow.status)
+        described = await handle.describe()
+        histories = await _histories_of(client, handle.id, described.run_id)
+        replayer = Replayer(workflows=[JobWorkflow], data_converter=pydantic_data_converter)
+        for history in histories:  # each run replays as it ran, the first and those handed on to
+            await replayer.replay_workflow(history)
+    return fakes, status, len(histories), described.status
+
+
+async def _histories_of(client: Client, workflow_id: str, last_run_id: str) -> list:
+    """Each run's history, following each run's start back to the one before."""
+    histories, run_id = [], last_run_id
+    while run_id:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        histories.append(history)
+        run_id = history.events[0].workflow_execution_started_event_attributes.continued_execution_run_id
+    return histories[::-1]
+
+
+@pytest.mark.live
+def test_hundreds_of_events_of_attempts_go_on_in_new_runs_with_their_counts_and_signals(low_limits_temporal):
+    """Thirty attempts, well past the lowered limit of 500 events: the job ends as it would in one
+    run (its own failures retried, then four infrastructure failures in a row across runs, and the
+    fifth fails it), every placement taken in turn, its class raised in one run kept in the next.
+    Before, its one run was terminated by the server after the fifteenth attempt."""
+    fakes, status, runs_had, how = asyncio.run(live_a_long_life(
+        low_limits_temporal, ["fails"] * 25 + ["agent fails"] * 5, max_retries=25, bump_after=10))
+    assert [e.allocation_id for e in fakes.ends] == list(range(1, 31))
+    assert [e.end_reason for e in fakes.ends] == [EndReason.failed] * 25 + [EndReason.machine_failure] * 5
+    assert [e.failures_in_a_row for e in fakes.ends[25:]] == [1, 2, 3, 4, 0]
+    assert fakes.ends[-1].next_state is JobState.failed and "5 infrastructure failures" in fakes.ends[-1].reason
+    assert runs_had >= 3 and how.name == "FAILED"
+    assert (status.state, status.attempts, status.priority) == (JobState.failed, 30, Priority.high)
+
+
+@pytest.mark.live
+def test_a_gang_with_a_large_command_goes_on_in_new_runs_before_its_history_is_too_big(low_limits_temporal):
+    """Four machines, a command and env of 100 KiB each: about 800 kB of history per attempt;
+    twelve attempts, the command failing each, end as the job's retries say, its own failures
+    counted across runs. Before, its one run passed the lowered 5 MB limit at the sixth attempt
+    and was terminated."""
+    fakes, status, runs_had, how = asyncio.run(live_a_long_life(
+        low_limits_temporal, ["fails"] * 12, hosts=4, spec_bytes=100 * 1024, max_retries=11))
+    assert [e.next_state for e in fakes.ends] == [JobState.queued] * 11 + [JobState.failed]
+    assert "its 11 retries spent" in fakes.ends[-1].reason
+    assert runs_had >= 3 and how.name == "FAILED" and status.attempts == 12
