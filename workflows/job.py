@@ -22,6 +22,7 @@ The job's state, team, class, cluster and GPU count are search attributes, kept 
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -98,6 +99,11 @@ STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by 
 # Temporal wants a limit on an attempt's run: a year, past any training run (at 14 days, jobs of
 # weeks were requeued as if their agent had died, and one without checkpoints never ended).
 RUN_LIMIT = timedelta(days=365)
+# A gang's run orders go out at most this many bytes to a workflow task (gRPC takes 4 MiB in one
+# message), and one attempt's may not pass the other bound (a history ends at 50 MiB).
+ORDERS_BYTES_PER_TASK = 2 * 1024 * 1024
+ATTEMPT_ORDERS_MAX = 32 * 1024 * 1024
+NEXT_TASK = timedelta(milliseconds=1)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
 # attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a
 # long job meets a machine's death now and then without anything being wrong with it, and an
@@ -371,28 +377,33 @@ class JobWorkflow:
         self.attempt_began, self.failed_host = workflow.now(), None
         self.resume_seq, self.unusable_checkpoint = grant.resume_seq, None
 
-        def watch(rank: int, host, attach: bool = False):
-            """The activity that runs (or, ``attach``, watches again) the gang's rank on its host."""
+        def run_order(rank: int, host) -> RunJobInput:
+            """What the gang's rank is told to run on its host."""
+            return RunJobInput(
+                job_id=self.job_id,
+                allocation_id=alloc,
+                attempt=placement.attempt,
+                command=self.request.command,
+                gpus=host.gpus,
+                env={**self.request.env,
+                     "GPUSCHED_NODE_RANK": str(rank), "GPUSCHED_NUM_NODES": str(len(hosts)),
+                     "GPUSCHED_NODES": " ".join(h.machine_id for h in hosts)},
+                grace_period=placement.grace_period,
+                checkpoint_uri=grant.checkpoint_uri,
+                resume_from=grant.resume_from,
+                resume_seq=grant.resume_seq,
+                resume_sha256=grant.resume_sha256,
+                checkpoint_interval=grant.checkpoint_interval,
+                checkpoint_phase=grant.checkpoint_phase,
+            )
+
+        def watch(rank: int, host, attach: bool = False, order: RunJobInput | None = None):
+            """The activity that runs ``order`` (by default the rank's own) or, ``attach``, watches
+            the rank again on its host."""
             if attach:
                 name, arg = "attach_job", AttachOrder(allocation_id=alloc)
             else:
-                name, arg = "run_job", RunJobInput(
-                    job_id=self.job_id,
-                    allocation_id=alloc,
-                    attempt=placement.attempt,
-                    command=self.request.command,
-                    gpus=host.gpus,
-                    env={**self.request.env,
-                         "GPUSCHED_NODE_RANK": str(rank), "GPUSCHED_NUM_NODES": str(len(hosts)),
-                         "GPUSCHED_NODES": " ".join(h.machine_id for h in hosts)},
-                    grace_period=placement.grace_period,
-                    checkpoint_uri=grant.checkpoint_uri,
-                    resume_from=grant.resume_from,
-                    resume_seq=grant.resume_seq,
-                    resume_sha256=grant.resume_sha256,
-                    checkpoint_interval=grant.checkpoint_interval,
-                    checkpoint_phase=grant.checkpoint_phase,
-                )
+                name, arg = "run_job", order or run_order(rank, host)
             return workflow.start_activity(
                 name, arg,
                 result_type=RunJobResult,
@@ -412,7 +423,28 @@ class JobWorkflow:
                 schedule_to_start_timeout=STOP_PICKUP, start_to_close_timeout=STOP_PICKUP,
                 retry_policy=RetryPolicy(maximum_attempts=1))
 
-        runs = [watch(rank, host) for rank, host in enumerate(hosts)]
+        orders = [run_order(rank, host) for rank, host in enumerate(hosts)]
+        sizes = [len(order.model_dump_json()) for order in orders]
+        if sum(sizes) > ATTEMPT_ORDERS_MAX and workflow.patched("attempt-orders-bounded"):
+            # Each rank's order carries the command, the env and the list of the gang's machines,
+            # and all of them go into the job's history, which Temporal ends at 50 MB: a lost job.
+            spec = len(json.dumps(self.request.command)) + len(json.dumps(self.request.env))
+            return (EndReason.failed, None, JobState.failed,
+                    f"its run orders come to {sum(sizes) / 2**20:.1f} MiB over {len(hosts)} machines (each carries "
+                    f"the command and env, {spec / 1024:.0f} KiB, and the list of the gang's machines), more than "
+                    f"the {ATTEMPT_ORDERS_MAX // 2**20} MiB a job's history can take for one attempt; make the "
+                    "command and env smaller (put the arguments in a file the command reads), or ask for fewer GPUs")
+        runs = []
+        in_task = 0  # bytes of orders in the workflow task being made
+        for rank, (host, order, size) in enumerate(zip(hosts, orders, sizes)):
+            if runs and in_task + size > ORDERS_BYTES_PER_TASK and workflow.patched("gang-orders-in-batches"):
+                # A workflow task's commands travel in one gRPC message, which Temporal refuses
+                # past 4 MiB: the task failed on every try and the workflow was ended. The rest
+                # go in the next task (a timer of a millisecond makes one).
+                await workflow.sleep(NEXT_TASK)
+                in_task = 0
+            in_task += size
+            runs.append(watch(rank, host, order=order))
 
         def stop_asked() -> bool:
             return alloc in self.preempts or self.cancel_reason is not None

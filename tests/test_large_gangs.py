@@ -1,0 +1,100 @@
+"""A gang whose ranks' run orders together pass what one message to Temporal may carry (gRPC's
+4 MiB): each rank's order carries the job's command and env and the gang's machine list, so many
+machines, or a large command, make the attempt's orders too big to send in one workflow task.
+They are sent a few at a time, each batch in a task of its own, and every rank runs. Orders that
+together would outgrow what a job's history can take (Temporal ends it at 50 MiB: a lost job)
+fail the job instead, with the reason and the fix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from live.fakes import Launching
+from workflows.job import JobWorkflow
+from workflows.types import (
+    EndReason,
+    GpuGrant,
+    HostGrant,
+    JobRequest,
+    JobState,
+    PlacementSignal,
+    RunJobInput,
+    RunJobResult,
+    agent_task_queue,
+)
+
+
+class Ranks(Launching):
+    """Each rank's run exits 0 at once, noting which rank it was and what it was told."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran: list[RunJobInput] = []
+
+    @activity.defn(name="run_job")
+    async def run_job(self, run: RunJobInput) -> RunJobResult:
+        self.ran.append(run)
+        return RunJobResult(exit_code=0, log_path="/dev/null")
+
+    def activities(self) -> list:
+        return [self.admit_job, self.wake_scheduler, self.start_attempt, self.run_job, self.end_attempt]
+
+
+async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int) -> Ranks:
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    tag = uuid.uuid4().hex[:8]
+    # Every rank on one machine id (one worker serves them all: the orders are what is tried),
+    # of `id_chars` characters, as long as the gang's list of machines makes it.
+    queue = f"m-{tag}-".ljust(id_chars, "x")
+    fakes = Ranks()
+    async with Worker(client, task_queue="gpusched-control-" + queue, workflows=[JobWorkflow],
+                      activities=fakes.activities()), \
+            Worker(client, task_queue=agent_task_queue(queue), activities=fakes.activities(),
+                   max_concurrent_activities=1000):
+        request = JobRequest(job_id=f"gang-{tag}", team="vision", num_gpus=machines,
+                             command=["train", "x" * spec_bytes], env={"BIG": "y" * spec_bytes})
+        handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
+                                             task_queue="gpusched-control-" + queue,
+                                             execution_timeout=timedelta(minutes=3))
+        await handle.signal(JobWorkflow.placement, PlacementSignal(allocation_id=1, attempt=1, hosts=[
+            HostGrant(machine_id=queue, gpus=[GpuGrant(index=0, path=f"{queue}/{i}")]) for i in range(machines)]))
+        for _ in range(1200):  # 60 s
+            if fakes.ends:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the attempt never ended ({len(fakes.ran)} ranks ran): {await handle.describe()}")
+        with contextlib.suppress(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 30)
+    return fakes
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("name, machines, spec_bytes, id_chars", [
+    ("twenty machines with the largest command and env the API takes", 20, 128 * 1024 - 100, 12),
+    ("five hundred machines of 40-character ids with a small command", 500, 100, 40),
+])
+def test_every_rank_of_a_gang_too_big_for_one_message_runs(live_servers, name, machines, spec_bytes, id_chars):
+    fakes = asyncio.run(run_a_gang(live_servers.temporal_address, machines, spec_bytes, id_chars))
+    assert sorted(int(r.env["GPUSCHED_NODE_RANK"]) for r in fakes.ran) == list(range(machines))
+    assert [(e.next_state, e.allocation_id) for e in fakes.ends] == [(JobState.succeeded, 1)]
+
+
+@pytest.mark.live
+def test_a_gang_whose_orders_would_outgrow_its_history_fails_saying_why(live_servers):
+    """240 machines with the largest command and env: 60 MiB of orders, where the server ended
+    the workflow once its history passed 50 MiB."""
+    fakes = asyncio.run(run_a_gang(live_servers.temporal_address, 240, 128 * 1024 - 100, 12))
+    assert fakes.ran == []
+    [end] = fakes.ends
+    assert (end.next_state, end.end_reason) == (JobState.failed, EndReason.failed)
+    assert "over 240 machines" in end.reason and "make the command and env smaller" in end.reason
