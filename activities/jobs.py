@@ -238,8 +238,9 @@ class JobActivities:
         # None at all: one terminated while its admission ran, before it published anything,
         # whose admission still queued the job.
         unfinished = ", ".join(f"'{v}'" for s in JobState if not s.terminal for v in (s.attribute, s.value))
+        # A run that continued as new is closed too, queued, and its job lives on in the next.
         query = (f"WorkflowType = 'JobWorkflow' AND ExecutionStatus != 'Running' "
-                 f"AND (JobState IN ({unfinished}) OR JobState IS NULL)")
+                 f"AND ExecutionStatus != 'ContinuedAsNew' AND (JobState IN ({unfinished}) OR JobState IS NULL)")
         if _QUOTABLE.fullmatch(cluster):
             query += f" AND (Cluster = '{cluster}' OR Cluster IS NULL)"
         try:

@@ -122,5 +122,7 @@ def test_the_visibility_query_names_the_cluster_only_when_it_can(name, cluster, 
     [query] = client.queries
     assert (f"Cluster = '{cluster}' OR Cluster IS NULL" in query) is narrowed
     assert "ExecutionStatus != 'Running'" in query and "'succeeded'" not in query and "'queued'" in query
+    # A run that continued as new is closed and queued, but its job lives on in the next run.
+    assert "ExecutionStatus != 'ContinuedAsNew'" in query
     # A workflow terminated while its admission ran published neither (before, it was never found).
     assert "OR JobState IS NULL" in query
