@@ -3,12 +3,13 @@ reaches Temporal's limits (51,200 events or 50 MB by default, past which the ser
 the workflow: a lost job). Counts, pending signals and its class go with it.
 
 Run on a Temporal dev server of the module's own, with the limits lowered so that a few dozen
-attempts reach them, and the job's activities played by fakes."""
+attempts reach them, with the job's activities played by fakes, and once with a whole stack."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import uuid
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from live.fakes import Launching
+from live.jobs import Stack
 from workers import servers as srv
 from workflows.job import JobWorkflow
 from workflows.types import (
@@ -35,6 +37,7 @@ from workflows.types import (
     RunJobInput,
     RunJobResult,
     agent_task_queue,
+    job_workflow_id,
 )
 
 # What the server suggests continuing as new at, and where it ends a workflow: a history of about
@@ -158,3 +161,23 @@ def test_a_gang_with_a_large_command_goes_on_in_new_runs_before_its_history_is_t
     assert [e.next_state for e in fakes.ends] == [JobState.queued] * 11 + [JobState.failed]
     assert "its 11 retries spent" in fakes.ends[-1].reason
     assert runs_had >= 3 and how.name == "FAILED" and status.attempts == 12
+
+
+@pytest.mark.live
+def test_a_job_on_a_whole_stack_retried_past_the_limits_ends_as_its_retries_say(live_stack, low_limits_temporal):
+    """The control worker's real activities, the store and an agent: a command that fails at once,
+    retried 24 times, goes through runs of its workflow and ends failed after its 25th attempt,
+    every attempt in the store. Before, the server ended its workflow at the 16th attempt, and the
+    store had it running."""
+    s = Stack(live_stack(machines=1, gpus_per_machine=2, ui=False, control_args=["--tick", "0.5"],
+                         settings={"temporal_address": low_limits_temporal}))
+    try:
+        s.submit("retried", 1, [sys.executable, "-c", "import sys; sys.exit(3)"], max_retries=24)
+        view = s.wait("retried", timeout=240)
+        assert (view.state, view.exit_code, len(view.attempts)) == ("failed", 3, 25), view
+        assert "its 24 retries spent" in view.reason
+        handle = s.client.temporal.get_workflow_handle(s.up.settings.task_queue_prefix + job_workflow_id("retried"))
+        described = s.run(handle.describe())
+        assert len(s.run(_histories_of(s.client.temporal, handle.id, described.run_id))) >= 2
+    finally:
+        s.close()
