@@ -49,7 +49,9 @@ class Ranks(Launching):
         return [self.admit_job, self.wake_scheduler, self.start_attempt, self.run_job, self.end_attempt]
 
 
-async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int) -> Ranks:
+async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int, char: str = "x") -> Ranks:
+    """A gang of ``machines`` whose command and env are ``spec_bytes`` each of ``char`` (in
+    UTF-8), on machines with ids of ``id_chars`` characters."""
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     tag = uuid.uuid4().hex[:8]
     # Every rank on one machine id (one worker serves them all: the orders are what is tried),
@@ -61,7 +63,8 @@ async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int
             Worker(client, task_queue=agent_task_queue(queue), activities=fakes.activities(),
                    max_concurrent_activities=1000):
         request = JobRequest(job_id=f"gang-{tag}", team="vision", num_gpus=machines,
-                             command=["train", "x" * spec_bytes], env={"BIG": "y" * spec_bytes})
+                             command=["train", char * (spec_bytes // len(char.encode()))],
+                             env={"BIG": char * (spec_bytes // len(char.encode()))})
         handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
                                              task_queue="gpusched-control-" + queue,
                                              execution_timeout=timedelta(minutes=3))
@@ -79,12 +82,14 @@ async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int
 
 
 @pytest.mark.live
-@pytest.mark.parametrize("name, machines, spec_bytes, id_chars", [
-    ("twenty machines with the largest command and env the API takes", 20, 128 * 1024 - 100, 12),
-    ("five hundred machines of 40-character ids with a small command", 500, 100, 40),
+@pytest.mark.parametrize("name, machines, spec_bytes, id_chars, char", [
+    ("twenty machines with the largest command and env the API takes", 20, 128 * 1024 - 100, 12, "x"),
+    ("the same in characters of four bytes (orders are measured in bytes, not characters)",
+     20, 128 * 1024 - 100, 12, "\U0001F600"),
+    ("five hundred machines of 40-character ids with a small command", 500, 100, 40, "x"),
 ])
-def test_every_rank_of_a_gang_too_big_for_one_message_runs(live_servers, name, machines, spec_bytes, id_chars):
-    fakes = asyncio.run(run_a_gang(live_servers.temporal_address, machines, spec_bytes, id_chars))
+def test_every_rank_of_a_gang_too_big_for_one_message_runs(live_servers, name, machines, spec_bytes, id_chars, char):
+    fakes = asyncio.run(run_a_gang(live_servers.temporal_address, machines, spec_bytes, id_chars, char))
     assert sorted(int(r.env["GPUSCHED_NODE_RANK"]) for r in fakes.ran) == list(range(machines))
     assert [(e.next_state, e.allocation_id) for e in fakes.ends] == [(JobState.succeeded, 1)]
 

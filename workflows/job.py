@@ -127,7 +127,8 @@ SEEN_KEPT = 100  # placements handled whose ids a run hands on to the next
 
 @workflow.defn(name="JobWorkflow")
 class JobWorkflow:
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, raw: dict[str, Any], carried: CarriedOver | None = None) -> None:
         self.request: JobRequest | None = None
         self.state = JobState.queued
         self.cluster: str | None = None
@@ -152,6 +153,12 @@ class JobWorkflow:
         self.counted_infra = False  # whether the attempt under way ended as an infrastructure failure
         self.asked_id: str | None = None  # the job id the input named, even when it did not parse
         self.bumping = asyncio.Lock()  # one change of class at a time, in the order they came
+        self.long_checks = 0  # the times this run found its history long between attempts
+        if carried is not None:
+            # Taken over before any handler runs: a change of class or a placement sent as the
+            # run begins is handled in its first task, before `run`, and finds the job admitted.
+            self.request = JobRequest.model_validate(raw)
+            self._take_over(carried)
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -265,6 +272,9 @@ class JobWorkflow:
         return outcome
 
     async def _life(self, raw: dict[str, Any], carried: CarriedOver | None = None) -> JobOutcome:
+        if carried is not None:  # taken over as the run began (__init__)
+            self._publish()
+            return await self._attempts()
         # The input is validated here, not by the data converter: a request that does not parse
         # must end the job with the reason, not fail every workflow task forever.
         asked = raw.get("job_id") if isinstance(raw, dict) else None
@@ -279,9 +289,6 @@ class JobWorkflow:
                 workflow.upsert_search_attributes([SearchAttributePair(JOB_STATE, self._state_attribute())])
             return self.status()
         self.request = request
-        if carried is not None:
-            self._take_over(carried)
-            return await self._attempts()
         # 1. Admission.
         admission: Admission = await workflow.execute_activity(
             "admit_job", request, result_type=Admission, **STORE_CALL)
@@ -296,14 +303,21 @@ class JobWorkflow:
 
     async def _attempts(self) -> JobOutcome:
         while True:
-            if _history_long() and workflow.patched("continue-as-new-between-attempts"):
+            if self._history_long():
+                self.long_checks += 1
                 # Temporal ends a workflow whose history passes 51,200 events or 50 MB, and a job
                 # that lives long gets there (hundreds of attempts; a gang's large command and
                 # env, carried once per machine, in dozens). Queued and holding no GPU, it goes on
-                # as a new run of the same workflow, once no change of class is half made.
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                if self.cancel_reason is None:
-                    workflow.continue_as_new(args=[self.request.model_dump(mode="json"), self._carried()])
+                # as a new run of the same workflow, once no change of class is half made (one
+                # that comes as a placement waits is left for the next time: the job runs first).
+                # A patch of its own each time: a run from before this code replays its long
+                # history asking at loop tops where that code did not, is answered no, and an
+                # answer holds for the rest of the run.
+                if workflow.patched(f"continue-as-new-between-attempts-{self.long_checks}"):
+                    await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(
+                        self.placements) or self.cancel_reason is not None)
+                    if workflow.all_handlers_finished() and self.cancel_reason is None:
+                        workflow.continue_as_new(args=[self.request.model_dump(mode="json"), self._carried()])
             # 2. Wait for a placement, or a cancel.
             await workflow.wait_condition(lambda: bool(self.placements) or self.cancel_reason is not None)
             if self.cancel_reason is not None:
@@ -349,6 +363,13 @@ class JobWorkflow:
             if next_state.terminal:
                 return self.status()
 
+    def _history_long(self) -> bool:
+        """Whether the run's history is long enough to go on in a new run: Temporal says so (its
+        `limit.history*.suggestContinueAsNew`), or, for a server set not to, it is past our marks."""
+        info = workflow.info()
+        return (info.is_continue_as_new_suggested() or info.get_current_history_length() >= CONTINUE_AFTER_EVENTS
+                or info.get_current_history_size() >= CONTINUE_AFTER_BYTES)
+
     def _carried(self) -> CarriedOver:
         waiting = {p.allocation_id for p in self.placements}
         return CarriedOver(
@@ -362,13 +383,8 @@ class JobWorkflow:
         self.state, self.reason, self.attempts = carried.state, carried.reason, carried.attempts
         self.infra_failures, self.failures = carried.infra_failures, carried.failures
         self.seen_allocations = set(carried.seen_allocations)
-        # Those handed on first, then any sent to this run before it began: the order they came in.
-        handed = {p.allocation_id for p in carried.placements}
-        self.placements = carried.placements + [
-            p for p in self.placements if p.allocation_id not in handed | self.seen_allocations]
-        for signal in carried.preempts:
-            self.preempts.setdefault(signal.allocation_id, signal)
-        self._publish()
+        self.placements = list(carried.placements)
+        self.preempts = {signal.allocation_id: signal for signal in carried.preempts}
 
     async def _run_attempt(self, placement: PlacementSignal,
                            grant: AttemptGrant) -> tuple[EndReason, int | None, JobState, str]:
@@ -424,11 +440,12 @@ class JobWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=1))
 
         orders = [run_order(rank, host) for rank, host in enumerate(hosts)]
-        sizes = [len(order.model_dump_json()) for order in orders]
+        sizes = [len(order.model_dump_json().encode()) for order in orders]  # bytes: the payloads' UTF-8
         if sum(sizes) > ATTEMPT_ORDERS_MAX and workflow.patched("attempt-orders-bounded"):
             # Each rank's order carries the command, the env and the list of the gang's machines,
             # and all of them go into the job's history, which Temporal ends at 50 MB: a lost job.
-            spec = len(json.dumps(self.request.command)) + len(json.dumps(self.request.env))
+            spec = len(json.dumps(self.request.command, ensure_ascii=False).encode()) + len(
+                json.dumps(self.request.env, ensure_ascii=False).encode())
             return (EndReason.failed, None, JobState.failed,
                     f"its run orders come to {sum(sizes) / 2**20:.1f} MiB over {len(hosts)} machines (each carries "
                     f"the command and env, {spec / 1024:.0f} KiB, and the list of the gang's machines), more than "
@@ -716,14 +733,6 @@ class JobWorkflow:
             SearchAttributePair(CLUSTER, self.cluster or ""),
             SearchAttributePair(GPU_COUNT, req.num_gpus),
         ])
-
-
-def _history_long() -> bool:
-    """Whether the run's history is long enough to go on in a new run: Temporal says so (its
-    `limit.history*.suggestContinueAsNew`), or, for a server set not to, it is past our own marks."""
-    info = workflow.info()
-    return (info.is_continue_as_new_suggested() or info.get_current_history_length() >= CONTINUE_AFTER_EVENTS
-            or info.get_current_history_size() >= CONTINUE_AFTER_BYTES)
 
 
 def _retries(n: int) -> str:
