@@ -308,15 +308,16 @@ class JobWorkflow:
                 # Temporal ends a workflow whose history passes 51,200 events or 50 MB, and a job
                 # that lives long gets there (hundreds of attempts; a gang's large command and
                 # env, carried once per machine, in dozens). Queued and holding no GPU, it goes on
-                # as a new run of the same workflow, once no change of class is half made (one
-                # that comes as a placement waits is left for the next time: the job runs first).
+                # as a new run of the same workflow, once no change of class is half made: a
+                # placement that waits meanwhile goes with it (taking it up instead, while changes
+                # kept coming, let their events run the history to its end).
                 # A patch of its own each time: a run from before this code replays its long
                 # history asking at loop tops where that code did not, is answered no, and an
                 # answer holds for the rest of the run.
                 if workflow.patched(f"continue-as-new-between-attempts-{self.long_checks}"):
-                    await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(
-                        self.placements) or self.cancel_reason is not None)
-                    if workflow.all_handlers_finished() and self.cancel_reason is None:
+                    await workflow.wait_condition(
+                        lambda: workflow.all_handlers_finished() or self.cancel_reason is not None)
+                    if self.cancel_reason is None:
                         workflow.continue_as_new(args=[self.request.model_dump(mode="json"), self._carried()])
             # 2. Wait for a placement, or a cancel.
             await workflow.wait_condition(lambda: bool(self.placements) or self.cancel_reason is not None)
