@@ -414,13 +414,13 @@ class JobWorkflow:
                 checkpoint_phase=grant.checkpoint_phase,
             )
 
-        def watch(rank: int, host, attach: bool = False, order: RunJobInput | None = None):
-            """The activity that runs ``order`` (by default the rank's own) or, ``attach``, watches
-            the rank again on its host."""
-            if attach:
+        def watch(host, order: RunJobInput | None = None):
+            """The activity that runs ``order`` on the host or, without one, watches the attempt's
+            process there again."""
+            if order is None:
                 name, arg = "attach_job", AttachOrder(allocation_id=alloc)
             else:
-                name, arg = "run_job", order or run_order(rank, host)
+                name, arg = "run_job", order
             return workflow.start_activity(
                 name, arg,
                 result_type=RunJobResult,
@@ -454,7 +454,7 @@ class JobWorkflow:
                     "command and env smaller (put the arguments in a file the command reads), or ask for fewer GPUs")
         runs = []
         in_task = 0  # bytes of orders in the workflow task being made
-        for rank, (host, order, size) in enumerate(zip(hosts, orders, sizes)):
+        for host, order, size in zip(hosts, orders, sizes):
             if runs and in_task + size > ORDERS_BYTES_PER_TASK and workflow.patched("gang-orders-in-batches"):
                 # A workflow task's commands travel in one gRPC message, which Temporal refuses
                 # past 4 MiB: the task failed on every try and the workflow was ended. The rest
@@ -462,7 +462,7 @@ class JobWorkflow:
                 await workflow.sleep(NEXT_TASK)
                 in_task = 0
             in_task += size
-            runs.append(watch(rank, host, order=order))
+            runs.append(watch(host, order))
 
         def stop_asked() -> bool:
             return alloc in self.preempts or self.cancel_reason is not None
@@ -508,7 +508,7 @@ class JobWorkflow:
                                     "the machines were heard)", self.job_id, placement.attempt,
                                     ", ".join(hosts[i].machine_id for i in lost))
             for i in lost:
-                runs[i] = watch(i, hosts[i], attach=True)
+                runs[i] = watch(hosts[i])
         if not stopping and (failed_run() or all(r.done() for r in runs)):
             return await self._ended(runs, [h.machine_id for h in hosts])
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
@@ -543,7 +543,7 @@ class JobWorkflow:
                     await stop_order(hosts[i], grace, reason)
                 except ActivityError:
                     continue  # its agent cannot be reached: its machine is gone, or its next agent reaps it
-                runs[i] = watch(i, hosts[i], attach=True)
+                runs[i] = watch(hosts[i])
             await asyncio.gather(*runs, return_exceptions=True)
         if workflow.patched("stopped-success-completes") and all(_ended_on_its_own(r) for r in runs):
             # Every process had already exited 0 when the stop reached it: the job is done,
