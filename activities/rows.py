@@ -27,8 +27,9 @@ from scheduler.models import (
     RunningJob,
     Snapshot,
 )
-from scheduler.never_fits import why_it_never_fits
+from scheduler.never_fits import fewest_machines, why_it_never_fits
 from workflows.types import (
+    ATTEMPT_ORDERS_MAX,
     Admission,
     AttemptView,
     CheckpointView,
@@ -336,10 +337,29 @@ def admission_verdict(request: JobRequest, quota_row: Row | None, capacity: Iter
             return Admission(accepted=True, job_id=request.job_id, cluster=name, reason="accepted")
         fields.add(why_not[0])
         reasons.append(f"{name}: {why_not[1]}")
-    field = next((f for f in ("kind", "gpu_type", "gpu_memory_gb") if f in fields), "num_gpus")
+    field = next((f for f in ("kind", "gpu_type", "gpu_memory_gb", "command", "env") if f in fields), "num_gpus")
     return refuse(field, "no cluster can ever host this job (" + "; ".join(reasons or ["no machines"]) + ")")
 
 
 def _why_it_cannot_fit(request: JobRequest, machines: list[Row]) -> tuple[str, str] | None:
-    """(the request field at fault, why) when no machine of the cluster can ever host the job."""
-    return why_it_never_fits(request, (SimpleNamespace(**m) for m in machines))
+    """(the request field at fault, why) when no machine of the cluster can ever host the job,
+    or when its run orders could never go out."""
+    shapes = [SimpleNamespace(**m) for m in machines]
+    if (why_not := why_it_never_fits(request, shapes)) is not None:
+        return why_not
+    return _orders_too_big(request, fewest_machines(request, shapes))
+
+
+def _orders_too_big(request: JobRequest, machines: int) -> tuple[str, str] | None:
+    """Each machine of a gang is sent the command and env: where even the fewest machines the
+    job can span would take more than an attempt's orders may, the job could never start (its
+    workflow would fail it when placed, hours later maybe)."""
+    command = sum(len(word.encode()) for word in request.command)
+    env = sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+    if machines * (command + env) <= ATTEMPT_ORDERS_MAX:
+        return None
+    return ("command" if command >= env else "env",
+            f"its command and env, {(command + env) / 1024:.0f} KiB, go to each of the {machines} machines "
+            f"or more its {request.num_gpus} GPUs span: over the {ATTEMPT_ORDERS_MAX // 2**20} MiB a job's "
+            "history can take for one attempt; make them smaller (put the arguments in a file the command "
+            "reads)")

@@ -33,6 +33,35 @@ class JobShape(Protocol):
 def why_it_never_fits(job: JobShape, machines: Iterable[MachineShape]) -> tuple[str, str] | None:
     """(the job's field at fault, why) when no machine of the cluster can ever host the job;
     None when its shape fits."""
+    usable = _usable(job, machines)
+    if isinstance(usable, tuple):
+        return usable
+    largest = max(m.gpus for m in usable)
+    blocks: dict[str, int] = defaultdict(int)
+    for m in usable:
+        blocks[m.block] += m.gpus
+    topology = job.topology or (Topology.machine if job.num_gpus <= largest else Topology.block)
+    n = job.num_gpus
+    if topology == Topology.machine and n > largest:
+        return "num_gpus", f"needs {n} GPUs on one machine; the largest has {largest}"
+    if topology == Topology.block and n > max(blocks.values()):
+        return "num_gpus", f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
+    if n > sum(blocks.values()):
+        return "num_gpus", f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
+    return None
+
+
+def fewest_machines(job: JobShape, machines: Iterable[MachineShape]) -> int | None:
+    """The fewest machines the job can span on the cluster (its GPUs over the largest machine it
+    may use); None when no machine may host it."""
+    usable = _usable(job, machines)
+    if isinstance(usable, tuple):
+        return None
+    return -(-job.num_gpus // max(m.gpus for m in usable))
+
+
+def _usable(job: JobShape, machines: Iterable[MachineShape]) -> list[MachineShape] | tuple[str, str]:
+    """The machines of the job's partition, GPU type and memory; else (the field at fault, why)."""
     machines = list(machines)
     has_inference = any(m.partition == INFERENCE_PARTITION for m in machines)
     wants_inference = job.kind == JobKind.inference and has_inference
@@ -47,16 +76,4 @@ def why_it_never_fits(job: JobShape, machines: Iterable[MachineShape]) -> tuple[
     if not usable:
         most = max(m.gpu_memory_gb for m in of_type)
         return "gpu_memory_gb", f"no GPU with {job.gpu_memory_gb:g} GB (the most is {most:g} GB)"
-    largest = max(m.gpus for m in usable)
-    blocks: dict[str, int] = defaultdict(int)
-    for m in usable:
-        blocks[m.block] += m.gpus
-    topology = job.topology or (Topology.machine if job.num_gpus <= largest else Topology.block)
-    n = job.num_gpus
-    if topology == Topology.machine and n > largest:
-        return "num_gpus", f"needs {n} GPUs on one machine; the largest has {largest}"
-    if topology == Topology.block and n > max(blocks.values()):
-        return "num_gpus", f"needs {n} GPUs in one block; the largest block has {max(blocks.values())}"
-    if n > sum(blocks.values()):
-        return "num_gpus", f"needs {n} GPUs; the cluster has {sum(blocks.values())}"
-    return None
+    return usable

@@ -3,7 +3,8 @@
 machines, or a large command, make the attempt's orders too big to send in one workflow task.
 They are sent a few at a time, each batch in a task of its own, and every rank runs. Orders that
 together would outgrow what a job's history can take (Temporal ends it at 50 MiB: a lost job)
-fail the job instead, with the reason and the fix."""
+fail the job instead, with the reason and the fix; where even the fewest machines the job can
+span would make them so, it is refused at submit."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
+from activities.rows import admission_verdict
 from live.fakes import Launching
 from workflows.job import JobWorkflow
 from workflows.types import (
@@ -103,3 +105,35 @@ def test_a_gang_whose_orders_would_outgrow_its_history_fails_saying_why(live_ser
     [end] = fakes.ends
     assert (end.next_state, end.end_reason) == (JobState.failed, EndReason.failed)
     assert "over 240 machines" in end.reason and "make the command and env smaller" in end.reason
+
+
+def capacity(machines: int, gpus: int = 8, cluster: str = "c1") -> list[dict]:
+    """The admission's rows of a cluster of ``machines`` alike."""
+    return [dict(cluster=cluster, block=f"b{i // 128}", id=f"{cluster}/m{i}", gpu_type="H100", gpu_memory_gb=80.0,
+                 partition="training", gpus=gpus) for i in range(machines)]
+
+
+KIB = 1024
+# (sentence, GPUs, command bytes, env bytes, the field refused or None when accepted)
+AT_SUBMIT = [
+    ("a gang whose fewest machines could never be sent the largest command and env is refused at submit",
+     200 * 8, 128 * KIB - 100, 40 * KIB, "command"),
+    ("the same where the env is the larger names the env", 200 * 8, 40 * KIB, 128 * KIB - 100, "env"),
+    ("a gang of 128 machines with the same command and env is accepted (21 MiB of orders)",
+     128 * 8, 128 * KIB - 100, 40 * KIB, None),
+    ("a whole cluster's gang with a small command is accepted", 640 * 8, 100, 100, None),
+]
+
+
+@pytest.mark.parametrize("sentence, gpus, command, env, field", AT_SUBMIT, ids=[row[0] for row in AT_SUBMIT])
+def test_a_gang_whose_orders_could_never_go_out_is_refused_at_submit_naming_the_field(sentence, gpus, command, env, field):
+    request = JobRequest(job_id="big", team="vision", num_gpus=gpus, topology="any",
+                         command=["train", "x" * (command - 5)],
+                         env={"BIG": "y" * (env - 3)})
+    quota = dict(guaranteed=0, max_gpus=None, queue_cap=None)
+    verdict = admission_verdict(request, quota, capacity(640), waiting=0)
+    assert verdict.accepted == (field is None), verdict.reason
+    if field is not None:
+        assert verdict.field == field
+        assert f"the {gpus // 8} machines or more its {gpus} GPUs span" in verdict.reason
+        assert "make them smaller" in verdict.reason

@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         AGENT_SHUTDOWN,
         ATTEMPT_ABANDONED,
         ATTEMPT_NOT_HERE,
+        ATTEMPT_ORDERS_MAX,
         EXIT_RETRY_LATER,
         JOB_FAILED,
         Admission,
@@ -100,9 +101,8 @@ STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by 
 # weeks were requeued as if their agent had died, and one without checkpoints never ended).
 RUN_LIMIT = timedelta(days=365)
 # A gang's run orders go out at most this many bytes to a workflow task (gRPC takes 4 MiB in one
-# message), and one attempt's may not pass the other bound (a history ends at 50 MiB).
+# message); one attempt's may not pass ATTEMPT_ORDERS_MAX (workflows/types.py).
 ORDERS_BYTES_PER_TASK = 2 * 1024 * 1024
-ATTEMPT_ORDERS_MAX = 32 * 1024 * 1024
 NEXT_TASK = timedelta(milliseconds=1)
 # Infrastructure failures (not the job's own exit code) in a row before the job fails: an
 # attempt that ran INFRA_STREAK_RESET or longer before its failure starts the count again, as a

@@ -138,6 +138,9 @@ class JobRequest(WithNewFields):
 # A request travels in Temporal payloads (2 MB each: the workflow's input, its status, every
 # attempt's activity input) and is stored in Postgres: bounded well below that.
 MAX_COMMAND_BYTES = 128 * 1024
+# One attempt's run orders (one per machine of a gang, each with the command and env) go into
+# the job's history, which Temporal ends at 50 MiB: past this, the attempt is not started.
+ATTEMPT_ORDERS_MAX = 32 * 1024 * 1024
 # The agent's error type when it stops a job because it shuts down (activities/node.py).
 AGENT_SHUTDOWN = "AgentShutdown"
 # The agent's error types when the workflow watches an attempt again (``attach_job``) and there is
