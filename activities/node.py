@@ -308,11 +308,17 @@ class NodeActivities:
                 if run.outcome in done:
                     return run.outcome.result()
                 if shutdown in done:
-                    grace = self._grace(req)
-                    log.info("allocation %d: agent shutting down, stopping the job (%gs grace)",
-                             alloc, grace)
-                    self._request_stop(run, grace)
+                    # A job that exited on its own before the shutdown (its last reports still
+                    # being forwarded) keeps its result: run again, a finished job repeats its work.
+                    ended_before = run.process is not None and run.process.returncode is not None
+                    if not ended_before:
+                        grace = self._grace(req)
+                        log.info("allocation %d: agent shutting down, stopping the job (%gs grace)",
+                                 alloc, grace)
+                        self._request_stop(run, grace)
                     result = await self._stopped(run, heartbeat=True)
+                    if ended_before and run.stopper is None:
+                        return result
                     raise ApplicationError(
                         f"agent of {self.machine_id} shut down; the job was stopped",
                         result.model_dump(mode="json"), type=AGENT_SHUTDOWN, non_retryable=True,

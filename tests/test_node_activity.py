@@ -681,7 +681,9 @@ def test_a_watch_of_an_attempt_this_agent_never_ran_is_refused(tmp_path):
     assert node.live_allocations() == [] and 5 not in node.finished
 
 
-def test_a_job_that_ended_on_its_own_as_the_stop_came_keeps_its_result(tmp_path):
+@pytest.mark.parametrize("stop", ["cancel", "worker_shutdown"],
+                         ids=["a cancel", "the agent's shutdown (it was requeued and run again)"])
+def test_a_job_that_ended_on_its_own_as_the_stop_came_keeps_its_result(tmp_path, stop):
     answer = asyncio.Event()
 
     async def slow(job_id: str, allocation_id: int, report: dict) -> dict:
@@ -701,7 +703,7 @@ def test_a_job_that_ended_on_its_own_as_the_stop_came_keeps_its_result(tmp_path)
         while not (node.processes.get(12) and node.processes[12].process
                    and node.processes[12].process.returncode is not None):
             await asyncio.sleep(0.02)  # exited 0; its last report is being forwarded
-        env.cancel()
+        getattr(env, stop)()
         await asyncio.sleep(0.1)
         answer.set()
         return await task
