@@ -19,7 +19,7 @@ happens, and on schedule, and resumes from its last *committed* checkpoint when 
         if ck.due() or ck.stop_requested:
             result = ck.save(encode(step), progress=step)  # SaveResult, or None (no checkpoints)
         if ck.stop_requested:
-            sys.exit(EXIT_STOPPED)        # 0: stopped after its checkpoint
+            sys.exit(EXIT_STOPPED)        # 143: stopped after its checkpoint
 
 It needs only the standard library; boto3 is imported only for ``s3://`` checkpoints. Nothing else
 of gpusched is imported, so a job's environment may install just this package (or copy this file).
@@ -140,8 +140,10 @@ choosing, at an epoch's end say, moves its schedule and not theirs; then, or on 
 clocks differ by more than a step, broadcast rank 0's answer instead).
 
 Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs:
-``EXIT_STOPPED`` (0) after saving on SIGTERM (the agent treats any exit after SIGTERM as
-"stopped"); ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL) when what the job needs is not
+``EXIT_STOPPED`` (143, 128 + SIGTERM, as a shell reports a command SIGTERM ended) after saving
+on SIGTERM: the agent treats any exit after its own SIGTERM as "stopped", and a job stopped so
+by a SIGTERM its agent did not send (its machine shutting down) is queued again, where an exit
+0 would have been taken for the job finished; ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL) when what the job needs is not
 there now (``CheckpointRetryLater`` at ``restore()``, say): the job is queued again as an
 infrastructure failure (five in a row fail it), not failed as its own.
 """
@@ -174,8 +176,9 @@ __all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLate
 
 log = logging.getLogger("jobkit")
 
-EXIT_STOPPED = 0
-"""Exit code of a job that saved its checkpoint after SIGTERM and stopped."""
+EXIT_STOPPED = 143
+"""Exit code of a job that saved its checkpoint after SIGTERM and stopped (128 + SIGTERM): never
+0, which says the job is done (workflows.types.EXIT_STOPPED)."""
 EXIT_RETRY_LATER = 75
 """Exit code of a job that cannot run for now for want of the infrastructure (its checkpoint
 store unreachable): gpusched queues it again (workflows.types.EXIT_RETRY_LATER)."""

@@ -134,6 +134,22 @@ def test_a_job_that_exits_75_is_queued_again_without_retries_and_five_in_a_row_f
     assert all(h >= wait - 0.05 for h, wait in zip(held[1:], (1, 2, 4))), held
 
 
+def test_a_job_stopped_by_a_sigterm_its_agent_did_not_send_is_queued_again_not_taken_for_done_or_failed(stack):
+    """Its machine shutting down, or the agent's service stopped with its jobs (systemd's default
+    KillMode): a job killed by that SIGTERM was failed as if by its own fault, and one that saved
+    and exited on it was taken for finished (jobkit's EXIT_STOPPED was 0; it is 143 now)."""
+    s = stack(machines=1)
+    first = "os.environ['GPUSCHED_ATTEMPT'] == '1'"
+    s.submit("killed", 1, [sys.executable, "-c", f"import os, signal\nif {first}: os.kill(os.getpid(), signal.SIGTERM)"])
+    s.submit("saved", 1, [sys.executable, "-c", f"import os, sys; print('saved'); sys.exit(143 if {first} else 0)"])
+    for name, how in (("killed", "signal 15"), ("saved", "exit code 143")):
+        view = s.wait(name)
+        assert view.state == "succeeded", view.reason
+        assert [a.end_reason for a in view.attempts] == ["machine_failure", "completed"]
+        [requeued] = s.sql(f"SELECT reason FROM audit WHERE job_id = '{name}' AND event = 'requeued'")
+        assert f"stopped ({how}) by a SIGTERM its agent did not send" in requeued["reason"], requeued
+
+
 def test_a_queued_job_is_cancelled_without_ever_running(stack):
     s = stack(machines=1)
     s.submit("blocker", 4, sleeper(30))

@@ -25,7 +25,7 @@ Output (stdout, one line each, flushed)::
     example-job: stopped at step 9 after checkpoint seq 5 (committed=True)
     example-job: done, steps=20 final_state=<hex>
 
-Exit codes: 0 done, or stopped on SIGTERM after its checkpoint (jobkit.EXIT_STOPPED); 3
+Exit codes: 0 done; 143 stopped on SIGTERM after its checkpoint (jobkit.EXIT_STOPPED); 3
 ``--fail-at-step`` was reached (step K is not completed); 1 the checkpoint on SIGTERM failed, or
 the resume checkpoint is unusable (gone or corrupted: jobkit has reported it, and gpusched queues
 the job again to resume from the checkpoint before); 75 the checkpoint store is unreachable at

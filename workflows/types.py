@@ -151,6 +151,11 @@ ATTEMPT_ABANDONED = "AttemptAbandoned"
 # A job's exit code for "what I need is not there now" (sysexits' EX_TEMPFAIL; jobkit's
 # EXIT_RETRY_LATER): queued again as an infrastructure failure, not counted as the job's own.
 EXIT_RETRY_LATER = 75
+# How a job ends that SIGTERM stopped: by the signal itself, or with 128 + 15 (what a shell
+# reports, and jobkit's EXIT_STOPPED after its checkpoint). Not asked by its agent, the stop came
+# from the machine (shutting down, or the agent's service stopped with its jobs): queued again.
+SIGTERM = 15
+EXIT_STOPPED = 128 + SIGTERM
 DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas.quota_of)
 LATEST_EPOCH = 4.0e9  # 2096: a time past it is a unit mistake (milliseconds), and breaks dates
 
