@@ -7,7 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pynvml  # its error classes and constants need no driver
 import pytest
 
+from live.fakes import HangingDevices
 from workers.devices import (
     FakeDevices,
     GpuHealth,
@@ -457,20 +458,6 @@ def test_detect_devices_without_fallback_raises(monkeypatch):
 # -- what the agent reports ---------------------------------------------------------------------
 
 
-class HangingDevices(FakeDevices):
-    """Fake GPUs whose health call hangs, from its second call on, until released."""
-
-    def __init__(self):
-        super().__init__(2)
-        self.calls, self.release = 0, threading.Event()
-
-    def health(self):
-        self.calls += 1
-        if self.calls > 1:
-            self.release.wait(10)
-        return super().health()
-
-
 def test_a_hung_health_check_never_stops_the_heartbeats():
     from workers.agent import HealthReader
 
@@ -492,6 +479,55 @@ def test_a_hung_health_check_never_stops_the_heartbeats():
     assert all(h.healthy for h in first) and stale == [first] * 3 and devices.calls == 2
     assert [h.faults for h in late] == [["nvml_error"]] * 2
     assert recovered == first and devices.calls == 2  # the hung call's own answer, once it came
+
+
+class ReadsThenWaits(FakeDevices):
+    """Fake GPUs whose health call reads the fault file, then takes 0.3 s more to answer."""
+
+    def __init__(self, fault_file: Path):
+        super().__init__(2, fault_file=fault_file)
+        self.calls = 0
+
+    def health(self):
+        self.calls += 1
+        readings = super().health()
+        time.sleep(0.3)
+        return readings
+
+
+def test_a_fresh_reading_is_one_asked_after_it_is_wanted_not_the_one_in_flight(tmp_path):
+    """Asked as a job dies: a reading a heartbeat asked for before the death may not show the
+    fault the job died of, and the job would be failed as its own fault."""
+    from workers.agent import HealthReader
+
+    devices = ReadsThenWaits(tmp_path / "faults.json")
+    reader = HealthReader(devices, timeout=5)
+
+    async def scenario():
+        in_flight = asyncio.create_task(reader.read())  # a heartbeat's, asked before the fault
+        await asyncio.sleep(0.1)
+        inject_fault(tmp_path / "faults.json", 0, "xid:79")  # the GPU fails; the job dies of it
+        fresh = await reader.read_fresh()
+        return await in_flight, fresh
+
+    before, fresh = asyncio.run(scenario())
+    assert [h.faults for h in before] == [[], []]
+    assert [h.faults for h in fresh] == [["xid:79"], []] and devices.calls == 2
+
+
+def test_a_fresh_reading_that_does_not_come_is_none():
+    from workers.agent import HealthReader
+
+    devices = HangingDevices()
+    reader = HealthReader(devices, timeout=0.3)
+
+    async def scenario():
+        first = await reader.read()
+        return first, await reader.read_fresh(), await reader.read()
+
+    first, fresh, stale = asyncio.run(scenario())
+    devices.release.set()
+    assert fresh is None and stale == first and devices.calls == 2  # one call in flight, not two
 
 
 NEVER_ANSWERS = """

@@ -24,6 +24,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.node import AGENT_FAULT, SERVER_GAVE_UP, NodeActivities, job_env
 from jobkit import STOP_ORDER
+from live.fakes import HangingDevices
 from workflows.types import ATTEMPT_NOT_HERE, AttachOrder, GpuGrant, RunJobInput, StopOrder
 
 MACHINE = "c1/b0/r0/m0"
@@ -1110,6 +1111,32 @@ def test_the_agent_names_the_faults_that_kill_and_tells_the_control_plane_at_onc
     assert sick.gpu_faults == ["GPU 3: xid:79"]
     assert beats_after_sick == 1 and beats[0][3] == ["xid:79"]  # sent before the attempt ended
     assert hot.gpu_faults == [] and len(beats) == 1
+
+
+def test_a_job_that_dies_as_nvml_stops_answering_is_taken_for_dead_of_its_gpus(tmp_path):
+    """NVML often hangs as a GPU falls off the bus: the last reading, from before, showed the GPUs
+    healthy, and the job was failed as its own fault."""
+    import httpx
+
+    from workers.agent import Agent
+    from workers.settings import Settings
+
+    devices = HangingDevices(4)
+
+    async def scenario():
+        node = node_in(tmp_path)
+        agent = Agent(MACHINE, Settings(api_url="http://api"), devices, node, interval=1, orphan_grace=1.0)
+        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(
+            200, json={"live_allocations": []})))
+        node.gpu_faults = agent.failing_gpus
+        assert all(h.healthy for h in await agent.health())  # a heartbeat's reading, before
+        died = await ActivityEnvironment().run(node.run_job, job("raise SystemExit(1)", allocation_id=9))
+        devices.release.set()
+        await agent.close()
+        return died
+
+    died = run(scenario())
+    assert [fault.split(" (")[0] for fault in died.gpu_faults] == ["GPU 1: nvml_error", "GPU 3: nvml_error"]
 
 
 def test_a_job_that_prints_without_end_has_its_log_cut_back_to_its_end(tmp_path):

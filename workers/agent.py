@@ -206,11 +206,9 @@ class HealthReader:
 
     async def read(self) -> list[GpuHealth]:
         loop = asyncio.get_running_loop()
-        if self._call is None:
-            self._call = on_a_thread_of_its_own(self.devices.health)  # NVML calls block
-            self._asked_at = loop.time()
+        call, _ = self._the_call()
         try:
-            readings = await asyncio.wait_for(asyncio.shield(self._call), self.timeout)
+            readings = await self._answer(call)
         except TimeoutError:  # still running: the next heartbeat waits for the same call
             hung = loop.time() - self._asked_at
             if self._last is not None and hung < self.stale_for:
@@ -219,10 +217,45 @@ class HealthReader:
             log.error("GPU health check has not answered for %.0f s; reporting every GPU unhealthy", hung)
             return self._all_unhealthy()
         except Exception:
-            self._call = None
             log.exception("GPU health check failed; reporting every GPU unhealthy")
             return self._all_unhealthy()
-        self._call = None
+        return readings
+
+    async def read_fresh(self) -> list[GpuHealth] | None:
+        """A reading asked for now, not one asked before (a job that just died may have died of a
+        fault an earlier reading had not seen): the call in flight first, if any, then a new one.
+        None when NVML does not answer within ``timeout``, or fails: as a GPU falling off the bus
+        often makes it."""
+        since = asyncio.get_running_loop().time()
+        while True:
+            call, asked_at = self._the_call()
+            try:
+                readings = await self._answer(call)
+            except Exception:  # a timeout included
+                return None
+            if asked_at >= since:
+                return readings
+
+    def _the_call(self) -> tuple[asyncio.Future, float]:
+        """The health call in flight, or a new one; and when it was asked."""
+        if self._call is None:
+            self._call = on_a_thread_of_its_own(self.devices.health)  # NVML calls block
+            self._asked_at = asyncio.get_running_loop().time()
+        return self._call, self._asked_at
+
+    async def _answer(self, call: asyncio.Future) -> list[GpuHealth]:
+        """The call's readings, waited for at most ``timeout`` (TimeoutError: it runs on, and is
+        waited for again next time); the next reading is a new call."""
+        try:
+            readings = await asyncio.wait_for(asyncio.shield(call), self.timeout)
+        except TimeoutError:
+            raise
+        except Exception:
+            if self._call is call:
+                self._call = None
+            raise
+        if self._call is call:  # another reader may have asked a new one since
+            self._call = None
         self._last = readings
         return readings
 
@@ -266,8 +299,13 @@ class Agent:
         asked when a job fails. Any, and a heartbeat goes out at once: the scheduler must know the
         GPU is sick before the job, requeued, comes up in its next cycle."""
         wanted = set(indices)
-        faults = [f"GPU {r.index}: {fault}" for r in sorted(await self.health(), key=lambda r: r.index)
-                  if r.index in wanted for fault in r.faults if kills_processes(fault)]
+        readings = await self.health_reader.read_fresh()
+        if readings is None:
+            faults = [f"GPU {i}: {NVML_ERROR} (its health check did not answer as the job died)"
+                      for i in sorted(wanted)]
+        else:
+            faults = [f"GPU {r.index}: {fault}" for r in sorted(readings, key=lambda r: r.index)
+                      if r.index in wanted for fault in r.faults if kills_processes(fault)]
         if faults:
             try:
                 await self.heartbeat(reap=False)  # orphans are confirmed over the regular beats

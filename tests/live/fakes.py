@@ -1,8 +1,13 @@
-"""Fakes of the control plane's activities, for job workflows run on the real Temporal server."""
+"""Fakes of the control plane's activities, for job workflows run on the real Temporal server;
+and of a machine's GPUs whose NVML hangs, for its agent."""
 
 from __future__ import annotations
 
+import threading
+
 from temporalio import activity
+
+from workers.devices import FakeDevices
 
 from workflows.types import Admission, AttemptGrant, EndAttempt, JobRequest, JobStateChange, StartAttempt, Wake
 
@@ -38,3 +43,17 @@ class Launching(Admitting):
     @activity.defn(name="end_attempt")
     async def end_attempt(self, end: EndAttempt) -> None:
         self.ends.append(end)
+
+
+class HangingDevices(FakeDevices):
+    """Fake GPUs whose health call hangs, from its second call on, until released."""
+
+    def __init__(self, count: int = 2):
+        super().__init__(count)
+        self.calls, self.release = 0, threading.Event()
+
+    def health(self):
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait(10)
+        return super().health()
