@@ -61,6 +61,7 @@ has any processes it left behind in its group killed at once, so nothing keeps h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import json
@@ -644,7 +645,11 @@ class NodeActivities:
         give_up = loop.time() + self.final_forward_for
         pause = 0.25
         while True:
-            await self.forward_reports(job_id, allocation_id, report_dir)
+            # Each report waits its own answer: a control plane that takes connections and never
+            # answers held the attempt's end (and its GPUs) a request timeout per report.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.forward_reports(job_id, allocation_id, report_dir),
+                                       max(0.0, give_up - loop.time()))
             left = _unanswered(report_dir)
             if not left or self.report_sink is None:
                 return

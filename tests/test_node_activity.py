@@ -297,6 +297,25 @@ def test_the_last_reports_are_forwarded_again_while_the_control_plane_is_unreach
     assert json.loads(ack.read_text())["committed"]
 
 
+def test_the_last_reports_to_a_control_plane_that_never_answers_are_given_up_on_in_time(tmp_path):
+    """Each report waited the sink's own timeout (30 s for the agent's HTTP client) in turn: eight
+    checkpoints taken while the API hung held the attempt's end, and its GPUs, four minutes."""
+    async def hangs(job_id: str, allocation_id: int, report: dict) -> dict:
+        await asyncio.sleep(1.0)  # the client's timeout, shortened
+        raise TimeoutError("no answer")
+
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, report_sink=hangs,
+                          final_forward_for=1.5)
+    code = """
+        import json, os, pathlib
+        for seq in range(1, 9):
+            pathlib.Path(os.environ["GPUSCHED_REPORT_DIR"], f"checkpoint-{seq:010d}.json").write_text(json.dumps({"seq": seq}))
+    """
+    began = time.monotonic()
+    result = run(ActivityEnvironment().run(node.run_job, job(code)))
+    assert result.exit_code == 0 and time.monotonic() - began < 4
+
+
 @pytest.mark.parametrize("content", ["{not json", "[]", "5", "null"],
                          ids=["not JSON", "a JSON list", "a JSON number", "JSON null"])
 def test_an_unreadable_report_is_answered_as_refused_and_not_waited_for(tmp_path, content):
