@@ -29,6 +29,12 @@ INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partiti
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (id) DO UPDATE SET gpu_type = EXCLUDED.gpu_type,
     gpu_memory_gb = EXCLUDED.gpu_memory_gb, partition = EXCLUDED.partition"""
+# A machine joining by its agent's first heartbeat: one that a fleet file declared meanwhile (its
+# transaction not yet committed when the heartbeat looked) keeps what the file said.
+JOIN_MACHINE = """
+INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partition)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (id) DO NOTHING"""
 # A machine declared by the fleet file (`gpusched fleet apply`): a new one joins as the file says;
 # one already known (its agent reported its GPUs, type and memory) takes only its partition.
 # Answers the partition it had (NULL: new), read before the write.

@@ -268,16 +268,24 @@ class Store:
                 if not gpus:
                     raise ValueError(f"machine '{machine_id}' is not known yet and its heartbeat reports no "
                                      "GPUs; a machine joins with a heartbeat that lists them")
-                await self._upsert_machine(conn, rows.machine_from_report(machine_id, gpus))
-            elif gpu_type == rows.UNKNOWN_GPU_TYPE and (named := rows.reported_type(gpus))[0] is not None:
+                m = rows.machine_from_report(machine_id, gpus)
+                await conn.execute(q.UPSERT_CLUSTER, m.cluster)
+                joined = await conn.execute(q.JOIN_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
+                                            m.gpu_memory_gb, m.partition) == "INSERT 0 1"
+                # Not joined: a fleet file declared it meanwhile, and its partition stands (it was
+                # overwritten with the default, and inference jobs never went there).
+                gpu_type = None if joined else await conn.fetchval(q.MACHINE_GPU_TYPE, machine_id)
+            if gpu_type == rows.UNKNOWN_GPU_TYPE and (named := rows.reported_type(gpus))[0] is not None:
                 await conn.execute(q.NAME_UNKNOWN_MACHINE, machine_id, *named)
+            # The machine's row before its GPUs' rows: two heartbeats of one machine at once (a
+            # failing GPU's is sent beside the regular one) take their locks in one order.
+            await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid, accepting_work)
             if gpus:  # a heartbeat without GPUs says nothing about them
                 # Every index up to the highest has a row (those not reported are then marked
                 # missing): the scheduler numbers a machine's GPUs 0 to its count, and a hold on
                 # an index with no row failed every cycle of the cluster's commit.
                 await conn.execute(q.ADD_REPORTED_GPUS, machine_id, list(range(max(reported) + 1)))
                 await conn.execute(q.MARK_UNREPORTED_GPUS, machine_id, reported)
-            await conn.execute(q.RECORD_HEARTBEAT, machine_id, pid, accepting_work)
             await conn.executemany(q.SET_GPU_HEALTH, [(machine_id, g.index, g.healthy, g.faults) for g in gpus])
             return [r[0] for r in await conn.fetch(q.LIVE_ALLOCATIONS_ON_MACHINE, machine_id)]
 

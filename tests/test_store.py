@@ -578,6 +578,26 @@ def test_a_machine_that_joins_missing_gpus_has_those_gpus_out_of_use_and_a_cycle
     assert {g.index for host in placed.signal.hosts for g in host.gpus} == set(reported)
 
 
+def test_a_machine_joining_by_heartbeat_as_a_fleet_file_declares_it_keeps_the_file_s_partition(store_env):
+    """The heartbeat looked before the fleet file's transaction committed, took the machine for
+    new, and once it could write, overwrote the file's partition with the default: inference jobs
+    never went there, training jobs did, and `fleet apply` had said it was added as inference."""
+    run, store = store_env
+    new = "c1/b0/r0/m7"
+
+    async def scenario():
+        async with store.pool.acquire() as declaring, declaring.transaction():
+            await declaring.fetchval(q.DECLARE_MACHINE, new, "c1", "b0", "r0", "H100", 80.0, "inference")
+            beat = asyncio.ensure_future(store.machine_heartbeat(new, 1, [GpuReport(index=i) for i in range(4)]))
+            await until_blocked_or_done(declaring, beat)
+        live = await asyncio.wait_for(beat, 10)
+        return live, await store.pool.fetchrow("SELECT partition, last_heartbeat FROM machines WHERE id = $1", new)
+
+    live, machine = run(scenario())
+    assert live == [] and machine["partition"] == "inference" and machine["last_heartbeat"] is not None
+    assert run(store.pool.fetchval("SELECT count(*) FROM gpus WHERE machine_id = $1", new)) == 4
+
+
 @pytest.mark.parametrize("name, machine, gpus, words", [
     ("an unknown machine that reports no GPUs does not join", "c1/b1/r0/m0", [], "reports no GPUs"),
     ("a GPU reported twice", "c1/b0/r0/m0", [GpuReport(index=0), GpuReport(index=0)], "GPU 0 more than once"),
