@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from jobkit import EXIT_STOPPED
 from workers.example_job import decode, encode, final_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def test_stopped_with_sigterm_then_resumed_ends_like_an_uninterrupted_run(tmp_pa
     finally:
         stop.set()
         agent.join()
-    assert rc == 0 and took < 5, out
+    assert rc == EXIT_STOPPED and took < 5, out
     assert "committed=True (ok)" in out[[i for i, l in enumerate(out) if "checkpoint seq 1 " in l][0]]
     stopped = out[-1]
     assert stopped.startswith("example-job: stopped at step "), out
@@ -164,7 +165,7 @@ def test_sigterm_without_checkpoints_still_stops_cleanly():
     out: list[str] = []
     wait_for(lines, "step 2/", out)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=5) == 0
+    assert proc.wait(timeout=5) == EXIT_STOPPED
     while (line := lines.get(timeout=5)) is not None:
         out.append(line)
     assert out[-1].startswith("example-job: stopped at step ") and "without a checkpoint" in out[-1], out
@@ -230,7 +231,7 @@ def test_checkpoints_to_s3_and_resumes_from_them(live_servers, tmp_path):
     out: list[str] = []
     wait_for(lines, "step 3/", out)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=5) == 0
+    assert proc.wait(timeout=5) == EXIT_STOPPED
     while (line := lines.get(timeout=5)) is not None:
         out.append(line)
     assert out[-2].startswith("example-job: checkpoint seq 1 at step "), out
