@@ -129,6 +129,7 @@ WHERE h.machine_id = $1 AND upper_inf(h.held)"""
 SET_CLUSTER_SETTINGS = """
 UPDATE clusters SET policy = coalesce($2, policy), machine_timeout = coalesce($3, machine_timeout)
 WHERE name = $1"""
+CLUSTER_POLICY_FOR_UPDATE = "SELECT policy FROM clusters WHERE name = $1 FOR UPDATE"
 LIST_CLUSTERS = "SELECT name, policy, machine_timeout, cycle_seq FROM clusters ORDER BY name"
 CLUSTER_CAPACITY = """
 SELECT m.cluster, m.block, m.id, m.gpu_type, m.gpu_memory_gb, m.partition, count(g.idx) AS gpus

@@ -24,7 +24,7 @@ from activities.outages import log_outages_in_one_line
 from scheduler import in_words
 from scheduler.fleet import Fleet
 from scheduler.gc_policy import no_collections
-from scheduler.models import CycleResult, Machine, Quota, Snapshot
+from scheduler.models import CycleResult, Machine, PolicyConfig, Quota, Snapshot
 from workflows.types import (
     HEARD,
     SILENT,
@@ -314,6 +314,23 @@ class Store:
         await self.pool.execute(q.UPSERT_CLUSTER, cluster)
         await self.pool.execute(q.SET_CLUSTER_SETTINGS, cluster,
                                 json.dumps(policy) if policy is not None else None, machine_timeout)
+
+    async def set_cluster_policy(self, cluster: str, knobs: dict,
+                                 machine_timeout: float | None = None) -> dict | None:
+        """Set some of the cluster's policy knobs, keeping the others it overrides: the overrides
+        now, or None for no such cluster. Read and written under a lock on the cluster's row, so
+        two changes at once both stand (each read the overrides, then wrote its own over the
+        other's). A ValidationError, and nothing written, where the knobs with the rest make no
+        valid policy."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(q.CLUSTER_POLICY_FOR_UPDATE, cluster)
+            if row is None:
+                return None
+            merged = {**(rows.json_value(row["policy"]) or {}), **knobs}
+            policy = PolicyConfig(**merged)
+            overrides = {k: getattr(policy, k) for k in merged}
+            await conn.execute(q.SET_CLUSTER_SETTINGS, cluster, json.dumps(overrides), machine_timeout)
+            return overrides
 
     async def capacity(self) -> list[dict]:
         """Every machine's place and size: what admission checks a job's shape against."""

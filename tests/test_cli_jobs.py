@@ -339,6 +339,13 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert capsys.readouterr().out.startswith("cli-3: queued, held back after infrastructure failures in a row, on c1; "
                                               "estimated start ")
     assert main(["cancel", "cli-3", *d]) == 0
+    # A cluster's knobs: each set keeps the others; a knob no policy could take, or no cluster, exit 2.
+    assert main(["cluster", "set", "c1", "--policy", "grace_period=45", *d]) == 0
+    assert main(["cluster", "set", "c1", "--policy", "min_runtime=30", *d]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("c1: ") and json.loads(last[4:]) == {"retry_backoff": 600, "grace_period": 45, "min_runtime": 30}
+    assert main(["cluster", "set", "c9", "--policy", "min_runtime=30", *d]) == 2
+    assert "unknown cluster 'c9' (known: c1)" in capsys.readouterr().err
     # `gpusched list | head`: a reader gone is not a database that did not answer.
     read, write = os.pipe()
     os.close(read)

@@ -13,6 +13,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from asyncpg.transaction import Transaction
+from pydantic import ValidationError
 
 from activities import queries as q
 from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, GpuReport, Store, held_back
@@ -345,6 +346,24 @@ def test_a_job_queued_again_after_a_first_failure_or_a_preemption_is_not_held_ba
     row = run(store.pool.fetchrow("SELECT held_until, pending_reason FROM jobs WHERE id = 'a'"))
     assert row["held_until"] is None and row["pending_reason"] is None
     assert [p.job_id for p in run(store.plan_cycle("c1", 3, run_cycle)).placements] == ["a"]
+
+
+def test_policy_changes_sent_at_once_all_stand_and_a_bad_one_changes_nothing(store_env):
+    """`gpusched cluster set` read the overrides, merged its own and wrote the whole: of two
+    operators' changes at once, one was silently lost."""
+    run, store = store_env
+    knobs = [{"grace_period": 31.0}, {"min_runtime": 901.0}, {"retry_backoff": 7.0}, {"grace_period": 32.0}]
+
+    async def at_once():
+        return await asyncio.gather(*(store.set_cluster_policy("c1", k) for k in knobs))
+
+    run(at_once())
+    [cluster] = run(store.clusters())
+    assert cluster["policy"] in ({"grace_period": g, "min_runtime": 901.0, "retry_backoff": 7.0} for g in (31.0, 32.0))
+    with pytest.raises(ValidationError):
+        run(store.set_cluster_policy("c1", {"min_runtime": -1}))
+    assert run(store.clusters())[0]["policy"] == cluster["policy"]
+    assert run(store.set_cluster_policy("c9", {"min_runtime": 5.0})) is None
 
 
 def test_the_snapshot_expects_the_restart_time_resumed_jobs_reported_unless_the_cluster_sets_one(store_env):

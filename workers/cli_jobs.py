@@ -458,17 +458,14 @@ def cmd_cluster_set(args) -> int:
         return EXIT_REFUSED
 
     async def body(client: GpuschedClient) -> int:
-        current = {c["name"]: c for c in await client.store.clusters()}
-        if args.cluster not in current:
-            raise ClientError(f"unknown cluster '{args.cluster}' (known: {', '.join(current) or 'none'})", "cluster")
-        merged = {**current[args.cluster]["policy"], **knobs}
         try:
-            policy = PolicyConfig(**merged)
+            overrides = await client.store.set_cluster_policy(args.cluster, knobs, args.machine_timeout)
         except ValidationError as e:
             field, message = first_error(e)
             raise ClientError(message, field) from None
-        overrides = {k: getattr(policy, k) for k in merged}
-        await client.store.configure_cluster(args.cluster, policy=overrides, machine_timeout=args.machine_timeout)
+        if overrides is None:
+            known = await client.store.cluster_names()
+            raise ClientError(f"unknown cluster '{args.cluster}' (known: {', '.join(known) or 'none'})", "cluster")
         print(f"{args.cluster}: {json.dumps(overrides)}"
               + (f", machine timeout {args.machine_timeout:g} s" if args.machine_timeout else ""))
         return 0
