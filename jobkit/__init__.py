@@ -171,7 +171,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import quote, unquote, urlparse
 
-__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreUnreachable",
+__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreRefused", "CheckpointStoreUnreachable",
            "CheckpointUnusable", "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
 
 log = logging.getLogger("jobkit")
@@ -230,6 +230,17 @@ class CheckpointUnusable(CheckpointError):
     its SHA-256, it has none, or it is not the object committed. ``restore`` reports it
     (``unusable.json``) before raising; gpusched then takes it for no complete checkpoint, and
     the job's next attempt resumes from the newest complete one before it (or from the start)."""
+
+
+class CheckpointStoreRefused(CheckpointRetryLater):
+    """The checkpoint store refused this machine: its credentials (403: access denied, a key it
+    does not know, a signature that does not match), or a bucket it does not have. Nothing is
+    known to be wrong with the job or its checkpoint, only with the machine's S3 settings:
+    gpusched queues the job again (exit ``EXIT_RETRY_LATER``), and five in a row fail it, where
+    the job failed at once as if by its own fault. Asking again from here changes nothing, so it
+    is raised at once. Where the credentials may not list the bucket (no ``s3:ListBucket`` on
+    AWS), a missing object is answered 403 too: allow listing, so that one is told apart (it is
+    unusable, and the job falls back to the checkpoint before)."""
 
 
 class CheckpointStoreUnreachable(CheckpointRetryLater):
@@ -535,8 +546,10 @@ class _S3Store:
     def _failure(self, what: str, e: Exception) -> CheckpointError:
         """The error to raise for a botocore error: ``CheckpointStoreUnreachable`` when S3 gave no
         answer (no connection, a timeout, a cut-off response) or a passing server-side one
-        (500, 502, 503, 504, SlowDown), worth asking again; else ``CheckpointError`` (a refusal,
-        a bad certificate, a parameter this boto3 does not know: asking again changes nothing)."""
+        (500, 502, 503, 504, SlowDown), worth asking again; ``CheckpointStoreRefused`` when it
+        refused this machine's credentials or bucket; else ``CheckpointError`` (a refusal of the
+        request, a bad certificate, a parameter this boto3 does not know: asking again changes
+        nothing)."""
         from botocore import exceptions as b
 
         if isinstance(e, b.ClientError):
@@ -544,11 +557,13 @@ class _S3Store:
             if status in (500, 502, 503, 504) or code in ("SlowDown", "ServiceUnavailable", "InternalError",
                                                           "RequestTimeout"):
                 return CheckpointStoreUnreachable(f"{what} failed: {e}")
+            if status == 403 or code in _REFUSALS:
+                return CheckpointStoreRefused(f"{what} failed: {e}; {_CHECK_SETTINGS}")
             return CheckpointError(f"{what} failed: {e}")
         if isinstance(e, (b.ConnectionError, b.HTTPClientError, b.IncompleteReadError)) and not isinstance(e, b.SSLError):
             return CheckpointStoreUnreachable(f"{what} failed: {_unreachable(e)}")
         if isinstance(e, (b.NoCredentialsError, b.PartialCredentialsError)):
-            return CheckpointError(f"{what} failed: {_unreachable(e)}")
+            return CheckpointStoreRefused(f"{what} failed: {_unreachable(e)}")
         return CheckpointError(f"{what} failed: {e}")
 
     def _taken(self, e: Exception) -> bool:
@@ -660,6 +675,13 @@ class _S3Store:
         if length is not None and int(length) != d.size:
             raise CheckpointError(f"s3://{bucket}/{key}: read {d.size} bytes, the object has {length}")
         return d, dict(response.get("Metadata") or {})
+
+
+# S3's answers that refuse the machine, not the request: its credentials or its bucket.
+_REFUSALS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "AllAccessDisabled",
+             "InvalidToken", "ExpiredToken")
+_CHECK_SETTINGS = ("check this machine's GPUSCHED_S3_ENDPOINT, GPUSCHED_S3_ACCESS_KEY and GPUSCHED_S3_SECRET_KEY, "
+                   "and that the bucket exists")
 
 
 def _b64(md5_hex: str) -> str:

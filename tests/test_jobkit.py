@@ -863,15 +863,17 @@ def test_s3_conditional_writes_metadata_and_restore(live_servers):
     s3.put_object(Bucket=bucket, Key=bad_key, Body=b"tampered", Metadata={"sha256": sha(b"original")})
     with pytest.raises(jobkit.CheckpointUnusable, match="corrupted"):
         Checkpointer.from_env(s3_env(live_servers, prefix, GPUSCHED_RESUME_FROM=f"s3://{bucket}/{bad_key}")).restore()
-    # One that is gone is unusable too; a bucket that is not there says nothing of the checkpoint.
+    # One that is gone is unusable too; a bucket that is not there, or credentials the store does
+    # not take, say nothing of the checkpoint: the machine is refused, at once, and says so.
     with pytest.raises(jobkit.CheckpointUnusable, match="does not exist"):
         Checkpointer.from_env(s3_env(live_servers, prefix,
                                      GPUSCHED_RESUME_FROM=f"s3://{bucket}/{prefix}/0000000042")).restore()
-    with pytest.raises(CheckpointError) as raised:
-        Checkpointer.from_env(s3_env(live_servers, prefix,
-                                     GPUSCHED_RESUME_FROM=f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/k/0000000001")
-                              ).restore()
-    assert not isinstance(raised.value, jobkit.CheckpointUnusable)
+    for wrong in (dict(GPUSCHED_RESUME_FROM=f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/k/0000000001"),
+                  dict(GPUSCHED_RESUME_FROM=other.uri, GPUSCHED_S3_SECRET_KEY="not-the-secret")):
+        began = time.monotonic()
+        with pytest.raises(jobkit.CheckpointStoreRefused, match="check this machine's GPUSCHED_S3_ENDPOINT"):
+            Checkpointer.from_env(s3_env(live_servers, prefix, **wrong)).restore()
+        assert time.monotonic() - began < 10, wrong  # not asked again for GPUSCHED_S3_RETRY_S
 
 
 @pytest.mark.live
@@ -1073,16 +1075,23 @@ def test_only_errors_that_may_pass_are_taken_for_an_unreachable_store(name, erro
     assert ("up and reachable" in str(failure)) == unreachable, name
 
 
-@pytest.mark.parametrize("status, code, unreachable", [
-    (503, "SlowDown", True), (500, "InternalError", True), (502, "BadGateway", True),
-    (501, "NotImplemented", False), (403, "AccessDenied", False), (400, "InvalidRequest", False),
+@pytest.mark.parametrize("status, code, taken_for", [
+    (503, "SlowDown", "unreachable"), (500, "InternalError", "unreachable"), (502, "BadGateway", "unreachable"),
+    (501, "NotImplemented", "an error"), (400, "InvalidRequest", "an error"),
+    (403, "AccessDenied", "refused"), (403, "InvalidAccessKeyId", "refused"), (403, "SignatureDoesNotMatch", "refused"),
+    (404, "NoSuchBucket", "refused"), (400, "ExpiredToken", "refused"),
 ])
-def test_only_server_answers_that_may_pass_are_taken_for_an_unreachable_store(status, code, unreachable):
+def test_only_server_answers_that_may_pass_are_taken_for_an_unreachable_store(status, code, taken_for):
+    """And those that refuse the machine (its credentials, its bucket) are neither the job's fault
+    nor worth asking again: refused (queued again elsewhere), where the job failed as its own."""
     from botocore.exceptions import ClientError
 
     store = jobkit._S3Store(None, "key", "secret", None)
     error = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
-    assert isinstance(store._failure("writing x", error), CheckpointStoreUnreachable) == unreachable
+    failure = store._failure("writing x", error)
+    kind = {CheckpointStoreUnreachable: "unreachable", jobkit.CheckpointStoreRefused: "refused"}.get(type(failure))
+    assert (kind or "an error") == taken_for
+    assert ("GPUSCHED_S3_ACCESS_KEY" in str(failure)) == (taken_for == "refused")
 
 
 def test_a_memoryview_of_wider_items_goes_up_in_parts_by_byte():
