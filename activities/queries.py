@@ -366,8 +366,14 @@ ON CONFLICT (job_id, seq) DO UPDATE SET
     complete = EXCLUDED.complete, reason = EXCLUDED.reason, written_at = EXCLUDED.written_at,
     created_at = EXCLUDED.created_at, deleted_at = NULL, unusable_at = NULL
   -- A number written again after its checkpoint was found unusable (its object gone) or
-  -- collected (a job that fell back to its start): a refused report leaves the row as it was.
-  WHERE EXCLUDED.complete AND (checkpoints.unusable_at IS NOT NULL OR checkpoints.deleted_at IS NOT NULL)"""
+  -- collected (a job that fell back to its start), or whose report was refused (its bytes were
+  -- not there, or not the reported ones): the new report's bytes were verified at that key, so
+  -- the old row describes bytes that are not there. A refused report leaves the row as it was,
+  -- and so does the same report again of a checkpoint since collected (it stays collected).
+  WHERE EXCLUDED.complete
+    AND (NOT checkpoints.complete OR checkpoints.unusable_at IS NOT NULL
+         OR checkpoints.deleted_at IS NOT NULL
+            AND (checkpoints.allocation_id, checkpoints.sha256) IS DISTINCT FROM (EXCLUDED.allocation_id, EXCLUDED.sha256))"""
 CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""

@@ -538,6 +538,14 @@ class Store:
                 fence = (f"allocation {allocation_id} is no longer the job's current one "
                          f"({alloc['state']}): a zombie writer's checkpoint is never committed")
             refusal = fence or refusal
+            if refusal is None:
+                # Below the two kept, nothing is written any more (a writer's numbers only grow):
+                # such a report is late (its object may be gone with the clean-up since), and
+                # committed, it made a complete checkpoint of bytes that are not there.
+                kept = [r["seq"] for r in await conn.fetch(q.KEPT_CHECKPOINTS, job_id)]
+                if len(kept) == 2 and report.seq < min(kept):
+                    refusal = (f"checkpoint {report.seq} of job {job_id} is older than its two newest complete ones "
+                               f"({min(kept)} and {max(kept)}): superseded before its report came")
             work = as_of = None
             if refusal is None:
                 now = await conn.fetchval(q.NOW)

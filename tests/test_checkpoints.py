@@ -261,6 +261,41 @@ def test_a_clean_up_that_runs_after_a_later_commit_deletes_no_checkpoint_its_row
     assert all(env.exists(reports[seq - 1].key) for seq in shown), (shown, [env.exists(r.key) for r in reports])
 
 
+def test_a_number_whose_report_was_refused_is_taken_by_a_later_writer_whose_bytes_are_there(env):
+    """A report refused because its bytes were not there (a machine writing to another store)
+    kept its number: the next attempt's checkpoint under it, verified, was refused as another
+    writer's, and a preemption within those numbers sent the job back to its start."""
+    data = b"written elsewhere"
+    lost = CheckpointReport(seq=2, key=f"{checkpoint_prefix(env.job)}{2:010d}", size=len(data),
+                            sha256=hashlib.sha256(data).hexdigest(), md5=hashlib.md5(data).hexdigest())
+    assert not env.commit(lost).committed  # no object 2 in this store
+    env.requeue()
+    env.allocation = env.start()
+    ack = env.commit(env.write(2, b"step=2"))
+    assert ack.committed, ack.reason
+    env.requeue()
+    env.allocation = env.start()
+    assert env.resumed["seq"] == 2
+
+
+def test_a_late_report_of_a_checkpoint_below_the_two_kept_is_never_committed(env):
+    """Its object may be gone with the clean-up since (collected, or never reported when the
+    clean-up looked): committed, or brought back from collected, it was a complete checkpoint of
+    bytes that are not there."""
+    first = env.write(1, b"step=1")
+    assert env.commit(first).committed
+    late = env.write(2, b"step=2")  # its report is slow: its bytes were checked, then 3 and 4 came
+    for seq in (3, 4):
+        assert env.commit(env.write(seq, f"step={seq}".encode())).committed
+    assert not env.exists(first.key)  # collected with 3's commit
+    again = env.run(env.store.commit_checkpoint(env.job, env.allocation, first, None))[0]
+    assert again.committed  # the same answer as the first time
+    ack = env.run(env.store.commit_checkpoint(env.job, env.allocation, late, None))[0]
+    assert not ack.committed and "older than its two newest complete ones (3 and 4)" in ack.reason
+    views = {c.seq: (c.complete, c.deleted) for c in env.run(env.store.checkpoints(env.job))}
+    assert views[1] == (True, True) and views[2][0] is False
+
+
 def test_a_commit_records_the_work_the_checkpoint_holds_for_the_scheduler(env):
     env.run(asyncio.sleep(0.3))
     assert env.commit(env.write(1, b"x")).committed
