@@ -17,7 +17,10 @@ happens, and on schedule, and resumes from its last *committed* checkpoint when 
     while step < total:
         step = train_one_step(step)
         if ck.due() or ck.stop_requested:
-            result = ck.save(encode(step), progress=step)  # SaveResult, or None (no checkpoints)
+            try:
+                result = ck.save(encode(step), progress=step)  # SaveResult, or None (no checkpoints)
+            except CheckpointRetryLater:  # the store is down: a scheduled save does not wait
+                pass
         if ck.stop_requested:
             sys.exit(EXIT_STOPPED)        # 143: stopped after its checkpoint
 

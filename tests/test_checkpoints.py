@@ -149,6 +149,35 @@ def test_a_report_that_does_not_match_the_bytes_is_refused_and_never_resumed_fro
     assert env.resumed is None
 
 
+class HeadOnly:
+    """An S3 client that answers HEAD with what an encrypting store says of a single PUT."""
+
+    def __init__(self, **head):
+        self.head = head
+
+    def head_object(self, **_):
+        return self.head
+
+
+@pytest.mark.parametrize("encryption, committed", [
+    ({}, False),
+    ({"ServerSideEncryption": "aws:kms"}, True),
+    ({"ServerSideEncryption": "aws:kms:dsse"}, True),
+    ({"SSECustomerAlgorithm": "AES256"}, True),
+    ({"ServerSideEncryption": "AES256"}, False),
+], ids=["no encryption: the ETag is the MD5", "SSE-KMS", "DSSE-KMS", "SSE-C", "SSE-S3: the ETag is still the MD5"])
+def test_a_single_put_s_etag_is_taken_for_its_md5_only_where_the_store_makes_it_one(encryption, committed):
+    """Under SSE-KMS or SSE-C the ETag is no MD5, and every checkpoint of such a bucket was refused."""
+    from activities.checkpoints import verify_object
+
+    data = b"step=1"
+    report = CheckpointReport(seq=1, key=f"{checkpoint_prefix('j')}{1:010d}", size=len(data),
+                              sha256=hashlib.sha256(data).hexdigest(), md5=hashlib.md5(data).hexdigest())
+    s3 = HeadOnly(ContentLength=len(data), ETag='"' + "f" * 32 + '"', Metadata={"sha256": report.sha256}, **encryption)
+    why = asyncio.run(verify_object(s3, "b", "j", report))
+    assert (why is None) == committed, why
+
+
 def test_a_zombie_writers_checkpoint_is_refused_once_its_allocation_is_revoked(env):
     zombie = env.allocation
     env.requeue()  # the attempt ended (its machine was declared dead, say); its process lives on
