@@ -152,6 +152,38 @@ def test_a_worker_waits_for_a_server_that_is_restarting(name, failures, error, w
     assert len(calls) == tries
 
 
+def test_a_setting_no_try_can_mend_is_not_waited_for_as_a_server_that_is_down():
+    """A Temporal TLS file that cannot be read was retried as "not reachable" for a minute, and
+    the worker then ended with a traceback; the workers now say it in one line (exit 2)."""
+    import asyncio
+
+    from workers.settings import SettingsError, keep_connecting
+
+    calls = []
+
+    async def connect():
+        calls.append(1)
+        raise SettingsError("GPUSCHED_TEMPORAL_TLS_CERT: cannot read /nonexistent.pem (No such file or directory)")
+
+    with pytest.raises(SettingsError):
+        asyncio.run(keep_connecting("Temporal", connect, asyncio.Event(), within=10))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("worker", [["workers.agent", "--machine-id", "c1/b0/r0/m0", "--fake-devices"],
+                                    ["workers.control"]], ids=["the agent", "the control worker"])
+def test_a_worker_given_a_tls_file_it_cannot_read_says_so_in_one_line_and_exits_2(worker, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", *worker, "--data-dir", str(tmp_path),
+                           "--temporal-tls-cert", "/nonexistent.pem", "--temporal-tls-key", "/nonexistent.pem"],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    assert done.returncode == 2, done.stderr
+    assert "GPUSCHED_TEMPORAL_TLS_CERT: cannot read /nonexistent.pem" in done.stderr
+    assert "Traceback" not in done.stderr and "retrying" not in done.stderr
+
+
 class _Clusters:
     """A store whose cluster list fails `failures` times with `error` first."""
 

@@ -49,6 +49,7 @@ from activities.run_processes import stop_left_runs
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     Settings,
+    SettingsError,
     agent_log_dir,
     api_headers,
     connect_temporal,
@@ -59,6 +60,7 @@ from workers.settings import (
     machine_component,
     mark_ready,
     ready_path,
+    temporal_tls,
 )
 
 log = logging.getLogger("gpusched.agent")
@@ -475,13 +477,9 @@ async def serve(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir).expanduser()
     component = machine_component(args.machine_id)
     settings = settings_from_args(args, data_dir)
-    fake = True if args.fake_devices else (False if args.nvml else None)
-    try:
-        devices = detect_devices(fake, args.gpus, args.gpu_type,
-                                 fault_file=data_dir / "faults" / f"{component}.json",
-                                 xid_file=data_dir / "faults" / f"{component}-xids.json")
-    except Exception as err:  # NVML missing or failing where it is required or GPUs are present
-        log.error("no GPUs: %s", err)
+
+    async def cannot_start(why: str) -> int:
+        log.error("%s", why)
         # Jobs an earlier agent of this machine left running (it was killed) run on whatever NVML
         # says now (a driver upgraded under them), while the scheduler, hearing no agent, starts
         # them elsewhere: two copies writing one checkpoint prefix. Stop them, as an agent that
@@ -490,6 +488,18 @@ async def serve(args: argparse.Namespace) -> int:
         for alloc in await asyncio.to_thread(stop_left_runs, left, args.orphan_grace):
             log.warning("stopped allocation %d, left running by an earlier agent", alloc)
         return 2
+
+    try:
+        temporal_tls(settings)  # a TLS file that cannot be read: no wait for Temporal mends it
+    except SettingsError as err:
+        return await cannot_start(str(err))
+    fake = True if args.fake_devices else (False if args.nvml else None)
+    try:
+        devices = detect_devices(fake, args.gpus, args.gpu_type,
+                                 fault_file=data_dir / "faults" / f"{component}.json",
+                                 xid_file=data_dir / "faults" / f"{component}-xids.json")
+    except Exception as err:  # NVML missing or failing where it is required or GPUs are present
+        return await cannot_start(f"no GPUs: {err}")
     # One log folder per machine: the parts of a multi-machine gang would otherwise share a file.
     reports = httpx.AsyncClient(timeout=30.0, headers=api_headers(settings, args.machine_id))
     node = NodeActivities(args.machine_id, agent_log_dir(data_dir, args.machine_id),

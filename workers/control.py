@@ -28,8 +28,8 @@ from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.arg_types import positive_float, positive_int
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
-from workers.settings import (Settings, add_settings_flags, connect_temporal, keep_connecting, mark_ready,
-                              settings_from_args, without_password)
+from workers.settings import (Settings, SettingsError, add_settings_flags, connect_temporal, keep_connecting, mark_ready,
+                              settings_from_args, temporal_tls, without_password)
 from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
 from workflows.types import SchedulerInput
@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = settings_from_args(args, args.data_dir)
+    try:
+        temporal_tls(settings)  # before any server is waited for: no wait mends these
+    except SettingsError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -212,8 +212,21 @@ def api_headers(settings: Settings, machine_id: str | None = None) -> dict[str, 
 
 async def connect_temporal(settings: Settings):
     """A Temporal client with the pydantic data converter (every payload here is a model)."""
-    from temporalio.client import Client, TLSConfig
+    from temporalio.client import Client
     from temporalio.contrib.pydantic import pydantic_data_converter
+
+    return await Client.connect(
+        settings.temporal_address,
+        namespace=settings.temporal_namespace,
+        tls=temporal_tls(settings),
+        data_converter=pydantic_data_converter,
+    )
+
+
+def temporal_tls(settings: Settings):
+    """The TLS the Temporal client connects with (False: none); SettingsError for settings no
+    connection can use (a workers' start asks first, before it waits for any server)."""
+    from temporalio.client import TLSConfig
 
     tls: TLSConfig | bool = False
     if bool(settings.temporal_tls_cert) != bool(settings.temporal_tls_key):
@@ -234,12 +247,7 @@ async def connect_temporal(settings: Settings):
             client_cert=read("temporal_tls_cert"),
             client_private_key=read("temporal_tls_key"),
         )
-    return await Client.connect(
-        settings.temporal_address,
-        namespace=settings.temporal_namespace,
-        tls=tls,
-        data_converter=pydantic_data_converter,
-    )
+    return tls
 
 
 async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: asyncio.Event, *,
@@ -253,6 +261,8 @@ async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: 
     while True:
         try:
             return await connect()
+        except SettingsError:
+            raise  # a setting no try can mend (a TLS file that cannot be read): not "not reachable"
         except retry_on as err:
             if stop.is_set():
                 return None
