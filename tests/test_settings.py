@@ -15,7 +15,6 @@ from workers.settings import SettingsError, load_settings
 @pytest.mark.parametrize("name, env, token", [
     ("a token read from a file keeps no newline", {"GPUSCHED_API_TOKEN": "s3cret\n"}, "s3cret"),
     ("no token set means an API without one", {}, None),
-    ("an empty variable counts as not set", {"GPUSCHED_API_TOKEN": ""}, None),
 ])
 def test_the_api_token_is_read_from_the_environment(monkeypatch, tmp_path, name, env, token):
     monkeypatch.delenv("GPUSCHED_API_TOKEN", raising=False)
@@ -26,6 +25,8 @@ def test_the_api_token_is_read_from_the_environment(monkeypatch, tmp_path, name,
 
 @pytest.mark.parametrize("name, env, flag", [
     ("a token variable of only whitespace (a secret that failed to mount)", {"GPUSCHED_API_TOKEN": "\n"}, None),
+    ("an empty token variable (it counted as not set: an API open to anyone, or a local stack's token)",
+     {"GPUSCHED_API_TOKEN": ""}, None),
     ("a blank token flag", {}, "  "),
 ])
 def test_a_token_given_blank_is_refused_not_taken_for_no_token(monkeypatch, tmp_path, name, env, flag):
@@ -34,6 +35,13 @@ def test_a_token_given_blank_is_refused_not_taken_for_no_token(monkeypatch, tmp_
         monkeypatch.setenv(var, value)
     with pytest.raises(SettingsError, match="set but blank"):
         load_settings(tmp_path, api_token=flag)
+
+
+@pytest.mark.parametrize("var", ["GPUSCHED_TEMPORAL_TLS_CERT", "GPUSCHED_TEMPORAL_TLS_KEY", "GPUSCHED_TEMPORAL_TLS_CA"])
+def test_an_empty_tls_variable_is_refused_not_taken_for_no_tls(monkeypatch, tmp_path, var):
+    monkeypatch.setenv(var, "")
+    with pytest.raises(SettingsError, match=f"{var} is set but empty"):
+        load_settings(tmp_path)
 
 
 def test_a_process_given_a_blank_token_exits_2_in_one_line(monkeypatch, tmp_path, capsys):

@@ -99,6 +99,11 @@ _ENV = {
 }
 
 
+# A secret or a TLS file that failed to mount leaves its variable empty: taken for unset, the API
+# answered anyone (or took a local stack's token) and Temporal was reached without TLS.
+_NEVER_EMPTY = ("api_token", "temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
+
+
 def damaged_stack_fix(stack: Path) -> str:
     """What to do about a stack file nothing can read: `dev up` will not write over it, as the
     servers and workers it names may still run."""
@@ -124,9 +129,13 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
         if state.get("temporal_ui_url"):
             values.setdefault("temporal_ui_url", state["temporal_ui_url"])
     for field, var in _ENV.items():
-        if os.environ.get(var):
+        if os.environ.get(var) or var in os.environ and field in _NEVER_EMPTY:
             values[field] = os.environ[var]
     values.update({k: v for k, v in explicit.items() if v is not None})
+    for field in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca"):
+        if values.get(field) == "":
+            # Taken for unset, the client connected without TLS (or the CA it was told of).
+            raise SettingsError(f"{_ENV[field]} is set but empty; give the file, or unset it")
     if isinstance(values.get("api_token"), str):
         values["api_token"] = values["api_token"].strip()  # read from a file, with its newline
         if not values["api_token"]:
