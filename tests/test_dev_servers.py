@@ -699,3 +699,41 @@ def test_an_agent_is_started_with_its_machine_s_token_even_while_the_database_do
     assert (comp.pid, comp.token_generation) == (4242, generation)
     log = Path(comp.log).read_text() if Path(comp.log).exists() else ""
     assert ("started with generation 2, as last time" in log) is said
+
+
+LOSES_THE_BIND_SLOWLY = """
+import socket, sys, time
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.listen()
+except OSError:
+    time.sleep(3)  # a server that takes a while to give up a port it could not bind
+    sys.exit(1)
+time.sleep(60)
+"""
+
+
+def test_a_server_whose_probe_another_answers_is_started_again_on_new_ports(tmp_path):
+    """Two `dev up`s at once both found the standard Temporal port free; the probe of the one whose
+    server lost the bind was answered by the other's, and its workers served the other stack."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = {"port": taken.getsockname()[1]}
+
+    async def probe():
+        _, writer = await asyncio.open_connection("127.0.0.1", ports["port"])
+        writer.close()
+
+    proc = srv._launch("fake", lambda p: [sys.executable, "-c", LOSES_THE_BIND_SLOWLY, str(p["port"])], ports,
+                       False, tmp_path / "fake.log", probe, 20, lambda: srv.choose_ports(["port"]))
+    try:
+        assert ports["port"] != taken.getsockname()[1]
+        assert srv.listened_by_session(ports["port"], proc.pid) is True
+        assert srv.listened_by_session(taken.getsockname()[1], proc.pid) is False
+    finally:
+        srv.stop(proc.pid)
+        taken.close()

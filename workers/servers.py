@@ -10,6 +10,7 @@ from plain code or a thread, not from inside a running event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -117,6 +118,35 @@ def port_is_free(port: int, host: str = HOST) -> bool:
         except OSError:
             return False
     return True
+
+
+def listened_by_session(port: int, sid: int) -> bool | None:
+    """Whether a process of session ``sid`` (a server we spawned, with all it forked) listens on
+    TCP ``port``; None where /proc cannot tell (not Linux, or a process of the session whose
+    sockets this user may not see)."""
+    sockets = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                        sockets.add(f"socket:[{fields[9]}]")
+        members = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    except (OSError, ValueError, IndexError):
+        return None
+    unseen = False
+    for pid in members:
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            if any(os.readlink(fd) in sockets for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return True
+        except PermissionError:
+            unseen = True
+        except OSError:  # gone meanwhile
+            continue
+    return None if unseen else False
 
 
 def free_port(host: str = HOST) -> int:
@@ -329,21 +359,26 @@ def find_binary(name: str) -> str:
 
 def _launch(name: str, build: Callable[[dict[str, int]], list[str]], ports: dict[str, int],
             auto: bool, log_path: Path, probe: Callable[[], Awaitable[None]], timeout: float,
-            reroll: Callable[[], dict[str, int]], **spawn_args) -> subprocess.Popen:
-    """Start the server and wait until ``probe`` succeeds. A server that dies at start is tried
-    twice more: on new ports when we chose them (one was most likely taken since; ``ports`` is
-    updated in place, so the probe and the caller see them), else on the same ones a second
-    later (what a killed predecessor held is released within that)."""
+            reroll: Callable[[], dict[str, int]], probed: str = "port", **spawn_args) -> subprocess.Popen:
+    """Start the server and wait until ``probe`` succeeds on its port ``ports[probed]``. A
+    server that dies at start is tried twice more: on new ports when we chose them (one was most
+    likely taken since; ``ports`` is updated in place, so the probe and the caller see them), else
+    on the same ones a second later (what a killed predecessor held is released within that).
+    One whose port turns out to be another's (the probe answered by a server started there at
+    the same time) is stopped and tried on new ports."""
     for attempt in range(3):
         proc = spawn(build(ports), log_path, **spawn_args)
         try:
-            asyncio.run(_wait_ready(name, proc, probe, timeout, log_path))
+            asyncio.run(_wait_ready(name, proc, probe, timeout, log_path, ports[probed]))
             return proc
-        except _Exited:
+        except (_Exited, _Taken) as e:
             if attempt == 2:
+                if isinstance(e, _Taken):
+                    raise ServerError(f"{name}'s port {ports[probed]} was answered by another process "
+                                      f"three times; log {log_path}") from None
                 raise ServerError(f"{name} exited at start (code {proc.returncode}); "
                                   f"log {log_path}:\n{log_tail(log_path)}") from None
-            if auto:
+            if auto or isinstance(e, _Taken):
                 ports.update(reroll())
             else:
                 time.sleep(1.0)
@@ -354,8 +389,12 @@ class _Exited(Exception):
     pass
 
 
+class _Taken(Exception):
+    pass
+
+
 async def _wait_ready(name: str, proc: subprocess.Popen, probe: Callable[[], Awaitable[None]],
-                      timeout: float, log_path: Path) -> None:
+                      timeout: float, log_path: Path, port: int) -> None:
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:
@@ -363,9 +402,18 @@ async def _wait_ready(name: str, proc: subprocess.Popen, probe: Callable[[], Awa
             raise _Exited()
         try:
             await asyncio.wait_for(probe(), timeout=max(1.0, deadline - time.monotonic()))
-            return
         except Exception as e:  # not up yet: connection refused, starting up, leader election…
             last = e
+        else:
+            # Two stacks started at once both found the standard port free: the probe of the one
+            # whose server lost the bind was answered by the other's, and its workers served
+            # the other stack. The answer counts only from a listener of this server's own.
+            if listened_by_session(port, proc.pid) is False:
+                stop(proc.pid)
+                raise _Taken()
+            if proc.poll() is not None:
+                raise _Exited()
+            return
         await asyncio.sleep(0.1)
     stop(proc.pid)
     raise ServerError(f"{name} did not become ready in {timeout:.0f} s (last error: {last}); "
@@ -759,7 +807,7 @@ def start_s3(data_dir: Path, *, ports: dict[str, int] | None = None, bucket: str
         _ensure_bucket(s3_client(endpoint(), access, secret), bucket)
 
     proc = _launch("s3", build, chosen, True, log_path, probe, timeout,
-                   lambda: choose_ports(names, paired=True))
+                   lambda: choose_ports(names, paired=True), probed="s3")
     return S3Server(
         name="s3", pid=proc.pid, port=chosen["s3"], ports=chosen, data_dir=str(data_dir),
         log_path=str(log_path), cmd=proc.args, endpoint=endpoint(), access_key=access,
