@@ -737,3 +737,47 @@ def test_a_server_whose_probe_another_answers_is_started_again_on_new_ports(tmp_
     finally:
         srv.stop(proc.pid)
         taken.close()
+
+
+STARTS_SLOWLY = """
+import subprocess, sys, time
+from workers import servers as srv
+from workers.cli import main
+
+def slow(kind, **fields):
+    def start(data_dir, **kw):
+        print("starting", flush=True)
+        time.sleep(1.0)
+        proc = subprocess.Popen(["sleep", "60"])
+        return kind(name=data_dir.name, pid=proc.pid, port=1, ports={"port": 1}, data_dir=str(data_dir),
+                    log_path="log", cmd=["sleep", "60"], **fields)
+    return start
+
+srv.start_postgres = slow(srv.PostgresServer, dsn="postgresql://x@127.0.0.1:1/x")
+srv.start_temporal = slow(srv.TemporalServer, address="127.0.0.1:1", ui_url=None)
+srv.start_s3 = slow(srv.S3Server, endpoint="http://127.0.0.1:1", access_key="a", secret_key="s", bucket="b")
+sys.exit(main(["dev", "up", "--data-dir", sys.argv[1], "--machines", "1", "--fake-devices"]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_dev_up_stopped_by_a_signal_records_the_servers_it_started_as_a_ctrl_c_does(tmp_path, sig):
+    """`timeout dev up`, a closed terminal: it ended at once, its servers ran on unrecorded
+    (`dev down` said "nothing to stop"), and the next `up` started a second Temporal on the data."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("GPUSCHED_")}
+    child = subprocess.Popen([sys.executable, "-c", STARTS_SLOWLY, str(tmp_path / "stack")], stdout=subprocess.PIPE,
+                             text=True, env=env, cwd=Path(__file__).parents[1])
+    pids = set()
+    try:
+        for _ in range(3):
+            assert child.stdout.readline().strip() == "starting"
+        child.send_signal(sig)
+        assert child.wait(timeout=60) == 130
+        state = devstack.load_state(tmp_path / "stack")
+        assert set(state.components) == {"postgres", "temporal", "s3"}
+        pids = {c.pid for c in state.components.values()}
+        assert all(srv.is_running(pid) for pid in pids)
+    finally:
+        child.kill()
+        for pid in pids:
+            srv.stop(pid, grace=1)

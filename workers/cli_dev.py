@@ -13,7 +13,10 @@ a `dev` command runs, so the other commands do not load Temporal, asyncpg or bot
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from scheduler.errors import InputError
@@ -73,6 +76,22 @@ def add_dev_commands(subparsers) -> None:
     gpu.set_defaults(func=run_fault_gpu)
 
 
+@contextlib.contextmanager
+def stopped_as_by_ctrl_c():
+    """SIGTERM and SIGHUP (a `timeout`, a closed terminal, a CI job cancelled) stop `dev up` as a
+    ^C does: what it had started is recorded for `dev down`. Before, they ended it at once, its
+    servers ran on unrecorded, and the next `up` started a second Temporal on the same data."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def run_up(args: argparse.Namespace) -> int:
     from workers import devstack
 
@@ -101,9 +120,10 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"error: --cluster {args.cluster!r} {problem} (it becomes part of machine ids)", file=sys.stderr)
         return 2
     try:
-        devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
-                    cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
-                    timeout=args.timeout, fake_devices=args.fake_devices, fleet=fleet, out=sys.stdout)
+        with stopped_as_by_ctrl_c():
+            devstack.up(args.data_dir, machines=args.machines, gpus_per_machine=args.gpus_per_machine,
+                        cluster=args.cluster, gpu_type=args.gpu_type, standard_ports=True,
+                        timeout=args.timeout, fake_devices=args.fake_devices, fleet=fleet, out=sys.stdout)
     except (devstack.DataDirError, devstack.NotForThisHost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

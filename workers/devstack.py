@@ -488,8 +488,12 @@ def _start_workers(data_dir: Path, state: StackState, before: Settings, *, stand
             ports={"port": api_port} if name == "api" else {}, machine_id=machine_id,
             cmd=cmd, log=str(_log(data_dir, name)), stop_grace=_stop_grace(cmd),
             settings_digest=_settings_digest(now, machine_id))
-        _launch_worker(data_dir, name, state.components[name], env)
-    _save(data_dir, state)
+        try:
+            _launch_worker(data_dir, name, state.components[name], env)
+        finally:
+            # Each as it starts (an agent's start waits for Postgres, up to 5 s): a ^C between
+            # two left the ones started unrecorded, and `dev down` did not stop them.
+            _save(data_dir, state)
     # All of them, not only those just started: one that runs but hangs is reported too.
     ours = [n for n, c in state.components.items() if c.kind == "server"]
     _wait_healthy(data_dir, state, ours + list(wanted), timeout, env)
