@@ -235,3 +235,37 @@ def test_the_control_worker_starts_the_clusters_loops_once_postgres_answers_agai
 
     assert asyncio.run(scenario()) == outcome
     assert started == configured
+
+
+def test_the_stack_on_this_host_is_reached_without_the_proxy_set_for_the_internet(monkeypatch):
+    """A proxy exported to reach PyPI took every request to 127.0.0.1 too (httpx, boto3): `dev up`
+    failed with "Failed to connect to proxy URL", and so did every command."""
+    import http.server
+    import threading
+
+    import httpx
+
+    from workers.settings import loopback_without_proxy
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing answers there
+    monkeypatch.setenv("NO_PROXY", "corp.example")
+    monkeypatch.setenv("no_proxy", "corp.example")
+
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        loopback_without_proxy()
+        assert os.environ["NO_PROXY"] == "corp.example,127.0.0.1,localhost,::1"
+        assert httpx.get(f"http://127.0.0.1:{server.server_port}/", timeout=5).status_code == 204
+        loopback_without_proxy()  # a child that does it again adds nothing
+        assert os.environ["no_proxy"] == "corp.example,127.0.0.1,localhost,::1"
+    finally:
+        server.shutdown()

@@ -54,6 +54,7 @@ from workers.settings import (
     api_headers,
     connect_temporal,
     keep_connecting,
+    loopback_without_proxy,
     default_data_dir,
     add_settings_flags,
     settings_from_args,
@@ -638,6 +639,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    loopback_without_proxy()
     args = parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

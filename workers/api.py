@@ -55,6 +55,7 @@ from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
 from workers.token_generations import TokenGenerations
 from workers.settings import (MACHINE_HEADER, Settings, add_settings_flags, is_machine_token, keep_connecting,
+                              loopback_without_proxy,
                               machine_token, mark_ready, settings_from_args, without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
@@ -308,6 +309,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
+    loopback_without_proxy()
     parser = argparse.ArgumentParser(prog="python -m workers.api", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--host", default="127.0.0.1")

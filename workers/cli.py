@@ -26,6 +26,7 @@ from workers.cli_dev import add_dev_commands
 from workers.cli_fleet import add_fleet_commands
 from workers.cli_jobs import add_job_commands
 from workers.example_job import add_example_job_command
+from workers.settings import loopback_without_proxy
 from workers.cli_trace import add_trace_commands
 from workflows.types import first_error, flag_for
 
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    loopback_without_proxy()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -28,7 +28,8 @@ from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.arg_types import positive_float, positive_int
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
-from workers.settings import (Settings, SettingsError, add_settings_flags, connect_temporal, keep_connecting, mark_ready,
+from workers.settings import (Settings, SettingsError, add_settings_flags, connect_temporal, keep_connecting,
+                              loopback_without_proxy, mark_ready,
                               settings_from_args, temporal_tls, without_password)
 from workflows.cluster import ClusterSchedulerWorkflow
 from workflows.job import JobWorkflow
@@ -140,6 +141,7 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
 
 
 def main(argv: list[str] | None = None) -> None:
+    loopback_without_proxy()
     parser = argparse.ArgumentParser(prog="python -m workers.control", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
     # Checked here: a loop's settings that its model refuses failed the worker with a traceback

@@ -654,12 +654,13 @@ def _print_summary(result: UpResult, out: IO[str]) -> None:
     if result.temporal_ui_url:
         print(f"  Temporal UI: {result.temporal_ui_url}", file=out)
     print(f"  HTTP API:    {s.api_url}", file=out)
+    print(f"  Temporal:    {s.temporal_address}, namespace {s.temporal_namespace}", file=out)
     print(f"  logs:        {Path(result.data_dir) / 'logs'}", file=out)
-    print("Connection settings (gpusched commands find them in the data directory too):", file=out)
-    env = {"GPUSCHED_DATA_DIR": result.data_dir, **settings_env(s)}
-    for var, value in env.items():
-        if value:
-            print(f"export {var}={shlex.quote(value)}", file=out)
+    # Only the folder: the stack's other settings exported (they were printed as exports) win over
+    # any --data-dir after them, and a command meant for another stack went to this one.
+    print(f"Its settings are in {Path(result.data_dir) / STACK_FILE}; gpusched commands find them with "
+          f"--data-dir, or with:", file=out)
+    print(f"export GPUSCHED_DATA_DIR={shlex.quote(str(result.data_dir))}", file=out)
 
 
 # --- status, down, single components --------------------------------------------------------

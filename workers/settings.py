@@ -179,6 +179,20 @@ def env_overrides() -> dict[str, str]:
     return {field: os.environ[var] for field, var in _ENV.items() if os.environ.get(var)}
 
 
+_PROXIES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def loopback_without_proxy() -> None:
+    """Where a proxy is set (one needed to reach PyPI, say), let this process and its children
+    reach 127.0.0.1 without it: the embedded stack, the API and S3 on this host were asked
+    through the proxy (httpx, boto3), and `dev up` failed ("Failed to connect to proxy URL")."""
+    if not any(os.environ.get(var) for var in _PROXIES):
+        return
+    for var in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
+        os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost", "::1") if h not in hosts])
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment variables that hand these settings to a child process."""
     env = {}
