@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import shutil
+import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,13 +159,17 @@ _shared: LiveServers | None = None
 
 
 @pytest.fixture(scope="session")
-def live_servers(tmp_path_factory) -> LiveServers:
+def live_servers() -> LiveServers:
     global _shared
     if _shared is None or not all(s.running() for s in (_shared.postgres, _shared.temporal, _shared.s3)):
-        _shared = start_live_servers(tmp_path_factory.mktemp("live-servers"))
+        # Not under pytest's temp root: each pytest session run as root sets that back to 0700 as
+        # it starts, and Postgres, run as its own user, lost its data directory mid-session
+        # (PANIC, then refused): two test runs on one host broke each other's.
+        _shared = start_live_servers(Path(tempfile.mkdtemp(prefix="gpusched-live-")))
     yield _shared
     if _shared is not None:
         _shared.stop()
+        shutil.rmtree(_shared.root, ignore_errors=True)
         _shared = None
 
 
