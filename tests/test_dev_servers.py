@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -764,7 +765,7 @@ sys.exit(main(["dev", "up", "--data-dir", sys.argv[1], "--machines", "1", "--fak
 def test_dev_up_stopped_by_a_signal_records_the_servers_it_started_as_a_ctrl_c_does(tmp_path, sig):
     """`timeout dev up`, a closed terminal: it ended at once, its servers ran on unrecorded
     (`dev down` said "nothing to stop"), and the next `up` started a second Temporal on the data."""
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("GPUSCHED_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
     child = subprocess.Popen([sys.executable, "-c", STARTS_SLOWLY, str(tmp_path / "stack")], stdout=subprocess.PIPE,
                              text=True, env=env, cwd=Path(__file__).parents[1])
     pids = set()
@@ -781,3 +782,26 @@ def test_dev_up_stopped_by_a_signal_records_the_servers_it_started_as_a_ctrl_c_d
         child.kill()
         for pid in pids:
             srv.stop(pid, grace=1)
+
+
+@pytest.mark.parametrize("line, refused", [
+    (["postgres", "-D", "{here}"], True),
+    (["postgres", "-D", "{elsewhere}"], False),
+    (["postgres"], True),
+    (["sleep", "60"], False),
+], ids=["a postmaster of this folder is a real conflict", "one of another folder holds a pid reused since a reboot",
+        "one whose folder its command line does not name is taken for this folder's", "no postmaster at all"])
+def test_a_lock_left_before_a_reboot_is_stale_unless_its_pid_is_this_folder_s_postmaster(tmp_path, monkeypatch,
+                                                                                          line, refused):
+    here, elsewhere = tmp_path / "pg", tmp_path / "other"
+    here.mkdir()
+    elsewhere.mkdir()
+    (here / "postmaster.pid").write_text(f"{os.getpid()}\n{here}\n")
+    monkeypatch.setattr(srv, "cmdline", lambda pid: [w.format(here=here, elsewhere=elsewhere) for w in line])
+    if refused:
+        with pytest.raises(srv.ServerError, match="already runs on"):
+            srv._remove_stale_lock(here)
+        assert (here / "postmaster.pid").exists()
+    else:
+        srv._remove_stale_lock(here)
+        assert not (here / "postmaster.pid").exists()
