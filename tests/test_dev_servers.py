@@ -805,3 +805,16 @@ def test_a_lock_left_before_a_reboot_is_stale_unless_its_pid_is_this_folder_s_po
     else:
         srv._remove_stale_lock(here)
         assert not (here / "postmaster.pid").exists()
+
+
+def test_a_stack_asked_for_no_machines_keeps_none_when_brought_up_again(live_servers, tmp_path):
+    """`dev up --machines 0` (no agents: a real fleet's join), then a plain `dev up`: it started
+    two agents, though the stack keeps its settings as before."""
+    settings = live_servers.settings(pg_dsn=live_servers.migrated_database("no_machines"), task_queue_prefix="z0-")
+    try:
+        devstack.up(tmp_path / "stack", machines=0, settings=settings, fake_devices=True)
+        devstack.up(tmp_path / "stack", settings=settings)
+        state = devstack.load_state(tmp_path / "stack")
+        assert state.machines == [] and not [c for c in state.components.values() if c.machine_id]
+    finally:
+        devstack.down(tmp_path / "stack")

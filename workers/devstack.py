@@ -108,6 +108,9 @@ class StackState(BaseModel):
     components: dict[str, Component] = Field(default_factory=dict)
     cluster: str = "c1"
     machines: list[Machine] = Field(default_factory=list)
+    # The count last asked for: 0 (no agents: a real fleet's join) is kept as it is, where an
+    # empty list of machines alone reads as a stack never given any.
+    machines_asked: int | None = None
     gpus_per_machine: int = 8
     gpu_type: str = "H100"
     external: list[Literal[SERVERS]] = Field(default_factory=list)  # servers we use but did not start
@@ -233,7 +236,11 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
             state.cluster = fleet.clusters[0].name
         elif not state.machines or any(v is not None for v in (machines, gpus_per_machine, cluster, gpu_type)):
             # A stack of a fleet file keeps its machines until asked for others.
-            count = machines if machines is not None else (len(state.machines) or _default_machines(state))
+            if machines is not None:
+                state.machines_asked = machines
+            count = machines if machines is not None else (
+                len(state.machines) or (state.machines_asked if state.machines_asked is not None
+                                        else _default_machines(state)))
             state.machines = fleet_machines(state.cluster, count, state.gpus_per_machine, state.gpu_type)
         for role, extra in (("agent", agent_args), ("control", control_args), ("api", api_args)):
             if extra is not None:
