@@ -121,6 +121,10 @@ def _unknown_cluster(d):
     (d / "trace.csv").write_text("\n".join([lines[0] + ",cluster"] + [line + ",c9" for line in lines[1:]]) + "\n")
 
 
+def _a_decade_long_job(d):
+    (d / "trace.csv").write_text(TRACE + "z,0,320000000,1,vision,low,,,,,,\n")
+
+
 def _team_without_quota(d):
     (d / "trace.csv").write_text(TRACE.replace("e,900,600,1,vision", "e,900,600,1,audio"))
 
@@ -141,6 +145,8 @@ def _team_without_quota(d):
         (lambda d: None, ["--expected-restart-s", "-1"], ["--expected-restart-s", "greater than or equal to 0"]),
         (lambda d: None, ["--until", "-5"], ["--until", "greater than or equal to 0"]),
         (lambda d: None, ["--gpu-failures-per-day", "1e300"], ["--gpu-failures-per-day", "less than or equal to 100"]),
+        (_a_decade_long_job, ["--gpu-failures-per-day", "100"],
+         ["--gpu-failures-per-day", "3,703.7 days the trace spans", "about 8,888,889 failures", "--until"]),
     ],
     ids=[
         "a malformed trace names its line and field",
@@ -156,6 +162,7 @@ def _team_without_quota(d):
         "a negative expected restart time",
         "a stop time before the trace begins",
         "a failure rate that would never let the simulation end",
+        "failures over a trace so long that they would take all the host's memory",
     ],
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_traceback(tmp_path, inputs, capsys, spoil, more, expected):
@@ -262,3 +269,11 @@ def test_guarantees_past_the_clusters_gpus_are_a_warning_and_the_run_goes_on(tmp
                           "for inference jobs only), but the teams' guarantees add up to 32 (vision 24, language 8)")
     assert "Traceback" not in err
     check_run_dir(out, "gpusched")
+
+
+def test_failures_are_drawn_only_up_to_until(tmp_path, inputs, capsys):
+    """All of a run's failures are drawn at its start: over a decade-long trace, `--until 1000`
+    drew them for the decade all the same (a MemoryError, or a run killed for its memory)."""
+    _a_decade_long_job(tmp_path)
+    assert main(simulate_argv(*inputs, tmp_path / "out", "--gpu-failures-per-day", "100", "--until", "1000")) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from scheduler.errors import InputError
 from scheduler.fleet import Fleet, guarantees_beyond_capacity, parse_fleet
 from scheduler.models import PolicyConfig
-from scheduler.sim.engine import POLICIES, SimSettings, simulate
+from scheduler.sim.engine import POLICIES, SimSettings, check_failure_rates, simulate
 from scheduler.sim.report import COMPARISON_FILES, RUN_FILES, SUMMARY_JSON, write_comparison, write_json, write_run
 from scheduler.sim.trace import TraceJob, parse_trace
 from workers.arg_types import finite, read_input, same_file
@@ -120,6 +120,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         field, message = first_error(e)
         flag = flag_for(field)
         raise InputError("simulate", None, flag, f"{message}; give {flag} a valid value") from None
+    check_failure_rates(trace, fleet, settings)
     if not args.out.strip():  # Path("") is the current folder: the results would land anywhere
         raise InputError("simulate", None, "--out", "is empty; give the folder for the results")
     out = Path(args.out)

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from scheduler import quotas as quota_rules
 from scheduler.capacity import Capacity
 from scheduler.cycle import run_cycle
+from scheduler.errors import InputError
 from scheduler.fleet import Fleet
 from scheduler.forecast import SubmissionLog
 from scheduler.gc_policy import few_collections
@@ -77,7 +78,36 @@ class SimSettings(BaseModel):
     until: float | None = Field(default=None, ge=0)  # stop here even if jobs remain
 
 
+def check_failure_rates(trace: list[TraceJob], fleet: Fleet, settings: SimSettings) -> None:
+    """InputError where the failures to inject would be more than a run takes: each is an event
+    drawn at the run's start, and a trace of a decade, at any rate, took all the host's memory (a
+    MemoryError, or the run killed). Asked before anything is written."""
+    if not trace:
+        return
+    span = _failure_span(trace, settings)
+    machines = [m for c in fleet.clusters for m in c.machines]
+    for per_day, flag, units, what in (
+            (settings.machine_failures_per_day, "--machine-failures-per-day", len(machines), "machines"),
+            (settings.gpu_failures_per_day, "--gpu-failures-per-day", sum(m.gpus for m in machines), "GPUs")):
+        expected = per_day * units / 86400.0 * span
+        if expected > MAX_FAILURES:
+            raise InputError(
+                "simulate", None, flag,
+                f"{per_day:g} a day on {units:,} {what} over the {span / 86400:,.1f} days the trace spans makes about "
+                f"{expected:,.0f} failures, more than the {MAX_FAILURES:,} a run takes; give a lower rate, or a "
+                "shorter span (--until)")
+
+
+def _failure_span(trace: list[TraceJob], settings: SimSettings) -> float:
+    """How long failures are injected for: from the first submit to the last job's end, or to
+    ``until`` (nothing after it is simulated)."""
+    start = min(j.submit_time for j in trace)
+    span = max(j.submit_time + j.duration for j in trace) - start
+    return span if settings.until is None else max(0.0, min(span, settings.until - start))
+
+
 MAX_CYCLES_PER_INSTANT = 4
+MAX_FAILURES = 1_000_000  # per kind, over a run: each is an event, and all are drawn at its start
 
 # Event kinds, in the order they apply within one timestamp.
 RELEASE, FINISH, MACHINE_DOWN, MACHINE_UP, GPU_DOWN, GPU_UP, SUBMIT, WAKE = range(8)
@@ -456,8 +486,9 @@ class Simulation:
         s = self.settings
         if not trace or (s.machine_failures_per_day == 0 and s.gpu_failures_per_day == 0):
             return
+        check_failure_rates(trace, self.fleet, s)
         rng = random.Random(s.seed)
-        span = max(j.submit_time + j.duration for j in trace) - self.start
+        span = _failure_span(trace, s)
         machines = [(c.name, m) for c in self.fleet.clusters for m in c.machines]
         most = max((m.gpus for _, m in machines), default=0)
         for per_day, kind in ((s.machine_failures_per_day, MACHINE_DOWN), (s.gpu_failures_per_day, GPU_DOWN)):
