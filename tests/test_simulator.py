@@ -189,7 +189,7 @@ def test_a_run_stopped_by_until_ends_its_running_allocations_and_says_which_jobs
     states = {j.job_id: (j.state, j.reason) for j in result.jobs}
     assert states == {
         "ran": ("completed", ""),
-        "running": ("running", ""),
+        "running": ("running", "still running when the simulation ended (--until)"),
         "waiting": ("queued", "still queued when the simulation ended"),
         "later": ("queued", "not yet submitted when the simulation ended (--until)"),
     }

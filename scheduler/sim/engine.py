@@ -637,6 +637,8 @@ class Simulation:
                 reason = "not yet submitted when the simulation ended (--until)"
             elif state == "queued" and not reason:
                 reason = "still queued when the simulation ended"
+            elif state == "running" and not reason:
+                reason = "still running when the simulation ended (--until)"
             jobs.append(JobRecord(
                 job_id=spec.job_id, team=spec.team, priority=spec.priority, num_gpus=spec.num_gpus,
                 kind=spec.kind.value, submit=life.trace.submit_time, first_start=life.first_start,
