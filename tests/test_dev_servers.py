@@ -784,20 +784,31 @@ def test_dev_up_stopped_by_a_signal_records_the_servers_it_started_as_a_ctrl_c_d
             srv.stop(pid, grace=1)
 
 
-@pytest.mark.parametrize("line, refused", [
-    (["postgres", "-D", "{here}"], True),
-    (["postgres", "-D", "{elsewhere}"], False),
-    (["postgres"], True),
-    (["sleep", "60"], False),
+@pytest.mark.parametrize("name, works_in, refused", [
+    ("postgres", "here", True),
+    ("postgres", "elsewhere", False),
+    ("postgres", "nowhere to be seen", True),
+    ("sleep", "here", False),
 ], ids=["a postmaster of this folder is a real conflict", "one of another folder holds a pid reused since a reboot",
-        "one whose folder its command line does not name is taken for this folder's", "no postmaster at all"])
+        "one whose folder cannot be seen is taken for this folder's", "no postmaster at all"])
 def test_a_lock_left_before_a_reboot_is_stale_unless_its_pid_is_this_folder_s_postmaster(tmp_path, monkeypatch,
-                                                                                          line, refused):
+                                                                                          name, works_in, refused):
     here, elsewhere = tmp_path / "pg", tmp_path / "other"
     here.mkdir()
     elsewhere.mkdir()
-    (here / "postmaster.pid").write_text(f"{os.getpid()}\n{here}\n")
-    monkeypatch.setattr(srv, "cmdline", lambda pid: [w.format(here=here, elsewhere=elsewhere) for w in line])
+    lock_holder = subprocess.Popen(["sleep", "60"], cwd={"here": here, "elsewhere": elsewhere}.get(works_in, tmp_path))
+    (here / "postmaster.pid").write_text(f"{lock_holder.pid}\n{here}\n")
+    monkeypatch.setattr(srv, "cmdline", lambda pid: [name, "-D", "data"])  # relative: says nothing
+    if works_in == "nowhere to be seen":
+        monkeypatch.setattr(os.path, "samefile", lambda a, b: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    try:
+        _expect_stale_lock(here, refused)
+    finally:
+        lock_holder.kill()
+        lock_holder.wait()
+
+
+def _expect_stale_lock(here: Path, refused: bool) -> None:
     if refused:
         with pytest.raises(srv.ServerError, match="already runs on"):
             srv._remove_stale_lock(here)

@@ -242,14 +242,15 @@ def test_the_stack_on_this_host_is_reached_without_the_proxy_set_for_the_interne
     failed with "Failed to connect to proxy URL", and so did every command."""
     import http.server
     import threading
+    import urllib.request
 
     import httpx
 
     from workers.settings import loopback_without_proxy
 
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing answers there
-    monkeypatch.setenv("NO_PROXY", "corp.example")
-    monkeypatch.setenv("no_proxy", "corp.example")
+    monkeypatch.setenv("NO_PROXY", "corp.example")  # one spelling only, as systemd's docs write it
+    monkeypatch.setenv("no_proxy", "")
 
     class Answers(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -263,8 +264,10 @@ def test_the_stack_on_this_host_is_reached_without_the_proxy_set_for_the_interne
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         loopback_without_proxy()
-        assert os.environ["NO_PROXY"] == "corp.example,127.0.0.1,localhost,::1"
+        assert os.environ["NO_PROXY"] == os.environ["no_proxy"] == "corp.example,127.0.0.1,localhost,::1"
         assert httpx.get(f"http://127.0.0.1:{server.server_port}/", timeout=5).status_code == 204
+        # The user's own hosts still go around the proxy, whichever spelling a tool reads first.
+        assert urllib.request.proxy_bypass_environment("corp.example")
         loopback_without_proxy()  # a child that does it again adds nothing
         assert os.environ["no_proxy"] == "corp.example,127.0.0.1,localhost,::1"
     finally:

@@ -589,21 +589,21 @@ def _remove_stale_lock(data_dir: Path) -> None:
     except (OSError, ValueError, IndexError):
         return
     line = cmdline(old) or []
-    if pid_alive(old) and "postgres" in " ".join(line) and not _serves_another(line, data_dir):
+    if pid_alive(old) and "postgres" in " ".join(line) and not _serves_another(old, data_dir):
         raise ServerError(f"a postmaster (pid {old}) already runs on {data_dir}: stop it (`gpusched dev down` of its "
                           f"stack), or, if it is not this folder's, remove {lock}")
     lock.unlink(missing_ok=True)
 
 
-def _serves_another(line: list[str], data_dir: Path) -> bool:
-    """Whether a postmaster's command line names another data directory than ``data_dir``: the
-    pid in a lock left before a reboot, taken since by another stack's Postgres (it refused the
-    start for good)."""
-    for flag, value in zip(line, line[1:]):
-        if flag == "-D":
-            with contextlib.suppress(OSError):
-                return Path(value).resolve() != data_dir.resolve()
-    return False
+def _serves_another(pid: int, data_dir: Path) -> bool:
+    """Whether a postmaster serves another data directory than ``data_dir`` (a postmaster works
+    in its data directory): the pid in a lock left before a reboot, taken since by another
+    stack's Postgres, which refused the start for good. Unsure (its folder not to be seen), it
+    is taken for this folder's: two postmasters on one data directory corrupt it."""
+    try:
+        return not os.path.samefile(f"/proc/{pid}/cwd", data_dir)
+    except OSError:
+        return False
 
 
 def _hand_over(data_dir: Path, user: str) -> None:

@@ -188,9 +188,13 @@ def loopback_without_proxy() -> None:
     through the proxy (httpx, boto3), and `dev up` failed ("Failed to connect to proxy URL")."""
     if not any(os.environ.get(var) for var in _PROXIES):
         return
+    # One list in both spellings, the user's hosts kept: Python reads no_proxy first and Go
+    # NO_PROXY, so one made of the loopback alone hid the other's hosts from half the tools.
+    hosts: list[str] = []
     for var in ("NO_PROXY", "no_proxy"):
-        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
-        os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost", "::1") if h not in hosts])
+        hosts += [h.strip() for h in os.environ.get(var, "").split(",") if h.strip() and h.strip() not in hosts]
+    hosts += [h for h in ("127.0.0.1", "localhost", "::1") if h not in hosts]
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(hosts)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -646,7 +646,8 @@ class JobWorkflow:
                 return self._count_infra_failure(
                     EndReason.machine_failure,
                     f"it was stopped ({how}) by a SIGTERM its agent did not send: its machine shut down, or "
-                    "the agent's service was stopped with its jobs (docs/live.md, Running the agent)",
+                    "the agent's service was stopped with its jobs (docs/live.md, Running the agent); a command "
+                    "that ends so of itself is queued again too, five times in a row at most",
                     exit_code=result.exit_code, lines=lines)
             self.failures += 1
             tail = f":\n{lines}" if lines else ""  # no empty line for a command that wrote no log
