@@ -83,8 +83,8 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from activities import run_processes
 from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
 from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
-from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, AttachOrder, RunJobInput,
-                             RunJobResult, StopOrder)
+from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, EXIT_STOPPED, SIGTERM, AttachOrder,
+                             RunJobInput, RunJobResult, StopOrder)
 
 log = logging.getLogger("gpusched.node")
 SERVER_GAVE_UP = "ServerGaveUp"  # the error a watch the server gave up on ends with (nobody receives it)
@@ -101,6 +101,10 @@ _LINE_CHARS = 2000  # a progress bar redrawn with \r is one endless line
 
 AGENT_FAULT = "AgentFault"  # the ApplicationError type when the machine, not the job, fails a start
 FINAL_FORWARD_FOR = 60.0  # seconds to keep trying to forward a stopped job's last reports
+# A job that a SIGTERM not ours ended waits this long for the agent's own shutdown: a machine
+# shutting down, or a service stopped with its jobs (systemd's KillMode=control-group), SIGTERMs
+# the agent at the same moment, and the job is no more at fault than for any other stop.
+SHUTDOWN_FOLLOWS = 2.0
 # How long a process whose watch timed out runs on for the workflow to watch it again: the
 # workflow hears of the timeout when the server is back, asks the control plane whether it heard
 # this machine meanwhile, and attaches (seconds, if the control worker is up).
@@ -192,9 +196,11 @@ class NodeActivities:
                  report_sink: ReportSink | None = None, checkpoint_env: dict[str, str] | None = None,
                  restart_sink: ReportSink | None = None, final_forward_for: float = FINAL_FORWARD_FOR,
                  gpu_faults: GpuFaultSource | None = None, max_log_bytes: int | None = None,
-                 log_check_every: float = LOG_CHECK_EVERY, reattach_wait: float = REATTACH_WAIT):
+                 log_check_every: float = LOG_CHECK_EVERY, reattach_wait: float = REATTACH_WAIT,
+                 shutdown_follows: float = SHUTDOWN_FOLLOWS):
         self.machine_id = machine_id
         self.reattach_wait = reattach_wait
+        self.shutdown_follows = shutdown_follows
         # Workflow id → whether it runs (None: cannot tell); set by the agent once it has a
         # Temporal client. Unset: every workflow may still watch again.
         self.workflow_running: Callable[[str], Awaitable[bool | None]] | None = None
@@ -307,10 +313,19 @@ class NodeActivities:
                 done, _ = await asyncio.wait((run.outcome, shutdown), timeout=self.heartbeat_every,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if run.outcome in done:
-                    return run.outcome.result()
+                    result = run.outcome.result()
+                    if _ended_by_sigterm(result) and not shutdown.done():
+                        # Not our SIGTERM: whether ours (our own shutdown) follows tells the
+                        # machine's stop from the command's own end (exit 143 of itself).
+                        await asyncio.wait((shutdown,), timeout=self.shutdown_follows)
+                    if _ended_by_sigterm(result) and shutdown.done():
+                        log.info("allocation %d: ended by the SIGTERM that stops this agent", alloc)
+                        raise self._shut_down(result)
+                    return result
                 if shutdown in done:
                     # A job that exited on its own before the shutdown (its last reports still
                     # being forwarded) keeps its result: run again, a finished job repeats its work.
+                    # Unless the SIGTERM that stops us ended it too.
                     ended_before = run.process is not None and run.process.returncode is not None
                     if not ended_before:
                         grace = self._grace(req)
@@ -318,12 +333,9 @@ class NodeActivities:
                                  alloc, grace)
                         self._request_stop(run, grace)
                     result = await self._stopped(run, heartbeat=True)
-                    if ended_before and run.stopper is None:
+                    if ended_before and run.stopper is None and not _ended_by_sigterm(result):
                         return result
-                    raise ApplicationError(
-                        f"agent of {self.machine_id} shut down; the job was stopped",
-                        result.model_dump(mode="json"), type=AGENT_SHUTDOWN, non_retryable=True,
-                        category=ApplicationErrorCategory.BENIGN)  # expected: no traceback in logs
+                    raise self._shut_down(result)
         except asyncio.CancelledError:
             details = activity.cancellation_details()
             if details is not None and details.paused:
@@ -358,6 +370,13 @@ class NodeActivities:
         finally:
             run.watchers -= 1
             shutdown.cancel()
+
+    def _shut_down(self, result: RunJobResult) -> ApplicationError:
+        """The attempt's end as the agent shuts down: requeued by the workflow, not counted."""
+        return ApplicationError(
+            f"agent of {self.machine_id} shut down; the job was stopped",
+            result.model_dump(mode="json"), type=AGENT_SHUTDOWN, non_retryable=True,
+            category=ApplicationErrorCategory.BENIGN)  # expected: no traceback in logs
 
     def _grace(self, req: RunJobInput) -> float:
         """The grace a stop gives the job now: the one it was launched with, at most the
@@ -904,6 +923,12 @@ def _server_gave_up(alloc: int, what: str) -> ApplicationError:
     with one, for every attempt a frozen machine or an outage cut off)."""
     return ApplicationError(f"allocation {alloc}: the server gave up on this watch; {what}", type=SERVER_GAVE_UP,
                             category=ApplicationErrorCategory.BENIGN)
+
+
+def _ended_by_sigterm(result: RunJobResult) -> bool:
+    """Ended by a SIGTERM the agent did not send: by the signal, or with 128 + 15 (a shell's, or
+    jobkit's EXIT_STOPPED after its checkpoint)."""
+    return not result.stopped and (result.signal == SIGTERM or result.exit_code == EXIT_STOPPED)
 
 
 def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:

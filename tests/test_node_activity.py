@@ -767,6 +767,51 @@ def test_worker_shutdown_stops_the_job_and_fails_the_attempt(tmp_path):
     assert node.finished[8].stopped
 
 
+SAVES_AND_EXITS_143 = """
+    import sys, time
+    print("running", flush=True)
+    time.sleep(0.3)
+    sys.exit(143)  # jobkit's EXIT_STOPPED, after the checkpoint a SIGTERM not the agent's asked for
+"""
+
+
+@pytest.mark.parametrize("end_code, shutdown_after, shut_down", [
+    (SAVES_AND_EXITS_143, 0.02, True),
+    ("import os, signal, time; print('running', flush=True); time.sleep(0.3); os.kill(os.getpid(), signal.SIGTERM)",
+     0.02, True),
+    (SAVES_AND_EXITS_143, None, False),
+    ("import sys, time; print('running', flush=True); time.sleep(0.3); sys.exit(0)", 0.02, False),
+], ids=["a job that saved and exited 143 as the machine stops is requeued as stopped by the shutdown",
+        "one killed by the SIGTERM that stops the agent too",
+        "one that exits 143 while the agent runs on keeps its end: the command's own",
+        "one that finished as the agent stops keeps its result"])
+def test_a_job_ended_by_the_sigterm_that_stops_its_agent_is_stopped_by_the_shutdown(tmp_path, end_code, shutdown_after,
+                                                                                    shut_down):
+    """systemd's default KillMode SIGTERMs a service's every process at once: a job whose end beat
+    the agent's own shutdown was taken for finished (exit 0 after its checkpoint) or failed."""
+    node = NodeActivities(MACHINE, tmp_path / "jobs", heartbeat_every=0.1, shutdown_follows=0.5)
+    req = job(end_code, allocation_id=31)
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        while (running := node.processes.get(31)) is not None and running.process.returncode is None:
+            await asyncio.sleep(0.005)
+        if shutdown_after is not None:
+            await asyncio.sleep(shutdown_after)
+            env.worker_shutdown()
+        return await asyncio.wait_for(task, 10)
+
+    if shut_down:
+        with pytest.raises(ApplicationError) as raised:
+            run(scenario())
+        assert raised.value.type == "AgentShutdown"
+    else:
+        result = run(scenario())
+        assert not result.stopped and result.exit_code in (0, 143)
+
+
 CHECKPOINTS_SLOWLY = """
     import signal, sys, time
     def stop(*_):

@@ -40,8 +40,6 @@ with workflow.unsafe.imports_passed_through():
         ATTEMPT_NOT_HERE,
         ATTEMPT_ORDERS_MAX,
         EXIT_RETRY_LATER,
-        EXIT_STOPPED,
-        SIGTERM,
         JOB_FAILED,
         Admission,
         AttachOrder,
@@ -637,17 +635,6 @@ class JobWorkflow:
                 # store unreachable): queued again, not the job's own failure.
                 return self._count_infra_failure(
                     EndReason.machine_failure, "the command could not run for now (exit code 75)",
-                    exit_code=result.exit_code, lines=lines)
-            if ((result.signal == SIGTERM or result.exit_code == EXIT_STOPPED)
-                    and workflow.patched("stopped-from-outside-requeues")):
-                # No stop of the workflow's: SIGTERM came from the machine (shutting down, or
-                # the agent's service stopped together with its jobs). A job that checkpointed
-                # and exited 0 on it was taken for finished; killed by it, for its own failure.
-                return self._count_infra_failure(
-                    EndReason.machine_failure,
-                    f"it was stopped ({how}) by a SIGTERM its agent did not send: its machine shut down, or "
-                    "the agent's service was stopped with its jobs (docs/live.md, Running the agent); a command "
-                    "that ends so of itself is queued again too, five times in a row at most",
                     exit_code=result.exit_code, lines=lines)
             self.failures += 1
             tail = f":\n{lines}" if lines else ""  # no empty line for a command that wrote no log

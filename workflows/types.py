@@ -152,8 +152,9 @@ ATTEMPT_ABANDONED = "AttemptAbandoned"
 # EXIT_RETRY_LATER): queued again as an infrastructure failure, not counted as the job's own.
 EXIT_RETRY_LATER = 75
 # How a job ends that SIGTERM stopped: by the signal itself, or with 128 + 15 (what a shell
-# reports, and jobkit's EXIT_STOPPED after its checkpoint). Not asked by its agent, the stop came
-# from the machine (shutting down, or the agent's service stopped with its jobs): queued again.
+# reports, and jobkit's EXIT_STOPPED after its checkpoint). Such an end the agent did not ask
+# for, followed by the agent's own shutdown, was the machine's stop: the agent says so
+# (AgentShutdown), and the job is queued again; otherwise the command ended so of itself.
 SIGTERM = 15
 EXIT_STOPPED = 128 + SIGTERM
 DEFAULT_QUOTA = "*"  # the quota of every team without its own (scheduler.quotas.quota_of)
