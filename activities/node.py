@@ -314,13 +314,13 @@ class NodeActivities:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if run.outcome in done:
                     result = run.outcome.result()
-                    if _ended_by_sigterm(result) and not shutdown.done():
+                    if _ended_by_sigterm(result):
                         # Not our SIGTERM: whether ours (our own shutdown) follows tells the
                         # machine's stop from the command's own end (exit 143 of itself).
                         await asyncio.wait((shutdown,), timeout=self.shutdown_follows)
-                    if _ended_by_sigterm(result) and shutdown.done():
-                        log.info("allocation %d: ended by the SIGTERM that stops this agent", alloc)
-                        raise self._shut_down(result)
+                        if shutdown.done():
+                            log.info("allocation %d: ended by the SIGTERM that stops this agent", alloc)
+                            raise self._shut_down(result)
                     return result
                 if shutdown in done:
                     # A job that exited on its own before the shutdown (its last reports still

@@ -373,7 +373,8 @@ ON CONFLICT (job_id, seq) DO UPDATE SET
   WHERE EXCLUDED.complete
     AND (NOT checkpoints.complete OR checkpoints.unusable_at IS NOT NULL
          OR checkpoints.deleted_at IS NOT NULL
-            AND (checkpoints.allocation_id, checkpoints.sha256) IS DISTINCT FROM (EXCLUDED.allocation_id, EXCLUDED.sha256))"""
+            AND (checkpoints.allocation_id, checkpoints.sha256)
+                IS DISTINCT FROM (EXCLUDED.allocation_id, EXCLUDED.sha256))"""
 CHECKPOINT = "SELECT * FROM checkpoints WHERE job_id = $1 AND seq = $2"
 RECORD_PROGRESS = f"""
 UPDATE jobs SET progress = greatest(progress, $2), updated_at = {NOW_EPOCH} WHERE id = $1"""

@@ -42,6 +42,8 @@ from workflows.types import (
     PlacementSignal,
     PreemptOrder,
     PreemptSignal,
+    command_bytes,
+    env_bytes,
     request_problem,
 )
 
@@ -354,8 +356,7 @@ def _orders_too_big(request: JobRequest, machines: int) -> tuple[str, str] | Non
     """Each machine of a gang is sent the command and env: where even the fewest machines the
     job can span would take more than an attempt's orders may, the job could never start (its
     workflow would fail it when placed, hours later maybe)."""
-    command = sum(len(word.encode()) for word in request.command)
-    env = sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+    command, env = command_bytes(request), env_bytes(request)
     if machines * (command + env) <= ATTEMPT_ORDERS_MAX:
         return None
     return ("command" if command >= env else "env",

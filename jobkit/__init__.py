@@ -146,9 +146,9 @@ Exit codes: this module calls no ``sys.exit``. The conventions for gpusched jobs
 ``EXIT_STOPPED`` (143, 128 + SIGTERM, as a shell reports a command SIGTERM ended) after saving
 on SIGTERM: the agent treats any exit after its own SIGTERM as "stopped", and a job stopped so
 by a SIGTERM that stops its agent too (its machine shutting down) is queued again, where an exit
-0 would have been taken for the job finished; ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL) when what the job needs is not
-there now (``CheckpointRetryLater`` at ``restore()``, say): the job is queued again as an
-infrastructure failure (five in a row fail it), not failed as its own.
+0 would have been taken for the job finished; ``EXIT_RETRY_LATER`` (75, sysexits' EX_TEMPFAIL)
+when what the job needs is not there now (``CheckpointRetryLater`` at ``restore()``, say): the job
+is queued again as an infrastructure failure (five in a row fail it), not failed as its own.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from urllib.parse import quote, unquote, urlparse
 
-__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreRefused", "CheckpointStoreUnreachable",
-           "CheckpointUnusable", "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
+__all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreRefused",
+           "CheckpointStoreUnreachable", "CheckpointUnusable", "EXIT_STOPPED", "EXIT_RETRY_LATER", "seq_key"]
 
 log = logging.getLogger("jobkit")
 

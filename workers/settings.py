@@ -99,9 +99,10 @@ _ENV = {
 }
 
 
+_TLS_FILES = ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
 # A secret or a TLS file that failed to mount leaves its variable empty: taken for unset, the API
 # answered anyone (or took a local stack's token) and Temporal was reached without TLS.
-_NEVER_EMPTY = ("api_token", "temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
+_NEVER_EMPTY = ("api_token", *_TLS_FILES)
 
 
 def damaged_stack_fix(stack: Path) -> str:
@@ -132,7 +133,7 @@ def load_settings(data_dir: Path | None = None, **explicit: object) -> Settings:
         if os.environ.get(var) or var in os.environ and field in _NEVER_EMPTY:
             values[field] = os.environ[var]
     values.update({k: v for k, v in explicit.items() if v is not None})
-    for field in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca"):
+    for field in _TLS_FILES:
         if values.get(field) == "":
             # Taken for unset, the client connected without TLS (or the CA it was told of).
             raise SettingsError(f"{_ENV[field]} is set but empty; give the file, or unset it")
@@ -190,11 +191,8 @@ def loopback_without_proxy() -> None:
         return
     # One list in both spellings, the user's hosts kept: Python reads no_proxy first and Go
     # NO_PROXY, so one made of the loopback alone hid the other's hosts from half the tools.
-    hosts: list[str] = []
-    for var in ("NO_PROXY", "no_proxy"):
-        hosts += [h.strip() for h in os.environ.get(var, "").split(",") if h.strip() and h.strip() not in hosts]
-    hosts += [h for h in ("127.0.0.1", "localhost", "::1") if h not in hosts]
-    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(hosts)
+    given = [h.strip() for var in ("NO_PROXY", "no_proxy") for h in os.environ.get(var, "").split(",") if h.strip()]
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(dict.fromkeys([*given, "127.0.0.1", "localhost", "::1"]))
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -200,6 +200,16 @@ JOB_SET_ENV = frozenset({"GPUSCHED_S3_RETRY_S", "GPUSCHED_S3_PART_MB", "GPUSCHED
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
+def command_bytes(request: JobRequest) -> int:
+    """The command's size in UTF-8, as it goes into the job's history with every attempt's orders."""
+    return sum(len(word.encode()) for word in request.command)
+
+
+def env_bytes(request: JobRequest) -> int:
+    """The env's size in UTF-8, its names and values."""
+    return sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+
+
 def request_problem(request: JobRequest) -> tuple[str, str] | None:
     """(field, what is wrong and how to fix it) for a request the model takes but no job can
     run as; None when there is none. Checked at admission, and by the CLI before it sends. Not
@@ -250,11 +260,11 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
     for field, when in (("deadline", request.deadline), ("submit_time", request.submit_time)):
         if when is not None and not 0 <= when <= LATEST_EPOCH:
             return field, f"is {when:g}; give epoch seconds (e.g. {1.8e9:.0f} for 2027)"
-    size = sum(len(word.encode()) for word in request.command)
+    size = command_bytes(request)
     if size > MAX_COMMAND_BYTES:
         return "command", (f"is {size} bytes; at most {MAX_COMMAND_BYTES} go into a job's history: "
                            "put long arguments in a file the command reads")
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+    size = env_bytes(request)
     if size > MAX_COMMAND_BYTES:
         return "env", (f"is {size} bytes; at most {MAX_COMMAND_BYTES} go into a job's history: "
                        "put long values in a file the job reads")
