@@ -129,8 +129,8 @@ def test_a_data_dir_this_user_may_not_look_into_is_said_in_one_line(monkeypatch,
     ("a server back after two refusals is connected to", 2, ConnectionRefusedError, 10, False, "connected", 3),
     ("an error not retried (a wrong password) ends the wait at once", 5, PermissionError, 10, False,
      "PermissionError", 1),
-    ("a server that stays down ends the wait with its last error", 99, ConnectionRefusedError, 0.6, False,
-     "ConnectionRefusedError", 2),
+    ("a server that stays down ends the wait as not reachable", 99, ConnectionRefusedError, 0.6, False,
+     "NotReachable", 2),
     ("a worker told to stop stops waiting", 99, ConnectionRefusedError, 10, True, None, 1),
 ])
 def test_a_worker_waits_for_a_server_that_is_restarting(name, failures, error, within, stopped, outcome, tries):
@@ -190,6 +190,68 @@ def test_a_worker_given_a_tls_file_it_cannot_read_says_so_in_one_line_and_exits_
     assert done.returncode == 2, done.stderr
     assert "GPUSCHED_TEMPORAL_TLS_CERT: cannot read /nonexistent.pem" in done.stderr
     assert "Traceback" not in done.stderr and "retrying" not in done.stderr
+
+
+def test_a_server_that_stays_down_is_named_with_the_wait_and_its_last_error():
+    import asyncio
+
+    from workers.settings import NotReachable, keep_connecting
+
+    async def connect():
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 1)")
+
+    with pytest.raises(NotReachable) as raised:
+        asyncio.run(keep_connecting("Postgres at postgresql://127.0.0.1:1/gpusched", connect, asyncio.Event(),
+                                    within=0.6, retry_on=(ConnectionRefusedError,)))
+    assert str(raised.value) == ("Postgres at postgresql://127.0.0.1:1/gpusched not reachable for 1 s: "
+                                 "[Errno 111] Connect call failed ('127.0.0.1', 1); start it, or check the "
+                                 "address in the settings")
+    assert isinstance(raised.value.__cause__, ConnectionRefusedError)
+
+
+def _control(argv):
+    from workers import control
+    control.main(argv)
+
+
+def _api(argv):
+    from workers import api
+    api.main(argv)
+
+
+def _agent(argv):
+    from workers import agent
+    raise SystemExit(agent.main(["--machine-id", "c1/b0/r0/m0", "--fake-devices", "--gpus", "1", *argv]))
+
+
+# Before, each ended with a traceback and exit 1 (the API's from inside uvicorn's startup).
+@pytest.mark.parametrize("name, start, patched, down", [
+    ("the control worker whose Postgres stays down says so in one line", _control, "workers.control",
+     "Postgres at postgresql://postgres:***@127.0.0.1:1/gpusched not reachable"),
+    ("the API whose Postgres stays down says so in one line", _api, "workers.api",
+     "Postgres at postgresql://postgres:***@127.0.0.1:1/gpusched not reachable"),
+    ("the agent whose Temporal stays down says so in one line", _agent, "workers.agent",
+     "Temporal at 127.0.0.1:1 not reachable"),
+])
+def test_a_worker_whose_server_stays_down_at_start_exits_69_in_one_line(monkeypatch, caplog, tmp_path, name,
+                                                                          start, patched, down):
+    import importlib
+    import logging
+
+    module = importlib.import_module(patched)
+    monkeypatch.setattr(module, "CONNECT_WITHIN", 0.6)
+    if patched == "workers.agent":
+        monkeypatch.setattr(module, "REGISTER_WITHIN", 0.3)
+    caplog.set_level(logging.INFO)
+    closed = ["--pg-dsn", "postgresql://postgres:secret@127.0.0.1:1/gpusched", "--temporal-address", "127.0.0.1:1",
+              "--api-url", "http://127.0.0.1:1"]
+    with pytest.raises(SystemExit) as ended:
+        start(["--data-dir", str(tmp_path), *closed])
+    assert ended.value.code == 69
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [down in r.getMessage() for r in errors] == [True], [r.getMessage() for r in errors]
+    assert all(r.exc_info is None for r in caplog.records)
+    assert "secret" not in caplog.text
 
 
 class _Clusters:

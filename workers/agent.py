@@ -48,6 +48,8 @@ from activities.node import NodeActivities, pid_dir
 from activities.run_processes import stop_left_runs
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
+    EXIT_NOT_REACHABLE,
+    NotReachable,
     Settings,
     SettingsError,
     agent_log_dir,
@@ -581,6 +583,9 @@ async def serve(args: argparse.Namespace) -> int:
             worker_task.result()  # the worker failed: raise it here
         await worker.shutdown()
         await worker_task
+    except NotReachable as err:  # Temporal down for the whole wait at start: one line
+        log.error("%s", err)
+        code = EXIT_NOT_REACHABLE
     except Exception:
         log.exception("agent failed")
         code = 1

@@ -54,8 +54,8 @@ from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
 from workers.token_generations import TokenGenerations
-from workers.settings import (MACHINE_HEADER, Settings, add_settings_flags, is_machine_token, keep_connecting,
-                              loopback_without_proxy,
+from workers.settings import (EXIT_NOT_REACHABLE, MACHINE_HEADER, NotReachable, Settings, add_settings_flags,
+                              is_machine_token, keep_connecting, loopback_without_proxy,
                               machine_token, mark_ready, settings_from_args, without_password)
 from workflows.types import CheckpointAck, CheckpointReport, JobState, JobView
 
@@ -124,15 +124,20 @@ async def _listen(store: Store) -> None:
         await asyncio.sleep(LISTEN_EVERY)
 
 
-def create_app(settings: Settings) -> FastAPI:
+async def connect_store(settings: Settings) -> Store:
+    # Postgres restarting as the API starts is waited for; before, the API exited (code 3).
+    return await keep_connecting(f"Postgres at {without_password(settings.pg_dsn)}",
+                                 lambda: Store.connect(settings.pg_dsn), asyncio.Event(),
+                                 within=CONNECT_WITHIN, retry_on=(OSError, asyncpg.CannotConnectNowError))
+
+
+def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
+    """The API; it connects to Postgres as it starts unless given ``store``, which it then owns."""
     ctx: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Postgres restarting as the API starts is waited for; before, the API exited (code 3).
-        ctx["store"] = await keep_connecting(f"Postgres at {without_password(settings.pg_dsn)}",
-                                             lambda: Store.connect(settings.pg_dsn), asyncio.Event(),
-                                             within=CONNECT_WITHIN, retry_on=(OSError, asyncpg.CannotConnectNowError))
+        ctx["store"] = store if store is not None else await connect_store(settings)
         s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
         ctx["checkpoints"] = CheckpointCommitter(ctx["store"], s3, settings.s3_bucket)
         listening = asyncio.create_task(_listen(ctx["store"]))
@@ -318,18 +323,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = settings_from_args(args, args.data_dir)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port,
-                                           log_level="warning", access_log=False))
 
-    async def run() -> None:
+    async def run() -> int:
+        # Connected before uvicorn starts: a database down for the whole wait is one line and
+        # exit 69 here, where in the app's startup uvicorn printed it as a traceback.
+        try:
+            store = await connect_store(settings)
+        except NotReachable as e:
+            log.error("%s", e)
+            return EXIT_NOT_REACHABLE
+        server = uvicorn.Server(uvicorn.Config(create_app(settings, store), host=args.host, port=args.port,
+                                               log_level="warning", access_log=False))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
             mark_ready(args.data_dir, "api")
         await serving
+        return 0
 
-    asyncio.run(run())
+    if code := asyncio.run(run()):
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from activities.planning import PlanningActivities
 from activities.store import Store
 from workers.arg_types import positive_float, positive_int
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
-from workers.settings import (Settings, SettingsError, add_settings_flags, connect_temporal, keep_connecting,
+from workers.settings import (EXIT_NOT_REACHABLE, NotReachable, Settings, SettingsError, add_settings_flags,
+                              connect_temporal, keep_connecting,
                               loopback_without_proxy, mark_ready,
                               settings_from_args, temporal_tls, without_password)
 from workflows.cluster import ClusterSchedulerWorkflow
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     except ServerError as e:  # the operator's to fix: one line, not a traceback
         log.error("%s", e)
         raise SystemExit(2) from None
+    except NotReachable as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_NOT_REACHABLE) from None
 
 
 if __name__ == "__main__":

@@ -155,6 +155,14 @@ class SettingsError(ValueError):
     """A setting given in a way no process can run with; the message names it and the fix."""
 
 
+class NotReachable(ConnectionError):
+    """A server a worker needs at start stayed down for the whole wait: the operator's (or the
+    supervisor's restart) to mend, said in one line (exit ``EXIT_NOT_REACHABLE``), not a traceback."""
+
+
+EXIT_NOT_REACHABLE = 69  # sysexits' EX_UNAVAILABLE: a service the worker needs is not there
+
+
 def missing_stack(data_dir: Path | None) -> Path | None:
     """The stack folder a person named (the flag, or GPUSCHED_DATA_DIR) when it holds no stack and
     no GPUSCHED_* setting points elsewhere: `load_settings` would then fall back to the default
@@ -279,8 +287,8 @@ async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: 
                           within: float, retry_on: tuple[type[BaseException], ...] = (Exception,)) -> T | None:
     """``connect()``, tried again with backoff (0.5 s doubling to 5 s) while it fails with one of
     ``retry_on``, for ``within`` seconds: a server restarting, or started after the worker, is
-    waited for instead of ending the worker. None if ``stop`` is set meanwhile; the last error
-    once the time is up."""
+    waited for instead of ending the worker. None if ``stop`` is set meanwhile; once the time is
+    up, NotReachable naming ``what``, the wait and the last error."""
     loop = asyncio.get_running_loop()
     deadline, delay = loop.time() + within, 0.5
     while True:
@@ -292,7 +300,8 @@ async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: 
             if stop.is_set():
                 return None
             if loop.time() + delay > deadline:
-                raise
+                raise NotReachable(f"{what} not reachable for {within:.0f} s: {str(err) or type(err).__name__}; "
+                                   "start it, or check the address in the settings") from err
             _log.warning("%s not reachable (%s); retrying", what, str(err) or type(err).__name__)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
