@@ -83,6 +83,15 @@ def test_jobs_come_back_sorted_by_submit_time_then_id():
     assert [j.spec.job_id for j in parse_trace(text, "t.csv")] == ["c", "a", "b"]
 
 
+def test_times_are_kept_to_the_millisecond_as_the_output_files_write_them():
+    """A run of finer times wrote allocations.csv and jobs.csv that could not reproduce its
+    summary: a 0.0004 s job showed as an empty allocation, and 8 idle gaps as none."""
+    (parsed,) = parse_trace(trace(row(submit_time="0.0001", duration="5.0004", expected_duration="7.12351",
+                                      checkpoint_interval="1.00049", deadline="9.9996")), "t.csv")
+    assert (parsed.submit_time, parsed.duration, parsed.spec.expected_duration, parsed.spec.checkpoint_interval,
+            parsed.spec.deadline) == (0.0, 5.0, 7.124, 1.0, 10.0)
+
+
 def test_blank_lines_are_skipped_and_line_numbers_still_count_them():
     with pytest.raises(InputError) as caught:
         parse_trace(trace(row(job_id="a"), "", row(job_id="b", num_gpus="0")), "t.csv")
@@ -91,7 +100,7 @@ def test_blank_lines_are_skipped_and_line_numbers_still_count_them():
 
 ROUND_TRIP_CASES = [
     [job()],
-    [job("a", 0.1, 1234.5678, expected_duration=1e-3)],
+    [job("a", 0.1, 1234.567, expected_duration=1e-3)],
     [
         job(
             "a",
@@ -116,7 +125,7 @@ ROUND_TRIP_CASES = [
     ROUND_TRIP_CASES,
     ids=[
         "a plain job",
-        "fractional times survive exactly",
+        "fractional times to the millisecond survive exactly",
         "every optional field set",
         "cluster and gpu memory columns appear when used",
         "commas and quotes in text are escaped",
@@ -166,6 +175,7 @@ BAD_TRACES = [
     (trace(row(team='vi"sion'), row(job_id="b", team='"vi\nsion"')), 3, "team", "a quoted value runs on to line 4"),
     (trace(row(checkpoint_interval="1e-300")), 2, "checkpoint_interval", "0 (never) or at least 1 second"),
     (trace(row(duration="1e308")), 2, "duration", "at most 320000000"),
+    (trace(row(duration="0.0004")), 2, "duration", "at least 0.001 (times are kept to the millisecond)"),
     (trace(row(submit_time="1e17")), 2, "submit_time", "at most 320000000"),
     (trace(row(duration="1e8", checkpoint_interval="1")), 2, "checkpoint_interval", "give at least 100 s"),
     (trace(row(num_gpus="1_0")), 2, "num_gpus", "1 or more, got '1_0'"),
@@ -217,6 +227,7 @@ BAD_TRACES = [
         "a quote inside an unquoted value does not make a later one that runs on unclosed",
         "a checkpoint interval too short to mean anything",
         "a duration of ages",
+        "a duration under half a millisecond",
         "a submit time ages away",
         "a checkpoint interval that would make a million writes",
         "a GPU count with an underscore",

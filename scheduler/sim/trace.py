@@ -241,26 +241,28 @@ class _RowReader:
 
     def job(self) -> TraceJob:
         job_id = self.text("job_id")
-        submit_time = self.number(
+        submit_time = self.to_the_millisecond("submit_time", self.number(
             "submit_time", minimum=0.0, hint="seconds from the trace start, 0 or more"
-        )
-        duration = self.number("duration", minimum=0.0, strict=True, hint="seconds of work, above 0")
-        expected = self.optional_number(
+        ))
+        duration = self.to_the_millisecond(
+            "duration", self.number("duration", minimum=0.0, strict=True, hint="seconds of work, above 0"))
+        expected = self.to_the_millisecond("expected_duration", self.optional_number(
             "expected_duration", minimum=0.0, strict=True, hint="seconds, above 0"
-        )
+        ))
         interval = self.optional_number(
             "checkpoint_interval", minimum=0.0, hint="seconds, 0 or empty for never"
         )
         if interval is not None and 0 < interval < MIN_CHECKPOINT_INTERVAL:
             raise self.error("checkpoint_interval", f"must be 0 (never) or at least {MIN_CHECKPOINT_INTERVAL:g} "
                                                     f"second, got {self.cells['checkpoint_interval']!r}")
+        interval = self.to_the_millisecond("checkpoint_interval", interval)
         if interval and duration / interval > MOST_CHECKPOINTS:
             raise self.error("checkpoint_interval", f"would have the job write {duration / interval:.3g} checkpoints "
                                                     f"over its {duration:g} s; give at least "
                                                     f"{duration / MOST_CHECKPOINTS:g} s")
-        deadline = self.optional_number(
+        deadline = self.to_the_millisecond("deadline", self.optional_number(
             "deadline", minimum=0.0, hint="seconds from the trace start, 0 or more"
-        )
+        ))
         memory = self.optional_number(
             "gpu_memory_gb", minimum=0.0, strict=True, hint="GB per GPU, above 0",
             most=(MOST_GPU_MEMORY_GB, "GB per GPU; no GPU holds more"),
@@ -311,6 +313,18 @@ class _RowReader:
         if number > most[0]:
             raise self.error(column, f"must be at most {most[0]:.0f} ({most[1]}), got {value!r}")
         return number
+
+    def to_the_millisecond(self, column: str, seconds: float | None) -> float | None:
+        """A time kept to the millisecond, as allocations.csv and jobs.csv write times: a run of
+        finer ones wrote files that could not reproduce its own summary. A duration that rounds
+        to nothing is refused."""
+        if seconds is None:
+            return None
+        kept = round(seconds, 3)
+        if kept == 0 and seconds > 0 and column in ("duration", "expected_duration"):
+            raise self.error(column, "must be at least 0.001 (times are kept to the millisecond), "
+                                     f"got {self.cells[column]!r}")
+        return kept
 
     def optional_number(
         self, column: str, *, minimum: float, strict: bool = False, hint: str,
