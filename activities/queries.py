@@ -37,13 +37,15 @@ VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (id) DO NOTHING"""
 # A machine declared by the fleet file (`gpusched fleet apply`): a new one joins as the file says;
 # one already known (its agent reported its GPUs, type and memory) takes only its partition.
-# Answers the partition it had (NULL: new), read before the write.
+# Answers whether it was new, by the write itself (xmax 0: inserted), and the partition it had
+# (NULL where the statement's snapshot could not see it: a heartbeat's join not yet committed,
+# which the insert waited for and then updated; `before` alone took such a machine for new).
 DECLARE_MACHINE = """
 WITH before AS (SELECT partition FROM machines WHERE id = $1)
 INSERT INTO machines (id, cluster, block, rack, gpu_type, gpu_memory_gb, partition)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (id) DO UPDATE SET partition = EXCLUDED.partition
-RETURNING (SELECT partition FROM before)"""
+RETURNING xmax = 0 AS inserted, (SELECT partition FROM before) AS before"""
 MACHINE_IDS = "SELECT id FROM machines WHERE cluster = $1 ORDER BY id"
 UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
@@ -77,9 +79,14 @@ def reachable_sql(timeout: str, gap: str) -> str:
 # attempt that ended there for want of it.
 TAKES_WORK = f"""(m.accepting_work AND coalesce(m.unpicked_until <= {NOW_EPOCH}, true)
     AND (m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false)))"""
+# The machines' rows are taken in id order, as `fleet apply` takes them (code point order, as
+# Python sorts): in the order of a plan, an allocation across m9 and m10 deadlocked with a file
+# that lists m10 first.
 MARK_SILENT = f"""
 UPDATE machines SET silent_since = {NOW_EPOCH}
-WHERE id IN (SELECT DISTINCT machine_id FROM gpu_holds WHERE allocation_id = $1)
+WHERE id IN (SELECT id FROM machines
+             WHERE id IN (SELECT machine_id FROM gpu_holds WHERE allocation_id = $1)
+             ORDER BY id COLLATE "C" FOR NO KEY UPDATE)
   AND coalesce(last_heartbeat < {NOW_EPOCH} - $2, true)"""
 
 # How long each machine has been silent (NULL: never heard): whether its agent lives while the
@@ -122,7 +129,7 @@ QUEUED_JOBS_OF_CLUSTER = """
 SELECT id FROM jobs WHERE cluster = $1 AND state = 'queued' ORDER BY id"""
 HELD_GPUS_OF_CLUSTER = """
 SELECT h.machine_id, h.idx FROM gpu_holds h JOIN allocations a ON a.id = h.allocation_id
-WHERE a.cluster = $1 AND upper_inf(h.held)"""
+WHERE a.cluster = $1 AND a.state <> 'ended' AND upper_inf(h.held)"""  # the live allocations' index, not all history
 LIVE_ALLOCATIONS_ON_MACHINE = """
 SELECT DISTINCT h.allocation_id FROM gpu_holds h
 WHERE h.machine_id = $1 AND upper_inf(h.held)"""

@@ -232,16 +232,18 @@ class Store:
         applied = FleetApplied()
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(q.ORDER_AFTER_CYCLES)  # partitions and quotas: after the cycles in flight
-            for cluster in fleet.clusters:
-                await conn.execute(q.UPSERT_CLUSTER, cluster.name)
-                for m in cluster.machines:
-                    before = await conn.fetchval(q.DECLARE_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
-                                                 m.gpu_memory_gb, m.partition)
-                    if before is None:
-                        await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
-                        applied.added.append(m.id)
-                    elif before != m.partition:
-                        applied.moved.append(f"{m.id} ({before} -> {m.partition})")
+            for name in sorted(c.name for c in fleet.clusters):
+                await conn.execute(q.UPSERT_CLUSTER, name)
+            # Machines' rows in id order, as an attempt's end marks them silent: in the file's
+            # order (m9 before m10) the two deadlocked.
+            for m in sorted((m for c in fleet.clusters for m in c.machines), key=lambda m: m.id):
+                declared = await conn.fetchrow(q.DECLARE_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
+                                               m.gpu_memory_gb, m.partition)
+                if declared["inserted"]:
+                    await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
+                    applied.added.append(m.id)
+                elif declared["before"] is not None and declared["before"] != m.partition:
+                    applied.moved.append(f"{m.id} ({declared['before']} -> {m.partition})")
             teams = fleet.every_quota
             for team, quota in teams.items():
                 await conn.execute(q.SET_QUOTA, team, quota.guaranteed, quota.max, quota.queue_cap)

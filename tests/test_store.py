@@ -617,6 +617,72 @@ def test_a_machine_joining_by_heartbeat_as_a_fleet_file_declares_it_keeps_the_fi
     assert run(store.pool.fetchval("SELECT count(*) FROM gpus WHERE machine_id = $1", new)) == 4
 
 
+def fleet_file(*ids: str, gpus: int = 4):
+    """A fleet file of cluster c1 declaring the machines `ids` (`gpus` each) in that order (a file
+    lists a rack's m9 before its m10, which sorts first)."""
+    from scheduler.fleet import ClusterFleet, Fleet
+    declared = tuple(Machine(id=i, cluster="c1", block="b0", rack="r0", gpus=gpus, gpu_type="H100") for i in ids)
+    return Fleet(clusters=(ClusterFleet(name="c1", machines=declared),),
+                 quotas={"vision": Quota(guaranteed=4, max=8, queue_cap=3)})
+
+
+def test_a_fleet_file_declaring_a_machine_as_its_first_heartbeat_joins_it_does_not_add_it_again(store_env):
+    """The declaration's snapshot could not see the heartbeat's join, not yet committed; its
+    insert waited for it and updated the row, but the machine was taken for new: reported added,
+    and given the file's 8 GPUs where its agent had reported 4 (4 that do not exist, healthy)."""
+    run, store = store_env
+    new = "c1/b0/r0/m7"
+
+    async def scenario():
+        async with store.pool.acquire() as joining:
+            async with joining.transaction():
+                await joining.execute(q.JOIN_MACHINE, new, "c1", "b0", "r0", "H100", 80.0, "training")
+                await joining.execute(q.ADD_REPORTED_GPUS, new, list(range(4)))
+                applying = asyncio.ensure_future(store.apply_fleet(fleet_file(new, gpus=8)))
+                await until_blocked_or_done(joining, applying)
+        return await asyncio.wait_for(applying, 10)
+
+    applied = run(scenario())
+    assert applied.added == []
+    assert run(store.pool.fetchval("SELECT count(*) FROM gpus WHERE machine_id = $1", new)) == 4
+
+
+def test_a_fleet_apply_and_the_end_of_an_attempt_across_its_machines_do_not_deadlock(store_env):
+    """The end marks the attempt's machines silent in the order its plan reads them; the file's
+    declarations took them in the file's order (m1 before m0): each waited for the other, and
+    Postgres broke it after a second by failing one. Both now take them in id order."""
+    run, store = store_env
+    run(store.admit(job("gang", gpus=8)))  # both machines of the fixture's fleet
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("gang", alloc))
+    run(store.machine_heartbeat("c1/b0/r0/m2", 1, [GpuReport(index=i) for i in range(4)]))
+    run(store.pool.execute("UPDATE machines SET last_heartbeat = NULL"))  # the gang's agents are silent
+
+    async def waiting() -> int:
+        async with store.pool.acquire() as looking:
+            return await looking.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                          "AND wait_event_type = 'Lock'")
+
+    async def scenario():
+        async with store.pool.acquire() as holder:
+            async with holder.transaction():
+                await holder.execute("SELECT 1 FROM machines WHERE id = 'c1/b0/r0/m2' FOR NO KEY UPDATE")
+                applying = asyncio.ensure_future(
+                    store.apply_fleet(fleet_file("c1/b0/r0/m1", "c1/b0/r0/m2", "c1/b0/r0/m0")))
+                await until_blocked_or_done(holder, applying)
+                ending = asyncio.ensure_future(store.end_attempt("gang", alloc, EndReason.machine_failure, None,
+                                                                 JobState.queued, "requeued: its machines are silent"))
+                for _ in range(100):  # until the end waits too, for a row the file's declarations hold
+                    if ending.done() or await waiting() >= 2:
+                        break
+                    await asyncio.sleep(0.05)
+        return await asyncio.wait_for(asyncio.gather(applying, ending, return_exceptions=True), 10)
+
+    applied, ended = run(scenario())
+    assert not isinstance(applied, BaseException), applied
+    assert not isinstance(ended, BaseException), ended
+
+
 @pytest.mark.parametrize("name, machine, gpus, words", [
     ("an unknown machine that reports no GPUs does not join", "c1/b1/r0/m0", [], "reports no GPUs"),
     ("a GPU reported twice", "c1/b0/r0/m0", [GpuReport(index=0), GpuReport(index=0)], "GPU 0 more than once"),
