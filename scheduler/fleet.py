@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.errors import InputError
-from scheduler.models import INFERENCE_PARTITION, QUOTA_LARGEST, Machine, Quota
+from scheduler.models import INFERENCE_PARTITION, MOST_GPU_MEMORY_GB, QUOTA_LARGEST, Machine, Quota
 
 DEFAULT_QUOTA_KEY = "*"
 """A quotas entry with this name applies to every team without an entry of its own."""
@@ -244,7 +244,7 @@ class _FleetReader:
                              f"{MAX_GPUS_PER_FLEET}: give fewer machines or GPUs per machine")
         gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
         if "gpu_memory_gb" in keys:
-            memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb")
+            memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb", MOST_GPU_MEMORY_GB)
         else:
             memory = GPU_MEMORY_GB.get(gpu_type, FALLBACK_GPU_MEMORY_GB)
         partition = (
@@ -433,10 +433,12 @@ class _FleetReader:
             return None  # absent or null: no limit
         return self.count(node, field, unit)
 
-    def positive_number(self, node: yaml.Node, field: str) -> float:
+    def positive_number(self, node: yaml.Node, field: str, most: float) -> float:
         self.plain_number(node, field)
         value = self.value(node) if isinstance(node, yaml.ScalarNode) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value:
+            if value > most:  # before float(): an integer of 400 digits overflowed it (a traceback)
+                raise self.error(node, field, f"must be at most {most:,.0f}, got {self.shown(node)}")
             return float(value)
         raise self.error(node, field, f"must be a positive number, got {self.shown(node)}")
 

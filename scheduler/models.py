@@ -20,6 +20,7 @@ def gpu_path(slot: GpuSlot) -> str:
     return f"{slot[0]}/{slot[1]}"
 
 
+MOST_GPU_MEMORY_GB = 100_000.0  # a hundred times today's largest: more is a typo, or an overflow
 MIN_CHECKPOINT_INTERVAL = 1.0  # seconds; a shorter interval would checkpoint at every step
 # Bounds of the policy's durations: past them a knob is a typo (a grace period of 1e308 s), and
 # the arithmetic built on it overflows or plans absurd horizons.

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.errors import InputError
-from scheduler.models import MIN_CHECKPOINT_INTERVAL, JobKind, JobSpec, Priority, Topology
+from scheduler.models import MIN_CHECKPOINT_INTERVAL, MOST_GPU_MEMORY_GB, JobKind, JobSpec, Priority, Topology
 
 COLUMNS = (
     "job_id",
@@ -49,7 +49,6 @@ DECIMAL = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)"
 WHOLE = re.compile(r"\d+", re.ASCII)
 LONGEST_S = 3.2e8
 TIME_BOUND = (LONGEST_S, "about ten years of seconds")  # a time column's (most, in words)
-MOST_GPU_MEMORY_GB = 100_000.0  # a hundred times today's largest
 MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
 # And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
 MOST_CHECKPOINTS_IN_TRACE = 2_000_000
