@@ -253,3 +253,22 @@ def test_a_trace_is_written_to_a_file_not_to_a_folder_s_name(tmp_path, capsys, o
         run("trace", "generate", "--jobs", "5", "--out", out.format(d=tmp_path))
     assert exited.value.code == 2 and words.format(d=tmp_path) in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["generate", "--jobs", "200", "--days", "1", "--gpus", "64"], "--jobs or --days"),
+    (["from-philly", "--input", "{d}/philly.csv"], "--days"),
+], ids=["a generated workload", "a Philly window"])
+def test_a_trace_of_more_checkpoints_than_simulate_takes_is_not_written(tmp_path, capsys, monkeypatch, argv, flags):
+    """It was written (exit 0), and `gpusched simulate` then refused it: 100,000 jobs over 100
+    days made 2,000,029 checkpoints against a cap of 2,000,000 (a helper's fuzzing)."""
+    from workers import cli_trace
+
+    monkeypatch.setattr(cli_trace, "MOST_CHECKPOINTS_IN_TRACE", 3)
+    (tmp_path / "philly.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:10,36000.0,8,288000.0,abc\n")
+    out = tmp_path / "t.csv"
+    assert run("trace", *[a.format(d=tmp_path) for a in argv], "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flags}: the trace would hold ") and \
+        f"more than the 3 gpusched simulate takes; give a smaller {flags}" in err, err
+    assert not out.exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from scheduler.errors import InputError
 from scheduler.fleet import parse_fleet
-from scheduler.sim.trace import TraceJob, format_trace
+from scheduler.sim.trace import MOST_CHECKPOINTS_IN_TRACE, TraceJob, checkpoints_in, format_trace
 from scheduler.sim.workloads import (
     DAY,
     PHILLY_BUSIEST_WEEK,
@@ -100,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"--load {args.load} --seed {args.seed} --inference-fraction {args.inference_fraction} "
         f"--out {shlex.quote(str(args.out))} --fleet-out {shlex.quote(str(args.fleet_out))}"
     )
-    return _write(args, make, command, smaller="--gpus, --jobs, --days")
+    return _write(args, make, command, smaller="--gpus, --jobs, --days", fewer="--jobs or --days")
 
 
 def run_from_philly(args: argparse.Namespace) -> int:
@@ -129,12 +129,14 @@ def run_from_philly(args: argparse.Namespace) -> int:
         f"--days {args.days} --seed {args.seed} --out {shlex.quote(str(args.out))} "
         f"--fleet-out {shlex.quote(str(args.fleet_out))} --load {args.load}"
     )
-    return _write(args, make, command, smaller="a longer --days")  # a window is made smaller only by its length
+    # A window's fleet is made smaller only by its length, and its checkpoints fewer by a shorter one.
+    return _write(args, make, command, smaller="a longer --days", fewer="--days")
 
 
-def _write(args: argparse.Namespace, make, command: str, smaller: str) -> int:
+def _write(args: argparse.Namespace, make, command: str, smaller: str, fewer: str) -> int:
     """Build the trace, write it (and the fleet), print the summary; bad input exits 2. `smaller`:
-    the flags that make the workload smaller, named when its fleet would be too big."""
+    the flags that make the workload smaller, named when its fleet would be too big; `fewer`: the
+    flags that make it fewer checkpoints, named when it has more than a simulation takes."""
     if args.fleet_out is not None and not MIN_LOAD <= args.load <= MAX_LOAD:
         print(f"error: --load: must be between {MIN_LOAD:g} and {MAX_LOAD:g} to size a fleet, got {args.load:g}",
               file=sys.stderr)
@@ -146,6 +148,11 @@ def _write(args: argparse.Namespace, make, command: str, smaller: str) -> int:
     writing = args.out  # the file a failed write names: a full disk raises no filename
     try:
         jobs, gpus = make()
+        checkpoints = checkpoints_in(jobs)
+        if checkpoints > MOST_CHECKPOINTS_IN_TRACE:  # simulate would refuse the file written
+            raise InputError(fewer, None, None, (
+                f"the trace would hold {checkpoints:,.0f} checkpoints (duration / checkpoint_interval, summed), "
+                f"more than the {MOST_CHECKPOINTS_IN_TRACE:,} gpusched simulate takes; give a smaller {fewer}"))
         files = [(args.out, format_trace(jobs))]
         if args.fleet_out is not None:
             fleet, gpus = _sized_fleet(jobs, args.load, span, f"Made by: {command}", smaller)

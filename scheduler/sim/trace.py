@@ -149,6 +149,11 @@ def _read_rows(reader, source: str, check: TraceCheck | None, text: str) -> list
     return jobs
 
 
+def checkpoints_in(jobs: list[TraceJob]) -> float:
+    """The checkpoints a trace's jobs write, summed: each is simulated and kept for the report."""
+    return sum(j.duration / j.spec.checkpoint_interval for j in jobs if j.spec.checkpoint_interval)
+
+
 def _ends_inside_a_quote(text: str) -> bool:
     """Whether a quote is never closed, so that the rest of the file was read as one value. The
     lenient reader takes that silently; the strict one says so, where a quote inside an unquoted
