@@ -319,6 +319,60 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
     assert pending(result)["claim"].reason.startswith(reason)
 
 
+# The 4 GPUs of m0 that `ending` holds end by its estimate 30 s from now; m0's other 4 are free.
+_ENDING_HALF = running(job("ending").gpus(4).priority("critical").team("o").expected(3600)) \
+    .on(M0, range(4)).started(NOW - 3570)
+
+
+def test_a_claimant_waiting_for_gpus_about_to_free_up_keeps_the_free_ones_it_counted():
+    """It waited for `ending`'s GPUs and the 4 free beside them, but a job behind it took those
+    4: when `ending` ended, the claimant found too few and displaced `low` after all, whose work
+    since its checkpoint was lost (a helper's review of policy.md, Preemption 1)."""
+    behind = job("behind").gpus(4).priority("low").expected(7200).submitted(NOW)
+    snap = snapshot(fleet(machines=2), quotas={"*": {}}, running=[_ENDING_HALF, _run("low", M1)],
+                    queue=[CRIT, behind])
+    result = cycle(snap)
+    assert preempted(result) == [] and placements(result) == {}
+    assert pending(result)["claim"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert result.reservations == ()  # a wait of seconds, not a reservation
+    assert pending(result)["behind"].estimated_start is not None
+    ended = after_preemption(snap, result, now=NOW + 31)
+    ended = ended.model_copy(update={"running": tuple(r for r in ended.running if r.spec.job_id != "ending")})
+    after = cycle(ended)
+    assert preempted(after) == [] and machines_of(placements(after)["claim"].gpus) == {M0}
+
+
+def test_a_job_behind_a_claimant_waiting_for_gpus_about_to_free_up_may_use_the_free_ones_it_does_not_need():
+    """Only the free GPUs the claimant counted are kept: its 6 are `ending`'s 4 and 2 of the 4
+    free beside them. Keeping the machine whole made the jobs behind displace others instead."""
+    claim = job("claim").gpus(6).topology("machine").priority("critical").submitted(NOW)
+    behind = job("behind").gpus(2).priority("low").expected(7200).submitted(NOW)
+    snap = snapshot(fleet(machines=2), quotas={"*": {}}, running=[_ENDING_HALF, _run("low", M1)],
+                    queue=[claim, behind])
+    result = cycle(snap)
+    assert preempted(result) == [] and machines_of(placements(result)["behind"].gpus) == {M0}
+    assert pending(result)["claim"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    ended = after_preemption(snap, result, now=NOW + 31)
+    ended = ended.model_copy(update={"running": tuple(r for r in ended.running if r.spec.job_id != "ending")})
+    after = cycle(ended)
+    assert preempted(after) == [] and machines_of(placements(after)["claim"].gpus) == {M0}
+
+
+def test_a_starving_job_that_may_displace_nobody_reserves_the_gpus_about_to_free_up():
+    """A low job may displace nobody, so it was told it waits for the GPUs freeing up "instead of
+    preempting", held no reservation, and a 2-hour job behind it took the free GPUs beside
+    them: its start moved from about 2 h 47 min to 4 h 47 min."""
+    starving = job("x").gpus(8).priority("low").expected(7200).submitted(0.0)
+    behind = job("y").gpus(4).priority("low").expected(7200).submitted(5000.0)
+    busy = running(job("busy").gpus(4).priority("critical").team("o").expected(36000)).on(M1, range(4)).started(0.0)
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}}, running=[_ENDING_HALF, busy],
+                            queue=[starving, behind]))
+    [held] = result.reservations
+    assert held.job_id == "x" and held.machines == (M0,)
+    assert machines_of(placements(result)["y"].gpus) == {M1}
+    assert "instead of preempting" not in pending(result)["x"].reason
+
+
 @pytest.mark.parametrize("running", [
     [_run("r0", M1, started=0)],
     [_run("r0", M1, gpus=[7], started=0), _guard(M1, gpus=range(7))],
