@@ -39,6 +39,8 @@ from workflows.types import (
     JobRequest,
     JobState,
     JobView,
+    PlacementOrder,
+    PreemptOrder,
     request_problem,
 )
 
@@ -107,6 +109,10 @@ Planner = Callable[[Snapshot], CycleResult]
 # twice the last wait each time, up to RESEND_AT_MOST apart: a placement is taken up within
 # seconds, but a stop only when its attempt ends, a grace period later or more.
 RESEND_AFTER = 3.0
+# The most bytes of orders one cycle answers with; the rest wait for the next cycles. Temporal
+# refuses an activity result over 2 MiB: a cycle of ~5,000 placements was committed, recorded as
+# sent, refused on upload, and rebuilt whole at every resend: its jobs stayed placed for good.
+ORDERS_BYTES_MAX = 1 << 20
 RESEND_AT_MOST = 60.0
 # Every API process says it hears heartbeats this often; nobody saying it for LISTEN_GAP seconds
 # means the control plane was deaf, and machines' silence over that time is no evidence.
@@ -853,14 +859,26 @@ class Store:
         placed = [r for r in await conn.fetch(q.UNACKED_PLACEMENTS, cluster, now) if due(r["placed_at"], r)]
         draining = [r for r in await conn.fetch(q.UNACKED_PREEMPTIONS, cluster, now)
                     if due(r["preempt_ordered_at"], r)]
-        if placed or draining:
-            await conn.execute(q.RECORD_ORDERS_SENT, [r["id"] for r in placed + draining], now)
         grace = rows.policy(lock).grace_period
+        # Stops first (their victims' grace is running), then placements, oldest first; at least
+        # one order, so that a batch always moves.
+        orders = [(r["id"], rows.preempt_order(r, now)) for r in sorted(draining, key=lambda r: r["id"])]
+        orders += [(r["id"], rows.placement_order(r, grace)) for r in sorted(placed, key=lambda r: r["id"])]
+        sent, size = [], 0
+        for alloc, order in orders:
+            size += len(order.model_dump_json())
+            if sent and size > ORDERS_BYTES_MAX:
+                log.warning("cycle of %s: %d order(s) left for the next cycles (%d bytes at most in one answer)",
+                            cluster, len(orders) - len(sent), ORDERS_BYTES_MAX)
+                break
+            sent.append((alloc, order))
+        if sent:
+            await conn.execute(q.RECORD_ORDERS_SENT, [alloc for alloc, _ in sent], now)
         return CycleOutcome(
             cycle_seq=seq if committed else lock["cycle_seq"],
             committed=committed,
-            placements=[rows.placement_order(r, grace) for r in placed],
-            preemptions=[rows.preempt_order(r, now) for r in draining],
+            placements=[order for _, order in sent if isinstance(order, PlacementOrder)],
+            preemptions=[order for _, order in sent if isinstance(order, PreemptOrder)],
         )
 
 

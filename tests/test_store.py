@@ -272,6 +272,40 @@ def test_unacknowledged_placements_are_sent_again_in_later_cycles(store_env):
         assert sent.placements[0].signal.reason.startswith("2 GPU(s) free: c1/b0/r0/m"), sent.placements[0].signal
 
 
+def test_a_cycle_answers_with_at_most_a_payload_s_worth_of_orders_and_the_rest_follow(store_env, monkeypatch):
+    """Temporal refuses an activity result over 2 MiB: a cycle of ~5,000 placements was
+    committed and recorded as sent, refused on upload, and rebuilt whole at every resend, so its
+    jobs stayed placed and their GPUs held for good (a helper's run on a real server). Each
+    answer now holds what fits, stops first; the rest are not recorded as sent, and follow."""
+    from activities import store as store_module
+
+    run, store = store_env
+    for name in ("a", "b", "c"):  # the team's queue cap
+        assert run(store.admit(job(name, gpus=1))).accepted
+    monkeypatch.setattr(store_module, "ORDERS_BYTES_MAX", 1)  # one order an answer
+    first = run(store.plan_cycle("c1", 1, run_cycle))
+    assert first.committed and len(first.placements) == 1
+    unsent = run(store.pool.fetchval("SELECT count(*) FROM allocations WHERE state = 'placed' AND orders_sent = 0"))
+    assert unsent == 2
+    answered, seq = [first.placements[0].signal.allocation_id], 1
+    while len(answered) < 3 and seq < 12:
+        run(store.pool.execute("UPDATE allocations SET placed_at = placed_at - 10 WHERE orders_sent = 0"))
+        seq += 1
+        answered += [p.signal.allocation_id for p in run(store.plan_cycle("c1", seq, run_cycle)).placements]
+    assert sorted(answered) == sorted(set(answered)) and len(answered) == 3
+
+
+def test_a_cycle_with_room_for_fewer_orders_than_it_has_sends_the_stops_first(store_env, monkeypatch):
+    from activities import store as store_module
+
+    run, store = store_env
+    alloc = started(run, store)  # a runs: its victim's grace is what the stop order spends
+    run(store.admit(job("b", gpus=1)))
+    monkeypatch.setattr(store_module, "ORDERS_BYTES_MAX", 1)
+    answer = run(store.plan_cycle("c1", 2, stop("a")))
+    assert [p.signal.allocation_id for p in answer.preemptions] == [alloc] and answer.placements == []
+
+
 @pytest.mark.parametrize("sent, ago, again", [
     (1, 2.0, False), (1, 4.0, True),  # after the first send: 3 s
     (3, 11.0, False), (3, 13.0, True),  # then twice as long each time: 12 s after the third
