@@ -126,8 +126,18 @@ def guarantees_beyond_capacity(fleet: Fleet) -> list[str]:
     return warnings
 
 
+# A fleet file declares machines by shape: a thousand blocks and ten thousand teams' quotas fit
+# in a megabyte. The YAML reader builds the whole document before a word of it is checked (a
+# 5 MB list took 1.6 GB and two minutes to be refused), so a larger file is refused unread.
+MOST_FLEET_FILE_CHARS = 1 << 20
+
+
 def parse_fleet(text: str, source: str) -> Fleet:
     """Read a fleet YAML document; raise ``InputError`` pointing at the first mistake."""
+    if len(text) > MOST_FLEET_FILE_CHARS:
+        raise InputError(source, None, None, f"is {len(text):,} characters long; a fleet file is at most "
+                                             f"{MOST_FLEET_FILE_CHARS:,} (it declares machines by shape: "
+                                             "blocks of racks × machines_per_rack)")
     try:
         # The reader checks the characters as the loader is made: a control character fails here.
         loader = yaml.SafeLoader(text)

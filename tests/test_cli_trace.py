@@ -119,7 +119,7 @@ def test_a_trace_written_to_standard_output_is_the_trace_alone(tmp_path):
             ["from-philly", "--input", "{d}/p.csv"],
             "no jobs in the 7.0-day window",
         ),
-        (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be between 1 and 10,000,000"),
+        (lambda d: None, ["generate", "--jobs", "0"], "field 'jobs': must be between 1 and 1,000,000"),
         (lambda d: None, ["generate", "--gpus", "1" + "0" * 400], "field 'gpus': must be between 1 and 10,000,000"),
         (
             lambda d: (d / "p.csv").write_text(PHILLY_HEADER + "2017-10-16 00:00:00,60.0,1,60.0," + "x" * 200_000 + "\n"),

@@ -92,6 +92,17 @@ def test_times_are_kept_to_the_millisecond_as_the_output_files_write_them():
             parsed.spec.deadline) == (0.0, 5.0, 7.124, 1.0, 10.0)
 
 
+def test_a_trace_of_more_jobs_than_any_simulation_takes_stops_at_the_first_one_over(monkeypatch):
+    """Every row was kept until the trace was read whole: 2,000,000 rows with a bad last one took
+    4 GB before the error (a helper's fuzzing)."""
+    from scheduler.sim import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "MOST_TRACE_JOBS", 2)
+    with pytest.raises(InputError) as caught:
+        parse_trace(trace(row(job_id="a"), row(job_id="b"), row(job_id="c"), row(job_id="d", num_gpus="x")), "t.csv")
+    assert caught.value.line == 4 and "a trace holds at most 2 jobs" in str(caught.value)
+
+
 def test_blank_lines_are_skipped_and_line_numbers_still_count_them():
     with pytest.raises(InputError) as caught:
         parse_trace(trace(row(job_id="a"), "", row(job_id="b", num_gpus="0")), "t.csv")

@@ -52,6 +52,9 @@ TIME_BOUND = (LONGEST_S, "about ten years of seconds")  # a time column's (most,
 MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept for the report
 # And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
 MOST_CHECKPOINTS_IN_TRACE = 2_000_000
+# Jobs of one trace: each is kept (about 2 kB) until the trace is read whole, a bad last row
+# included; 2,000,000 took 4 GB. The Philly trace's four months have 82,248.
+MOST_TRACE_JOBS = 1_000_000
 OPTIONAL_EXTRA_COLUMNS = ("cluster", "gpu_memory_gb")
 
 
@@ -113,6 +116,9 @@ def _read_rows(reader, source: str, check: TraceCheck | None, text: str) -> list
                 f"a quoted value runs on to line {ended}; close the quote on its own line "
                 "(a trace value never holds a line break)",
             )
+        if len(jobs) == MOST_TRACE_JOBS:
+            raise InputError(source, line, None, f"is job {MOST_TRACE_JOBS + 1:,} of the trace; a trace holds at most "
+                                                 f"{MOST_TRACE_JOBS:,} jobs: split it, or shorten its span")
         if len(row) != len(header):
             raise InputError(
                 source,

@@ -45,7 +45,7 @@ import yaml
 from scheduler.errors import InputError
 from scheduler.fleet import MAX_GPUS_PER_FLEET
 from scheduler.models import JobKind, JobSpec, Priority, Topology
-from scheduler.sim.trace import DECIMAL, TraceJob
+from scheduler.sim.trace import DECIMAL, MOST_TRACE_JOBS, TraceJob
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -131,7 +131,7 @@ def generate_trace(
     ]
 
 
-MAX_GENERATED_JOBS = 10_000_000
+MAX_GENERATED_JOBS = MOST_TRACE_JOBS  # what a trace may hold: simulate reads no more
 MAX_GENERATED_DAYS = 3660  # ten years
 MAX_GENERATED_GPUS = 10_000_000
 # Offered load: a sized fleet (from-philly) or a generated trace beyond these is no workload to study.
