@@ -747,7 +747,10 @@ from workers.cli import main
 
 def slow(kind, **fields):
     def start(data_dir, **kw):
-        print("starting", flush=True)
+        # One write: `dev up` starts its servers at once, and print's text and newline, two
+        # writes, came out of two threads as "startingstarting".
+        sys.stdout.write("starting\\n")
+        sys.stdout.flush()
         time.sleep(1.0)
         proc = subprocess.Popen(["sleep", "60"])
         return kind(name=data_dir.name, pid=proc.pid, port=1, ports={"port": 1}, data_dir=str(data_dir),
