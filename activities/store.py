@@ -39,8 +39,6 @@ from workflows.types import (
     JobRequest,
     JobState,
     JobView,
-    PlacementOrder,
-    PreemptOrder,
     request_problem,
 )
 
@@ -109,11 +107,11 @@ Planner = Callable[[Snapshot], CycleResult]
 # twice the last wait each time, up to RESEND_AT_MOST apart: a placement is taken up within
 # seconds, but a stop only when its attempt ends, a grace period later or more.
 RESEND_AFTER = 3.0
+RESEND_AT_MOST = 60.0
 # The most bytes of orders one cycle answers with; the rest wait for the next cycles. Temporal
 # refuses an activity result over 2 MiB: a cycle of ~5,000 placements was committed, recorded as
 # sent, refused on upload, and rebuilt whole at every resend: its jobs stayed placed for good.
 ORDERS_BYTES_MAX = 1 << 20
-RESEND_AT_MOST = 60.0
 # Every API process says it hears heartbeats this often; nobody saying it for LISTEN_GAP seconds
 # means the control plane was deaf, and machines' silence over that time is no evidence.
 LISTEN_EVERY = 1.0
@@ -238,8 +236,8 @@ class Store:
         applied = FleetApplied()
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(q.ORDER_AFTER_CYCLES)  # partitions and quotas: after the cycles in flight
-            for name in sorted(c.name for c in fleet.clusters):
-                await conn.execute(q.UPSERT_CLUSTER, name)
+            for cluster in fleet.clusters:
+                await conn.execute(q.UPSERT_CLUSTER, cluster.name)
             # Machines' rows in id order, as an attempt's end marks them silent: in the file's
             # order (m9 before m10) the two deadlocked.
             for m in sorted((m for c in fleet.clusters for m in c.machines), key=lambda m: m.id):
@@ -860,25 +858,26 @@ class Store:
         draining = [r for r in await conn.fetch(q.UNACKED_PREEMPTIONS, cluster, now)
                     if due(r["preempt_ordered_at"], r)]
         grace = rows.policy(lock).grace_period
+        stops = [rows.preempt_order(r, now) for r in sorted(draining, key=lambda r: r["id"])]
+        starts = [rows.placement_order(r, grace) for r in sorted(placed, key=lambda r: r["id"])]
         # Stops first (their victims' grace is running), then placements, oldest first; at least
         # one order, so that a batch always moves.
-        orders = [(r["id"], rows.preempt_order(r, now)) for r in sorted(draining, key=lambda r: r["id"])]
-        orders += [(r["id"], rows.placement_order(r, grace)) for r in sorted(placed, key=lambda r: r["id"])]
-        sent, size = [], 0
-        for alloc, order in orders:
-            size += len(order.model_dump_json())
-            if sent and size > ORDERS_BYTES_MAX:
+        orders = [*stops, *starts]
+        fit, size = 0, 0
+        while fit < len(orders):
+            size += len(orders[fit].model_dump_json())
+            if fit and size > ORDERS_BYTES_MAX:
                 log.warning("cycle of %s: %d order(s) left for the next cycles (%d bytes at most in one answer)",
-                            cluster, len(orders) - len(sent), ORDERS_BYTES_MAX)
+                            cluster, len(orders) - fit, ORDERS_BYTES_MAX)
                 break
-            sent.append((alloc, order))
-        if sent:
-            await conn.execute(q.RECORD_ORDERS_SENT, [alloc for alloc, _ in sent], now)
+            fit += 1
+        if fit:
+            await conn.execute(q.RECORD_ORDERS_SENT, [o.signal.allocation_id for o in orders[:fit]], now)
         return CycleOutcome(
             cycle_seq=seq if committed else lock["cycle_seq"],
             committed=committed,
-            placements=[order for _, order in sent if isinstance(order, PlacementOrder)],
-            preemptions=[order for _, order in sent if isinstance(order, PreemptOrder)],
+            placements=starts[:max(0, fit - len(stops))],
+            preemptions=stops[:fit],
         )
 
 

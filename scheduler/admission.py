@@ -601,10 +601,10 @@ def _frees_up_soon(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> l
     free = cap.free
     topology = placement.resolved_topology(cap, spec)
     if topology == Topology.machine:
-        room = [i for i, count in ending.items() if len(free[i]) + count >= n]
-        if not room:
+        fits = [i for i, count in ending.items() if len(free[i]) + count >= n]
+        if not fits:
             return None
-        best = max(room, key=lambda i: (ending[i], -i))  # most of its room the ending jobs': the fewest kept
+        best = max(fits, key=lambda i: (ending[i], -i))  # most of its room the ending jobs': the fewest kept
         return [(best, n - ending[best])] if n > ending[best] else []
     soon: dict[int, int] = dict(ending)
     for pool in pools:
