@@ -449,6 +449,29 @@ def test_the_kernels_nvidia_devices_are_seen_without_nvml(tmp_path):
     assert nvidia_gpus_present(dev, proc)
 
 
+def pci_device(bus, name, vendor, klass):
+    device = bus / name
+    device.mkdir(parents=True)
+    (device / "vendor").write_text(vendor + "\n")
+    (device / "class").write_text(klass + "\n")
+
+
+@pytest.mark.parametrize("vendor, klass, shows_gpus", [
+    ("0x10de", "0x030200", True),   # an NVIDIA 3D controller (H100, A100)
+    ("0x10de", "0x030000", True),   # an NVIDIA VGA controller
+    ("0x10de", "0x068000", False),  # an NVIDIA bridge (NVSwitch)
+    ("0x10de", "0x040300", False),  # an NVIDIA audio function
+    ("0x1002", "0x030000", False),  # another vendor's display controller
+])
+def test_a_machine_whose_nvidia_driver_is_not_loaded_still_shows_its_gpus_on_the_pci_bus(
+        tmp_path, vendor, klass, shows_gpus):
+    dev, proc, pci = tmp_path / "dev", tmp_path / "proc", tmp_path / "pci"
+    dev.mkdir()
+    pci_device(pci, "0000:00:00.0", "0x8086", "0x060000")
+    pci_device(pci, "0000:17:00.0", vendor, klass)
+    assert nvidia_gpus_present(dev, proc, pci) is shows_gpus
+
+
 def test_detect_devices_without_fallback_raises(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([]))
     with pytest.raises(RuntimeError, match="no GPUs"):

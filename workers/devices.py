@@ -545,12 +545,27 @@ def _free_event_set(nvml: ModuleType, event_set: object) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def nvidia_gpus_present(dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus")) -> bool:
-    """Whether the kernel shows NVIDIA GPUs (device nodes or the driver's list), NVML or not."""
+def nvidia_gpus_present(dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus"),
+                        pci: Path = Path("/sys/bus/pci/devices")) -> bool:
+    """Whether the machine shows NVIDIA GPUs, NVML or not: the driver's device nodes or list, or,
+    where the driver is not loaded (a kernel updated without its module), the PCI bus itself."""
     try:
-        return any(dev.glob("nvidia[0-9]*")) or (proc.is_dir() and any(proc.iterdir()))
+        if any(dev.glob("nvidia[0-9]*")) or (proc.is_dir() and any(proc.iterdir())):
+            return True
+        return any(_nvidia_display_controller(device) for device in pci.iterdir()) if pci.is_dir() else False
     except OSError:
         return False
+
+
+def _nvidia_display_controller(device: Path) -> bool:
+    # PCI vendor 0x10de is NVIDIA; class 0x03xxxx a display controller (VGA or 3D: every GPU
+    # NVML serves), not one of NVIDIA's bridges, switches or audio functions.
+    try:
+        vendor = (device / "vendor").read_text().strip().lower()
+        klass = (device / "class").read_text().strip().lower()
+    except OSError:
+        return False
+    return vendor == "0x10de" and klass.startswith("0x03")
 
 
 def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
@@ -573,14 +588,14 @@ def detect_devices(fake: bool | None, count: int, gpu_type: str | None = None,
             if nvidia_gpus_present():
                 raise RuntimeError(f"this machine has NVIDIA GPUs but NVML fails: {err} "
                                    f"(fix the driver, or pass --fake-devices to serve fake GPUs)") from err
-            log.info("NVML unavailable (%s): using %d fake GPUs", err, count)
+            log.warning("NVML unavailable (%s): using %d fake GPUs (--nvml refuses to)", err, count)
         else:
             if devices.count > 0:
                 return devices
             devices.close()
             if fake is False or nvidia_gpus_present():
                 raise RuntimeError("NVML found no GPUs on this machine")
-            log.info("NVML found no GPUs: using %d fake GPUs", count)
+            log.warning("NVML found no GPUs: using %d fake GPUs (--nvml refuses to)", count)
     from scheduler.fleet import FALLBACK_GPU_MEMORY_GB, GPU_MEMORY_GB
 
     gpu_type = gpu_type or "H100"
