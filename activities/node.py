@@ -81,7 +81,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import run_processes
-from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, new_token, same_leader, start_ticks
+from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, boot_id, group_to_signal, new_token, start_ticks
 from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
 from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, EXIT_STOPPED, SIGTERM, AttachOrder,
                              RunJobInput, RunJobResult, StopOrder)
@@ -520,7 +520,7 @@ class NodeActivities:
             return None
         reaped = None
         # A pid now another process's leaves only the processes carrying the run's token.
-        left = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
+        left = RunProcesses(group_to_signal(info), info.get("token"))
         if left.alive():
             if info.get("report_dir") and info.get("job_id"):
                 # What it saved while no agent listened, first: its allocation may still be the
@@ -911,7 +911,7 @@ class NodeActivities:
             self.pid_dir.mkdir(parents=True, exist_ok=True)
             (self.pid_dir / f"{run.req.allocation_id}.json").write_text(json.dumps({
                 "pid": run.pid, "allocation_id": run.req.allocation_id, "job_id": run.req.job_id,
-                "report_dir": str(self._report_dir(run.req)), "start_ticks": start_ticks(run.pid),
+                "report_dir": str(self._report_dir(run.req)), "start_ticks": start_ticks(run.pid), "boot_id": boot_id(),
                 "token": run.token, "gpus": [g.index for g in run.req.gpus]}))
         except OSError as err:
             log.warning("cannot write pid file: %s", err)

@@ -84,10 +84,10 @@ def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
     for pid_file in sorted(pid_dir.glob("*.json")) if pid_dir.is_dir() else ():
         try:
             info = json.loads(pid_file.read_text())
-            pgid, alloc = int(info["pid"]), int(info["allocation_id"])
-        except (OSError, ValueError, KeyError, TypeError):
+            alloc = int(info["allocation_id"])
+            run = RunProcesses(group_to_signal(info), info.get("token"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # the next agent says so, and removes it
-        run = RunProcesses(pgid if same_leader(pgid, info.get("start_ticks")) else None, info.get("token"))
         if run.alive():
             left[alloc] = run
     for run in left.values():
@@ -153,18 +153,37 @@ def start_ticks(pid: int | None) -> int | None:
         return None
 
 
-def same_leader(pgid: int, ticks: int | None) -> bool:
-    """Whether signalling group ``pgid`` reaches the group a pid file describes. While a
-    group has members its id cannot be reused, so if no process has the leader's pid, any
-    process in the group is the old job's. If one does, it must be the leader that was recorded."""
+def group_to_signal(info: dict) -> int | None:
+    """The process group to signal for the run a pid file describes, or None where signalling
+    it could reach someone else's processes (the run's token still finds its own)."""
+    recorded_boot = info.get("boot_id")
+    if recorded_boot is not None and recorded_boot != boot_id():
+        return None  # a run of an earlier boot: none of it runs now, and its numbers are anyone's
+    pgid = int(info["pid"])
+    return pgid if same_leader(pgid, info.get("start_ticks"), info.get("token")) else None
+
+
+def same_leader(pgid: int, ticks: int | None, token: str | None = None) -> bool:
+    """Whether signalling group ``pgid`` reaches the group a pid file describes. If a process
+    has the leader's pid, it must be the leader that was recorded. If none does, the group may
+    be the old job's, its leader gone, or another's whose leader has exited (a daemon's, its
+    number reused): with a token recorded, the group is the job's only if a member carries it."""
     try:
         os.kill(pgid, 0)
     except ProcessLookupError:
-        return True
+        return token is None or any(_group_of(pid) == pgid for pid in marked(token))
     except PermissionError:
         return False
     now = start_ticks(pgid)
     return now is not None and now == ticks
+
+
+def boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str | None:
+    """This boot's id (Linux), or None where there is none to read."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _group_of(pid: int) -> int | None:

@@ -967,6 +967,54 @@ def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
             leftover.kill()
 
 
+def daemon_group_whose_leader_has_exited(token: str | None = None):
+    """A process group whose leader exited and left a member behind, as a daemon's does: the
+    group's id is the dead leader's pid. Returns (that id, the member)."""
+    env = {**os.environ, **({"GPUSCHED_RUN_TOKEN": token} if token else {})}
+    leader = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; print(os.getpid(), subprocess.Popen("
+                               "[sys.executable, '-c', 'import time; time.sleep(30)'], stdout=subprocess.DEVNULL).pid, "
+                               "flush=True)"], start_new_session=True, stdout=subprocess.PIPE, text=True, env=env)
+    pgid, member = map(int, leader.stdout.readline().split())
+    leader.wait(timeout=5)
+    leader.stdout.close()
+    deadline = time.monotonic() + 5
+    while (token and token.encode() not in Path(f"/proc/{member}/environ").read_bytes()
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
+    return pgid, member
+
+
+def still_runs(pid: int) -> bool:
+    from activities.run_processes import _stat_fields
+
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return fields is not None and fields[0] != "Z"
+
+
+@pytest.mark.parametrize("members_token, boot, reaped", [
+    (None, "this", False),
+    ("f00d" * 6, "this", True),
+    ("f00d" * 6, "another", False),
+], ids=["a group its number now names, whose members carry no token of the run, is not signalled",
+        "a group whose leader is gone but whose members carry the run's token is the run's, and reaped",
+        "nothing is signalled for a run of an earlier boot: its numbers are anyone's now"])
+def test_an_earlier_agents_pid_file_signals_only_the_runs_own_processes(tmp_path, members_token, boot, reaped):
+    from activities.run_processes import boot_id
+
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    pgid, member = daemon_group_whose_leader_has_exited(members_token if boot == "this" else None)
+    (node.pid_dir / "18.json").write_text(json.dumps(
+        {"pid": pgid, "allocation_id": 18, "job_id": "old", "start_ticks": 12345, "token": "f00d" * 6,
+         "boot_id": boot_id() if boot == "this" else "an-earlier-boot"}))
+    try:
+        assert run(node.reap_leftovers(grace=1)) == ([18] if reaped else [])
+        time.sleep(0.2)
+        assert still_runs(member) is not reaped
+    finally:
+        os.killpg(pgid, signal.SIGKILL) if still_runs(member) else None
+
+
 def test_a_process_left_by_an_earlier_agent_that_outlives_sigkill_keeps_its_gpus_reported_sick(tmp_path, monkeypatch):
     """An agent gives up on such a process and leaves its pid file for the next one: the next
     one gave up too, then deleted the file and reported the GPUs healthy beside it."""

@@ -46,6 +46,8 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from activities.run_processes import boot_id as this_boot
+
 log = logging.getLogger("gpusched.devices")
 
 ECC_UNCORRECTABLE = "ecc_uncorrectable"
@@ -264,7 +266,7 @@ class NvmlDevices:
         self.sticky: dict[int, set[str]] = {i: set() for i in range(self.count)}
         # Critical XIDs seen since the machine booted, kept in ``xid_file``: a GPU that needs a
         # reset must not look healthy again because its agent restarted (a reboot resets it).
-        self.xid_file, self.boot = xid_file, (boot_id or _boot_id)()
+        self.xid_file, self.boot = xid_file, (boot_id or this_boot)()
         for i, codes in _load_xids(xid_file, self.boot).items():
             if i in self.sticky:
                 self.sticky[i] |= codes
@@ -486,14 +488,6 @@ class NvmlDevices:
             self.nvml.nvmlShutdown()
         except self.nvml.NVMLError:
             pass
-
-
-def _boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str | None:
-    """This boot's id (Linux), or None where there is none to read."""
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
 
 
 def _load_xids(path: Path | None, boot: str | None) -> dict[int, set[str]]:
