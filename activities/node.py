@@ -831,12 +831,17 @@ class NodeActivities:
             run.body_offset = out.tell()
             # The child gets its own copy of the log's descriptor; ours closes right after.
             try:
+                if req.working_dir is not None and not os.path.isdir(req.working_dir):
+                    # Said so, not as the exec's bare ENOENT, which reads as if the program were missing.
+                    raise _CannotExec(FileNotFoundError(
+                        errno.ENOENT, f"its working directory is not a directory on machine {self.machine_id}",
+                        req.working_dir))
                 process = await asyncio.create_subprocess_exec(
                     *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
                                 report_dir=self._report_dir(req), launched_at=time.time(),
                                 run_token=run.token),
-                    start_new_session=True)
+                    cwd=req.working_dir, start_new_session=True)
             except OSError as err:
                 if err.errno in _COMMAND_ERRNOS:
                     raise _CannotExec(err) from err

@@ -57,6 +57,10 @@ from workflows.types import JOB_FAILED, JobView
      "command: holds bytes that are not UTF-8"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "A=caf\udce9", "--", "true"],
      "env: variable 'A': holds bytes that are not UTF-8"),
+    (["submit", "--team", "vision", "--gpus", "1", "--workdir", "/data/caf\udce9", "--", "true"],
+     "working_dir: holds bytes that are not UTF-8"),
+    (["submit", "--team", "vision", "--gpus", "1", "--workdir", "/data/x\0y", "--", "true"],
+     "working_dir: holds a NUL"),
     (["submit", "--team", "vision", "--gpus", "1", "--gpu-type", "H\udce9", "--", "true"],
      "gpu_type: holds bytes that are not UTF-8"),
     (["submit", "--team", "vision", "--gpus", "1", "--env", "CAF\udce9=1", "--", "true"],
@@ -99,6 +103,8 @@ from workflows.types import JOB_FAILED, JobView
     "a command word with a NUL character",
     "a command word in another encoding than UTF-8 (a Latin-1 file name)",
     "an environment value in another encoding",
+    "a working directory in another encoding",
+    "a working directory with a NUL character",
     "a GPU type in another encoding",
     "an environment variable's name in another encoding",
     "a second variable after one --env becomes the command, which is refused",
@@ -302,6 +308,28 @@ def test_a_database_no_control_worker_has_migrated_is_one_line_saying_to_start_o
 
 
 @pytest.mark.live
+@pytest.mark.parametrize("given, expected", [
+    (None, "{cwd}"),
+    ("data/run", "{cwd}/data/run"),
+    ("/shared/project", "/shared/project"),
+], ids=["a job runs where it was submitted from, as with Slurm's sbatch",
+        "a relative --workdir is taken from where submit runs",
+        "an absolute --workdir is the job's as given"])
+def test_the_working_directory_a_submit_gives_its_job(monkeypatch, tmp_path, given, expected):
+    from workers.cli_jobs import _working_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert _working_dir(given) == expected.format(cwd=os.getcwd())
+
+
+def test_a_relative_working_directory_is_refused_by_the_api_naming_the_field():
+    from workflows.types import JobRequest, request_problem
+
+    request = JobRequest(job_id="j", team="vision", num_gpus=1, command=["true"], working_dir="data/run")
+    assert request_problem(request) == ("working_dir", "is 'data/run', a relative path; give an absolute one "
+                                                       "(the machine's directory the command runs in)")
+
+
 def test_the_commands_on_a_live_stack(stack, capsys):
     s = stack(machines=1, gpus=4, policy={"retry_backoff": 600})
     d = ["--data-dir", str(s.data_dir)]
@@ -320,6 +348,15 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert main(["logs", "cli-1", *d]) == 0
     assert "job=cli-1" in capsys.readouterr().out
     assert main(["logs", "cli-1", "--attempt", "2", *d]) == 2
+    project = s.data_dir.parent / "project"  # a job's relative paths are its working directory's
+    project.mkdir()
+    (project / "train.py").write_text("import os; print('ran in', os.getcwd())\n")
+    assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-wd", "--workdir", str(project),
+                 *d, "--", sys.executable, "train.py"]) == 0
+    assert main(["wait", "cli-wd", "--timeout", "60", *d]) == 0
+    capsys.readouterr()
+    assert main(["logs", "cli-wd", *d]) == 0
+    assert f"ran in {project}" in capsys.readouterr().out
     assert main(["status", "nope", *d]) == 2
     assert "no job 'nope'" in capsys.readouterr().err
     assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0

@@ -266,6 +266,23 @@ def test_a_job_that_cannot_start_fails_with_a_reason(tmp_path, name, command, ex
     assert "cannot start" in result.last_log_lines[0]
 
 
+def test_a_job_runs_in_its_working_directory_and_its_relative_paths_resolve_there(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("import os; print('ran in', os.getcwd())\n")
+    req = job("", command=[sys.executable, "train.py"], working_dir=str(project))
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
+    assert result.exit_code == 0 and result.last_log_lines[-1] == f"ran in {project}"
+
+
+def test_a_job_whose_working_directory_is_not_on_its_machine_fails_saying_so(tmp_path):
+    req = job("print('never')", working_dir=str(tmp_path / "not-here"))
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
+    assert result.exit_code == 127
+    assert f"working directory is not a directory on machine {MACHINE}" in result.last_log_lines[0]
+    assert str(tmp_path / "not-here") in result.last_log_lines[0]
+
+
 def test_a_machine_that_cannot_prepare_the_start_fails_the_attempt_not_the_job(tmp_path):
     (tmp_path / "jobs").write_text("a file where the agent's log directory should be")
     with pytest.raises(ApplicationError) as raised:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -56,6 +57,8 @@ def add_job_commands(subparsers) -> None:
     submit.add_argument("--cluster", default=None)
     submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
     submit.add_argument("--job-id", default=None, help="default: a new unique id")
+    submit.add_argument("--workdir", default=None, metavar="DIR",
+                        help="the directory the command runs in, on its machines (default: the current one)")
     submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the command (repeatable)")
     submit.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
@@ -212,13 +215,14 @@ def _request(args) -> JobRequest:
         if not sep or not name:
             raise ClientError(f"--env '{item}' is not NAME=VALUE", "env")
         env[name] = value
-    names = {"num_gpus": "--gpus", "job_id": "--job-id"}
+    names = {"num_gpus": "--gpus", "job_id": "--job-id", "working_dir": "--workdir"}
     try:
         request = JobRequest(
             job_id=args.job_id or new_job_id(), team=args.team, num_gpus=args.gpus, command=cmd,
             gpu_type=args.gpu_type, topology=args.topology, priority=args.priority,
             checkpoint_interval=args.checkpoint_interval, expected_duration=args.expected_duration,
             kind=args.kind, cluster=args.cluster, env=env, max_retries=args.max_retries,
+            working_dir=_working_dir(args.workdir),
         )
     except ValidationError as e:
         field, message = first_error(e)
@@ -230,6 +234,17 @@ def _request(args) -> JobRequest:
         flag = "the command after --" if field == "command" else names.get(field, flag_for(field))
         raise ClientError(f"{message} ({flag})", field)
     return request
+
+
+def _working_dir(given: str | None) -> str | None:
+    """--workdir made absolute, or the directory submit runs in."""
+    try:
+        return os.path.abspath(given) if given is not None else os.getcwd()
+    except FileNotFoundError:
+        if given is not None and os.path.isabs(given):
+            return given
+        raise ClientError("the current directory no longer exists; give --workdir an absolute path",
+                          "working_dir") from None
 
 
 def cmd_submit(args) -> int:

@@ -406,6 +406,7 @@ class JobWorkflow:
                      "GPUSCHED_NODE_RANK": str(rank), "GPUSCHED_NUM_NODES": str(len(hosts)),
                      "GPUSCHED_NODES": " ".join(h.machine_id for h in hosts)},
                 grace_period=placement.grace_period,
+                working_dir=self.request.working_dir,
                 checkpoint_uri=grant.checkpoint_uri,
                 resume_from=grant.resume_from,
                 resume_seq=grant.resume_seq,

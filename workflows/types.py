@@ -104,6 +104,9 @@ class EndReason(str, Enum):
     not_started = "not_started"  # the agent never picked the attempt up
 
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
+
 class JobRequest(WithNewFields):
     """What a submitter gives: the input of ``JobWorkflow``. A pipeline using the Temporal SDK
     starts ``JobWorkflow`` with this model on ``CONTROL_TASK_QUEUE`` and workflow id
@@ -127,8 +130,11 @@ class JobRequest(WithNewFields):
     # the newest complete checkpoint, before the job fails. Failures of machines, GPUs and agents
     # are not counted here: those requeue (five in a row fail the job; workflows.job).
     max_retries: int = Field(default=0, ge=0, le=100)
+    # The directory the command runs in, on every machine of the gang (an absolute path; `gpusched
+    # submit` gives the one it is run from, as Slurm's sbatch does). None: the agent's own.
+    working_dir: str | None = None
 
-    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("max_retries",)  # since 2026-12-01
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("max_retries", "working_dir")  # since 2026-12-01, 2026-12-07
     submit_time: float | None = None  # set by the workflow (epoch seconds) when missing
 
     # inf and nan are no number of seconds or GBs (and JSON cannot even carry them).
@@ -229,6 +235,16 @@ def request_problem(request: JobRequest) -> tuple[str, str] | None:
         return "cluster", "is blank; name a cluster or leave it out for any"
     if request.num_gpus > QUOTA_LARGEST:
         return "num_gpus", f"is {request.num_gpus}; no fleet has more than {QUOTA_LARGEST} GPUs"
+    wd = request.working_dir
+    if wd is not None:
+        if "\0" in wd:
+            return "working_dir", "holds a NUL character, which no path can carry"
+        if _not_utf8(wd):
+            return "working_dir", _NOT_UTF8
+        if len(wd) > MAX_PATH_CHARS:
+            return "working_dir", f"is {len(wd)} characters; a path has at most {MAX_PATH_CHARS}"
+        if not wd.startswith("/"):
+            return "working_dir", f"is {wd!r}, a relative path; give an absolute one (the machine's directory the command runs in)"
     if not request.command[0].strip():
         return "command", "starts with an empty word; give the program to run first"
     if any("\0" in word for word in request.command):
@@ -329,9 +345,11 @@ class PriorityBump(Model):
     priority: Priority
 
 
-class RunJobInput(Model):
+class RunJobInput(WithNewFields):
     """The node activity an agent runs: start the command pinned to its GPUs, heartbeat while it
     runs, stop it with SIGTERM → grace → SIGKILL if cancelled, report how it ended."""
+
+    NEW_FIELDS: ClassVar[tuple[str, ...]] = ("working_dir",)  # since 2026-12-07
 
     job_id: str
     allocation_id: int
@@ -346,6 +364,7 @@ class RunJobInput(Model):
     resume_sha256: str | None = None  # the digest committed for it: what the restored bytes must hash to
     checkpoint_interval: float | None = None  # seconds; None or 0: only when stopped
     checkpoint_phase: float | None = None  # staggering: checkpoints at epoch times ≡ phase (mod interval)
+    working_dir: str | None = None  # the directory the command runs in; None: the agent's own
 
 
 class StopOrder(Model):
