@@ -57,7 +57,9 @@ Environment (set by the gpusched agent; all may be absent, and then the job runs
                                         store that does not answer (or answers 5xx) before raising
                                         :class:`CheckpointStoreUnreachable` (default 300; a save
                                         never past the grace deadline; a scheduled save does not
-                                        wait: it raises at once, and the job saves when next due).
+                                        wait: it raises at once, and the job saves when next due;
+                                        a store that takes the connection and never answers holds
+                                        any call for botocore's timeouts, about 12 minutes).
                                         Once a stop is asked, no one call to the store outlasts the
                                         grace deadline either: it is given up, and raises
 ``GPUSCHED_REPORT_DIR``                 where checkpoints are reported to the agent (unset: no
@@ -171,7 +173,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from urllib.parse import quote, unquote, urlparse
 
 __all__ = ["Checkpointer", "SaveResult", "CheckpointError", "CheckpointRetryLater", "CheckpointStoreRefused",
@@ -577,8 +579,6 @@ class _S3Store:
     def _put_parts(self, bucket: str, key: str, source: Source, digest: _Digest, metadata: Dict[str, str]) -> bool:
         """A multipart upload that completes only if ``key`` does not exist. Whatever goes wrong,
         the upload is aborted, so no half-written parts stay billed in the bucket."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from botocore.exceptions import ClientError
 
         upload_id = self._client.create_multipart_upload(
@@ -594,18 +594,14 @@ class _S3Store:
                 ContentMD5=_b64(digest.parts[number - 1]), ContentLength=len(body))
             return {"PartNumber": number, "ETag": answer["ETag"]}
 
-        pool = ThreadPoolExecutor(max_workers=min(self.threads, len(digest.parts)),
-                                  thread_name_prefix="jobkit-upload")
         completing = False
         try:
-            parts = list(pool.map(send, range(1, len(digest.parts) + 1)))
-            pool.shutdown()
+            parts = _on_daemon_threads(send, list(range(1, len(digest.parts) + 1)), self.threads, "jobkit-upload")
             completing = True
             self._client.complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
                 IfNoneMatch="*")
         except ClientError as e:
-            pool.shutdown(cancel_futures=True)
             self._abort(bucket, key, upload_id)
             # NoSuchUpload on the completion: a resend of a completion that was made (its answer
             # lost), by a store that forgets a completed upload. Taken as a refusal, the key is
@@ -614,7 +610,6 @@ class _S3Store:
                 return False
             raise
         except BaseException:
-            pool.shutdown(cancel_futures=True)
             self._abort(bucket, key, upload_id)
             raise
         return True
@@ -692,6 +687,40 @@ def _b64(md5_hex: str) -> str:
     import base64
 
     return base64.b64encode(bytes.fromhex(md5_hex)).decode()
+
+
+def _on_daemon_threads(fn: Callable[[Any], Any], items: List[Any], threads: int, name: str) -> List[Any]:
+    """``[fn(item) for item in items]``, ``threads`` at a time; the first error is raised once the
+    calls under way have ended, and no further one starts. Daemon threads, not an executor's: a
+    save given up at the end of the grace period runs on, abandoned, on a thread of its own, and
+    Python joins an executor's threads at exit, so the job could not exit until every part of a
+    checkpoint nobody would complete was sent (and was SIGKILLed instead, its own shutdown skipped)."""
+    results: List[Any] = [None] * len(items)
+    errors: List[BaseException] = []
+    queue = iter(enumerate(items))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                taken = None if errors else next(queue, None)
+            if taken is None:
+                return
+            index, item = taken
+            try:
+                results[index] = fn(item)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                with lock:
+                    errors.append(e)
+
+    workers = [threading.Thread(target=work, name=name, daemon=True) for _ in range(max(1, min(threads, len(items))))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _read_part(source: Source, offset: int, length: int) -> bytes:

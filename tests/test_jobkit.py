@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import random
 import re
 import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -1187,3 +1189,55 @@ def test_a_store_that_never_answers_is_given_up_before_the_grace_period_ends(sil
         act()
     took = time.monotonic() - began
     assert took <= (stop_after or 0) + grace, took  # the grace's reserve for exiting is left over
+
+
+@pytest.fixture
+def store_that_hangs_on_parts():
+    """An S3 endpoint that starts multipart uploads and then never answers a part. Yields it."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # CreateMultipartUpload (and an abort's or completion's POST: never reached)
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult>'
+                    b"<Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUploadResult>")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_PUT(self):  # UploadPart: the body is taken, no answer comes
+            time.sleep(60)
+
+        do_DELETE = do_PUT
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_job_whose_save_in_parts_is_given_up_at_the_end_of_its_grace_can_still_exit(store_that_hangs_on_parts):
+    """The parts went up on an executor's threads, which Python joins at exit: the job called
+    sys.exit(143) after the save was given up, and lived on until SIGKILL, its shutdown skipped."""
+    job = textwrap.dedent(f"""
+        import sys
+        from jobkit import Checkpointer, CheckpointStoreUnreachable
+        ck = Checkpointer("s3://b/ck/", s3_endpoint={store_that_hangs_on_parts!r}, s3_access_key="a",
+                          s3_secret_key="b", allocation_id="1", attempt="1", job_id="j", grace_period=2,
+                          s3_part_mb=5)
+        ck.request_stop()
+        try:
+            ck.save(bytes(12 * 1024 * 1024))
+        except CheckpointStoreUnreachable as e:
+            print("given up:", e, flush=True)
+        sys.exit(143)
+    """)
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 143 and "given up" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert time.monotonic() - began < 15
