@@ -367,6 +367,14 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     # The same submit again, for a job that has ended: it says how it ended, not "placed".
     assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0
     assert capsys.readouterr().out.startswith("cli-2: already failed on c1")
+    # ... and for a job that runs: since when, not "placed ... estimated start <its start> (now)".
+    under_way = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-run", *d, "--", "sleep", "30"]
+    assert main(under_way) == 0
+    s.until(lambda: s.status("cli-run").state == "running")
+    capsys.readouterr()
+    assert main(under_way) == 0
+    assert capsys.readouterr().out.startswith("cli-run: already running on c1 since 20")
+    assert main(["cancel", "cli-run", *d]) == 0
     # The same submit again, for a job held back after two exits 75 in a row: not "placed".
     held = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-3", *d, "--", "sh", "-c", "exit 75"]
     assert main(held) == 0

@@ -279,6 +279,10 @@ def cmd_submit(args) -> int:
             # The same submit sent again, for a job that has ended: it is that job, not a new run.
             print(f"{sub.job_id}: already {sub.state} on {sub.cluster} (this submit was sent before; "
                   f"`gpusched status {sub.job_id}` shows how it ran; run it again under a new --job-id)")
+        elif sub.state not in ("queued", "placed"):
+            # The same submit sent again, for a job under way: it started, nothing is estimated.
+            since = f" since {sub.estimated_start}" if sub.estimated_start else ""
+            print(f"{sub.job_id}: already {sub.state} on {sub.cluster}{since} (this submit was sent before)")
         else:
             where = ("placed" if sub.position == 0 else f"position {sub.position} in the queue"
                      if sub.position is not None else "queued, held back after infrastructure failures in a row,")
