@@ -147,9 +147,10 @@ def best_block(cap: Capacity, usable: Iterable[int], n: int) -> list[tuple[int, 
         if block_free < n:
             continue
         # A rack with too few free GPUs cannot host the job alone: no need to try it.
-        options = [(1, _fill(sorted(pairs), n)) for rack_free, pairs in racks.values() if rack_free >= n]
+        options = [(1, _fill_keeping_whole(cap, sorted(pairs), n)) for rack_free, pairs in racks.values()
+                   if rack_free >= n]
         if not options:
-            picks = _fill(sorted(pair for _, pairs in racks.values() for pair in pairs), n)
+            picks = _fill_keeping_whole(cap, sorted(pair for _, pairs in racks.values() for pair in pairs), n)
             options = [(len({rack_of[i] for i, _ in picks}), picks)]
         for spread, picks in options:
             score = (spread, len(picks), block_free - n, picks[0][0])
@@ -164,7 +165,29 @@ def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[in
     ordered = sorted([(-len(free[i]), i) for i in machines])  # freest first, then machine order
     if -sum(size for size, _ in ordered) < n:
         return None
-    return _fill(ordered, n)
+    return _fill_keeping_whole(cap, ordered, n)
+
+
+def _fill_keeping_whole(cap: Capacity, ordered: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """`_fill`, breaking as few whole machines as the same number of machines allows: freest
+    first took a whole machine where partly used ones add up to the job just as well (free 8, 6,
+    6, 4 and 16 asked: 8 + 6 + 2, where 6 + 6 + 4 leaves the 8 for a job that needs a machine)."""
+    picks = _fill(ordered, n)
+    pool_of, free = cap.pool_of, cap.free
+    whole = [pair for pair in ordered if len(free[pair[1]]) == pool_of[pair[1]].key.gpus]
+    whole_taken = sum(1 for i, _ in picks if len(free[i]) == pool_of[i].key.gpus)
+    if not whole_taken:
+        return picks
+    partly_used = [pair for pair in ordered if len(free[pair[1]]) < pool_of[pair[1]].key.gpus]
+    room = -sum(size for size, _ in partly_used)
+    for keep in range(whole_taken):  # whole machines allowed: fewer than the first fill took
+        room += -whole[keep - 1][0] if keep else 0
+        if room < n:
+            continue
+        fewer = _fill(sorted(partly_used + whole[:keep]), n)
+        if len(fewer) == len(picks):
+            return fewer
+    return picks
 
 
 def _fill(ordered: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

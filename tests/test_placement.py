@@ -89,6 +89,21 @@ WHERE_CASES = [
         job("j").gpus(12).topology("block"),
         lambda g: blocks_of(g) == {"b0"},
     ),
+    (
+        fleet(machines=4), [_busy(mid(0, 0, 1), 2), _busy(mid(0, 0, 2), 2), _busy(mid(0, 0, 3), 4)],
+        job("j").gpus(16),
+        lambda g: machines_of(g) == {mid(0, 0, 1), mid(0, 0, 2), mid(0, 0, 3)},
+    ),
+    (
+        fleet(machines=4), [_busy(mid(0, 0, 1), 2), _busy(mid(0, 0, 2), 2)],
+        job("j").gpus(12).topology("any"),
+        lambda g: machines_of(g) == {mid(0, 0, 1), mid(0, 0, 2)},
+    ),
+    (
+        fleet(machines=5), [_busy(mid(0, 0, 2), 2), _busy(mid(0, 0, 3), 2), _busy(mid(0, 0, 4), 4)],
+        job("j").gpus(20),
+        lambda g: len(machines_of(g)) == 3 and len(machines_of(g) & {mid(0, 0, 0), mid(0, 0, 1)}) == 1,
+    ),
 ]
 WHERE_IDS = [
     "a 2-GPU job goes to the fullest machine that fits: 2 free rather than 4 or a whole one",
@@ -102,6 +117,9 @@ WHERE_IDS = [
     "an 'any' job that fits no single machine spreads over machines",
     "an 'any' job that fits a machine takes the fullest one, like a machine job",
     "a block job goes to the block that can hold it all",
+    "a job over several machines takes partly used ones that hold it on as many machines, not a whole one",
+    "an 'any' job of 12 takes two machines with 6 free each, not a whole machine and part of another",
+    "a job that needs one whole machine among as many machines takes one, not two",
 ]
 
 
