@@ -234,6 +234,24 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
+@pytest.mark.parametrize("argv, code, stream, words", [
+    (["example-job", "--steps", "1", "--step-seconds", "0"], 0, "stdout", "example-job: done, steps=1"),
+    (["--help"], 0, "stdout", "usage: gpusched"),
+    (["submit", "--gpus", "1", "--", "true"], 2, "stderr", "the following arguments are required: --team"),
+    (["trace", "generate", "--out", "/nonexistent-dir/t.csv", "--jobs", "1"], 2, "stderr", "error:"),
+], ids=["what a command prints reaches a pipe, and its exit code is main's",
+        "--help prints the usage and exits 0",
+        "a flag argparse refuses exits 2 with its message",
+        "a user error exits 2 with one line"])
+def test_the_gpusched_command_exits_with_mains_code_and_everything_it_wrote(argv, code, stream, words):
+    """It skips the interpreter's teardown, where the Temporal client's threads crashed about one
+    exit in forty (temporalio/sdk-python#300): nothing it wrote may be lost on the way."""
+    done = subprocess.run([sys.executable, "-c", "from workers.cli import console_main; console_main()", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, (done.stdout[-500:], done.stderr[-500:])
+    assert words in getattr(done, stream) and "Traceback" not in done.stderr
+
+
 def test_a_folder_without_a_stack_is_not_taken_for_the_stack_on_the_default_ports(capsys, monkeypatch, tmp_path):
     for var in [v for v in os.environ if v.startswith("GPUSCHED_")]:
         monkeypatch.delenv(var)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -206,5 +207,30 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> None:
+    """The `gpusched` command: `main`, then an exit that skips the interpreter's teardown. The
+    Temporal client's runtime threads (Rust) can call into Python while it finalizes, which
+    aborted about one exit in forty under load after a correct answer ("Fatal Python error:
+    PyGILState_Release", exit 134 or 139; temporalio/sdk-python#300). Everything the command
+    wrote is flushed first."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse: --help (0), a flag it refuses (2)
+        code = e.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    code = 0 if code is None else code
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader went away after the command's last write
+            code = code or 1
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
