@@ -260,6 +260,18 @@ def test_a_folder_without_a_stack_is_not_taken_for_the_stack_on_the_default_port
     assert f"no gpusched stack in {tmp_path}" in err and "Traceback" not in err
 
 
+def test_without_a_folder_named_the_default_one_must_hold_a_stack_too(capsys, monkeypatch, tmp_path):
+    """Before, a command with no --data-dir and nothing in ~/.gpusched went to the default local
+    ports: another stack's there answered for it (or a password error named a setting never set)."""
+    for var in [v for v in os.environ if v.startswith("GPUSCHED_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["list"]) == 1
+    err = capsys.readouterr().err
+    assert f"no gpusched stack in {tmp_path / '.gpusched'}; start one with `gpusched dev up`" in err
+    assert "--data-dir" in err and "Traceback" not in err
+
+
 def test_an_unreachable_stack_is_one_line_and_exit_code_1(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("GPUSCHED_PG_DSN", "postgresql://postgres@127.0.0.1:9/gpusched")
     assert main(["list", "--data-dir", str(tmp_path)]) == 1

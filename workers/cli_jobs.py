@@ -137,8 +137,11 @@ def run_with_client(args, body) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     if missing is not None:  # say so instead of answering for a stack on the default ports
-        print(f"error: no gpusched stack in {missing}; start one with `gpusched dev up --data-dir {missing}` "
-              "or set GPUSCHED_* (see README)", file=sys.stderr)
+        named = args.data_dir is not None or os.environ.get("GPUSCHED_DATA_DIR")
+        start = f"gpusched dev up --data-dir {missing}" if named else "gpusched dev up"
+        print(f"error: no gpusched stack in {missing}; start one with `{start}`, give the folder of the one "
+              "that runs with --data-dir (scripts/demo's is out/stack in its checkout), or set GPUSCHED_* "
+              "(see README)", file=sys.stderr)
         return EXIT_UNREACHABLE
 
     async def go() -> int:

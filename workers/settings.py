@@ -164,11 +164,10 @@ EXIT_NOT_REACHABLE = 69  # sysexits' EX_UNAVAILABLE: a service the worker needs 
 
 
 def missing_stack(data_dir: Path | None) -> Path | None:
-    """The stack folder a person named (the flag, or GPUSCHED_DATA_DIR) when it holds no stack and
-    no GPUSCHED_* setting points elsewhere: `load_settings` would then fall back to the default
-    local ports, which may be another stack's. None when that is not the case."""
-    if data_dir is None and not os.environ.get("GPUSCHED_DATA_DIR"):
-        return None
+    """The stack folder a command would use (the flag, GPUSCHED_DATA_DIR, or the default
+    ~/.gpusched) when it holds no stack and no GPUSCHED_* setting points elsewhere:
+    `load_settings` would then fall back to the default local ports, which may be another
+    stack's (whose Temporal takes anyone's `cancel`). None when that is not the case."""
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     return None if env_overrides() or stack_present(folder / STACK_FILE) else folder
 
