@@ -600,6 +600,18 @@ def test_fifo_starts_whole_machine_jobs_in_strict_submit_order(rows):
         assert starts[after] == expected
 
 
+@pytest.mark.parametrize("policy, estimates", [("gpusched", True), ("fifo", False), ("easy", False)],
+                         ids=["gpusched tells a job that starts at once that it starts now",
+                              "fifo estimates nothing, even for a job that starts at once",
+                              "easy estimates nothing, even for a job that starts at once"])
+def test_only_a_policy_that_estimates_has_predicted_starts(policy, estimates):
+    trace = csv_trace("first,0,1000,8,t,normal,,1000\nsecond,10,100,8,t,normal,,100\n")
+    result = simulate(trace, small_fleet(machines=1), policy, SimSettings())
+    predicted = {j.job_id: j.predicted_start for j in result.jobs}
+    assert (predicted["first"] == 0) is estimates and (predicted["first"] is None) is not estimates
+    assert (predicted["second"] is not None) is estimates  # it waited: gpusched's walk, nobody else's
+
+
 # A 4-GPU job holds half the machine until 1,000; the whole-machine job `big` (submitted at 10) is
 # blocked and reserved for 1,000; then a 2-GPU job arrives at 20 that would fit now.
 EASY_BASE = "first,0,1000,4,t,normal,,1000\nbig,10,1000,8,t,normal,,1000\n"

@@ -285,7 +285,9 @@ def _preemptions(result: SimResult) -> dict[str, Any]:
 def _work_lost(result: SimResult) -> dict[str, Any]:
     pre = sum(a.lost_work for a in result.allocations if a.reason in PREEMPTED_REASONS)
     fail = sum(a.lost_work for a in result.allocations if a.reason in FAILURE_REASONS)
-    total = sum(a.lost_work for a in result.allocations)
+    other = sum(a.lost_work for a in result.allocations
+                if a.reason not in PREEMPTED_REASONS and a.reason not in FAILURE_REASONS)
+    total = pre + fail + other  # each part summed alone: their difference left float noise (-6e-14)
     held = sum(len(a.gpus) * max(0.0, a.end - a.start) for a in result.allocations)
     # Beyond the work lost: the time attempts after a job's first spend starting again
     # (SimSettings.restart_s; zero unless the run asked for it).
@@ -294,7 +296,7 @@ def _work_lost(result: SimResult) -> dict[str, Any]:
         "work_lost_gpu_hours": {
             "preemption": pre / 3600.0,
             "machine_failure": fail / 3600.0,
-            "other": (total - pre - fail) / 3600.0,
+            "other": other / 3600.0,
             "total": total / 3600.0,
         },
         "work_lost_fraction": _ratio(total, held),

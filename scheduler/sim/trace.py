@@ -53,7 +53,7 @@ MOST_CHECKPOINTS = 1_000_000  # writes of one job: each is simulated and kept fo
 # And of the whole trace (a gigabyte or so of records): the Philly trace's four months have 340,000.
 MOST_CHECKPOINTS_IN_TRACE = 2_000_000
 # Jobs of one trace: each is kept (about 2 kB) until the trace is read whole, a bad last row
-# included; 2,000,000 took 4 GB. The Philly trace's four months have 82,248.
+# included; 2,000,000 took 4 GB. The Philly trace's four months have 82,247.
 MOST_TRACE_JOBS = 1_000_000
 OPTIONAL_EXTRA_COLUMNS = ("cluster", "gpu_memory_gb")
 
