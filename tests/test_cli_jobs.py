@@ -29,6 +29,22 @@ from scheduler.models import Priority, Quota
 from workflows.types import JOB_FAILED, JobView
 
 
+@pytest.mark.parametrize("argv", [
+    ["status", "caf\udce9"], ["cancel", "caf\udce9"], ["wait", "caf\udce9"], ["logs", "caf\udce9"],
+    ["bump", "caf\udce9", "--priority", "low"], ["list", "--team", "caf\udce9"],
+    ["quota", "set", "caf\udce9", "--guaranteed", "1"], ["cluster", "set", "caf\udce9", "--machine-timeout", "30"],
+], ids=["status", "cancel", "wait", "logs", "bump", "list --team", "quota set", "cluster set"])
+def test_a_name_typed_in_another_encoding_is_refused_naming_its_argument(capsys, argv, tmp_path):
+    """Before, it reached the database: 'cannot store a value of this request (... surrogates not
+    allowed)', naming neither the argument nor the fix."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv + ["--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "holds bytes that are not UTF-8; type it in a UTF-8 locale" in err
+    assert ("argument job_id" in err or "argument --team" in err or "argument team" in err
+            or "argument cluster" in err), err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["submit", "--team", "vision", "--gpus", "0", "--", "true"], "num_gpus"),
     (["submit", "--team", "vision", "--gpus", "1"], "command: no command to run; give it after --"),

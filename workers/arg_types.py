@@ -10,6 +10,17 @@ from pathlib import Path
 from scheduler.errors import InputError
 
 
+def utf8_name(text: str) -> str:
+    """A job id, team or cluster as typed: its bytes must be UTF-8, as every name the stack keeps
+    is (a Latin-1 terminal's é reached the database and came back as its driver's error)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text.encode(errors='surrogateescape')!r} holds bytes that are not "
+                                         "UTF-8; type it in a UTF-8 locale") from None
+    return text
+
+
 def whole(text: str) -> int:
     try:
         return int(text)

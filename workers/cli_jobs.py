@@ -26,7 +26,7 @@ from activities.outages import database_down
 from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
 from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topology
-from workers.arg_types import finite, limit, positive_float, positive_int
+from workers.arg_types import finite, limit, positive_float, positive_int, utf8_name
 from workers.client import ENDED, ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem, team_problem
@@ -66,36 +66,36 @@ def add_job_commands(subparsers) -> None:
     submit.set_defaults(func=cmd_submit)
 
     status = subparsers.add_parser("status", help="a job's state, reason and attempts")
-    status.add_argument("job_id")
+    status.add_argument("job_id", type=utf8_name)
     common(status)
     status.set_defaults(func=cmd_status)
 
     lst = subparsers.add_parser("list", help="list jobs")
-    lst.add_argument("--team", default=None)
+    lst.add_argument("--team", type=utf8_name, default=None)
     lst.add_argument("--state", default=None, choices=[s.value for s in JobState])
     lst.add_argument("--limit", type=limit, default=1000, help="the newest N jobs that match (default 1000)")
     common(lst)
     lst.set_defaults(func=cmd_list)
 
     logs = subparsers.add_parser("logs", help="a job's output, per attempt (agents on this machine)")
-    logs.add_argument("job_id")
+    logs.add_argument("job_id", type=utf8_name)
     logs.add_argument("--attempt", type=positive_int, default=None, help="1 for the first (default: the last attempt)")
     logs.add_argument("--data-dir", type=Path, default=None, help="the embedded stack's directory")
     logs.set_defaults(func=cmd_logs)
 
     cancel = subparsers.add_parser("cancel", help="cancel a job (a running one is stopped with its grace period)")
-    cancel.add_argument("job_id")
+    cancel.add_argument("job_id", type=utf8_name)
     common(cancel, json_flag=False)
     cancel.set_defaults(func=cmd_cancel)
 
     bump = subparsers.add_parser("bump", help="change a waiting or running job's priority class")
-    bump.add_argument("job_id")
+    bump.add_argument("job_id", type=utf8_name)
     bump.add_argument("--priority", required=True, choices=[p.value for p in Priority])
     common(bump, json_flag=False)
     bump.set_defaults(func=cmd_bump)
 
     wait = subparsers.add_parser("wait", help="wait for a job to end; exit 0 only if it succeeded")
-    wait.add_argument("job_id")
+    wait.add_argument("job_id", type=utf8_name)
     wait.add_argument("--timeout", type=positive_float, default=None, help="seconds (default: no limit)")
     common(wait)
     wait.set_defaults(func=cmd_wait)
@@ -103,7 +103,7 @@ def add_job_commands(subparsers) -> None:
     quota = subparsers.add_parser("quota", help="team quotas")
     qcmd = quota.add_subparsers(dest="quota_command", required=True, metavar="{set,list}")
     qset = qcmd.add_parser("set", help="set a team's guaranteed and maximum GPUs and its queue cap")
-    qset.add_argument("team", help="the team; '*' sets the default of every team without its own")
+    qset.add_argument("team", type=utf8_name, help="the team; '*' sets the default of every team without its own")
     qset.add_argument("--guaranteed", type=int, required=True)
     qset.add_argument("--max", type=int, default=None, help="default: no maximum")
     qset.add_argument("--queue-cap", type=int, default=None, help="default: no cap")
@@ -116,7 +116,7 @@ def add_job_commands(subparsers) -> None:
     cluster = subparsers.add_parser("cluster", help="a cluster's policy settings and machine timeout")
     ccmd = cluster.add_subparsers(dest="cluster_command", required=True, metavar="{set,list}")
     cset = ccmd.add_parser("set", help="change a cluster's settings (the next cycle uses them)")
-    cset.add_argument("cluster")
+    cset.add_argument("cluster", type=utf8_name)
     cset.add_argument("--machine-timeout", type=finite, default=None,
                       help="seconds without a heartbeat before a machine is unreachable (default 120)")
     cset.add_argument("--policy", action="extend", nargs="+", default=[], metavar="KNOB=VALUE",
