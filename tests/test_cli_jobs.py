@@ -417,9 +417,13 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     under_way = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-run", *d, "--", "sleep", "30"]
     assert main(under_way) == 0
     s.until(lambda: s.status("cli-run").state == "running")
+    assert main(["bump", "cli-run", "--priority", "high", *d]) == 0
     capsys.readouterr()
     assert main(under_way) == 0
-    assert capsys.readouterr().out.startswith("cli-run: already running on c1 since 20")
+    said = capsys.readouterr()
+    assert said.out.startswith("cli-run: already running on c1 since 20")
+    # Sent again after a bump: the job keeps the bumped class, and the submit says so.
+    assert "note: cli-run already exists with priority high, not normal; `gpusched bump" in said.err
     assert main(["cancel", "cli-run", *d]) == 0
     # The same submit again, for a job held back after two exits 75 in a row: not "placed".
     held = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-3", *d, "--", "sh", "-c", "exit 75"]

@@ -275,9 +275,13 @@ def cmd_submit(args) -> int:
                       f"--job-id {request.job_id} (the same submit under its id is that job, not a second)",
                       file=sys.stderr)
             raise
+        if sub.priority is not None and sub.priority != request.priority.value:
+            # The same job sent again: its class is the store's (a bump's), not this submit's.
+            print(f"note: {sub.job_id} already exists with priority {sub.priority}, not {request.priority.value}; "
+                  f"`gpusched bump {sub.job_id} --priority {request.priority.value}` changes it", file=sys.stderr)
         if args.json:
-            print(json.dumps({"job_id": sub.job_id, "position": sub.position,
-                              "estimated_start": sub.estimated_start, "cluster": sub.cluster, "state": sub.state}))
+            print(json.dumps({"job_id": sub.job_id, "position": sub.position, "estimated_start": sub.estimated_start,
+                              "cluster": sub.cluster, "state": sub.state, "priority": sub.priority}))
         elif sub.state in ENDED:
             # The same submit sent again, for a job that has ended: it is that job, not a new run.
             print(f"{sub.job_id}: already {sub.state} on {sub.cluster} (this submit was sent before; "

@@ -72,6 +72,9 @@ class Submitted(BaseModel):
     # a submit sent again under the id of a job that has ended (succeeded, failed, cancelled) is
     # that job, and says so, with no position or estimate.
     state: str = "queued"
+    # The job's priority class as the store has it: another than the submit's when this submit was
+    # sent again for a job whose priority a bump has changed (or that was asked with another).
+    priority: str | None = None
 
 
 ENDED = frozenset(state.value for state in JobState if state.terminal)  # a job in one of these stays in it
@@ -165,7 +168,7 @@ class GpuschedClient:
         if state in ENDED:  # ended already, or while the estimate looked
             position = eta = None
         return Submitted(job_id=request.job_id, cluster=view.cluster, position=position, estimated_start=eta,
-                         state=state)
+                         state=state, priority=view.priority)
 
     async def _taken_because(self, job_id: str) -> str:
         """Why an id cannot be used again, in words: an id names one job for good, even one that
