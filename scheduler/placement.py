@@ -169,25 +169,38 @@ def greedy_fill(cap: Capacity, machines: Iterable[int], n: int) -> list[tuple[in
 
 
 def _fill_keeping_whole(cap: Capacity, ordered: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """`_fill`, breaking as few whole machines as the same number of machines allows: freest
-    first took a whole machine where partly used ones add up to the job just as well (free 8, 6,
-    6, 4 and 16 asked: 8 + 6 + 2, where 6 + 6 + 4 leaves the 8 for a job that needs a machine)."""
+    """`_fill`, taking as few whole machines as the same number of machines and racks allows:
+    freest first took a whole machine where partly used ones add up to the job just as well (free
+    8, 6, 6, 4 and 16 asked: 8 + 6 + 2, where 6 + 6 + 4 leaves the 8 for a job that needs a
+    machine)."""
     picks = _fill(ordered, n)
     pool_of, free = cap.pool_of, cap.free
-    whole = [pair for pair in ordered if len(free[pair[1]]) == pool_of[pair[1]].key.gpus]
     whole_taken = sum(1 for i, _ in picks if len(free[i]) == pool_of[i].key.gpus)
     if not whole_taken:
         return picks
+    whole = [pair for pair in ordered if len(free[pair[1]]) == pool_of[pair[1]].key.gpus]
     partly_used = [pair for pair in ordered if len(free[pair[1]]) < pool_of[pair[1]].key.gpus]
-    room = -sum(size for size, _ in partly_used)
-    for keep in range(whole_taken):  # whole machines allowed: fewer than the first fill took
-        room += -whole[keep - 1][0] if keep else 0
-        if room < n:
-            continue
-        fewer = _fill(sorted(partly_used + whole[:keep]), n)
-        if len(fewer) == len(picks):
-            return fewer
-    return picks
+    # Room with the first `keep` whole machines allowed, and so the fewest that can hold the job.
+    room = [-sum(size for size, _ in partly_used)]
+    for size, _ in whole[:whole_taken]:
+        room.append(room[-1] - size)
+    # More whole machines allowed never needs more machines: the fewest that keep the count is
+    # found by halving (a fill each), not by a fill for every count (20-45 times slower for a
+    # gang of a thousand GPUs on a fragmented fleet).
+    lo, hi, best = 0, whole_taken, None
+    while lo < hi:
+        keep = (lo + hi) // 2
+        fewer = _fill(sorted(partly_used + whole[:keep]), n) if room[keep] >= n else None
+        if fewer is not None and len(fewer) == len(picks):
+            best, hi = fewer, keep
+        else:
+            lo = keep + 1
+    if best is None:
+        return picks
+    rack_of = cap.layout.rack_of
+    if len({rack_of[i] for i, _ in best}) > len({rack_of[i] for i, _ in picks}):
+        return picks  # spread over more racks: the network costs more than the whole machine saves
+    return best
 
 
 def _fill(ordered: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

@@ -104,6 +104,13 @@ WHERE_CASES = [
         job("j").gpus(20),
         lambda g: len(machines_of(g)) == 3 and len(machines_of(g) & {mid(0, 0, 0), mid(0, 0, 1)}) == 1,
     ),
+    (
+        fleet(racks=3, machines=3),
+        [_busy(mid(0, 0, 1), 2), _busy(mid(0, 0, 2), 2), _busy(mid(0, 1, 0), 2), _busy(mid(0, 1, 1), 8),
+         _busy(mid(0, 1, 2), 8), _busy(mid(0, 2, 0), 4), _busy(mid(0, 2, 1), 8), _busy(mid(0, 2, 2), 8)],
+        job("j").gpus(22),
+        lambda g: len({_rack_id(m) for m in machines_of(g)}) == 2 and mid(0, 0, 0) in machines_of(g),
+    ),
 ]
 WHERE_IDS = [
     "a 2-GPU job goes to the fullest machine that fits: 2 free rather than 4 or a whole one",
@@ -120,6 +127,7 @@ WHERE_IDS = [
     "a job over several machines takes partly used ones that hold it on as many machines, not a whole one",
     "an 'any' job of 12 takes two machines with 6 free each, not a whole machine and part of another",
     "a job that needs one whole machine among as many machines takes one, not two",
+    "a job kept off a whole machine only if that spreads it over no more racks",
 ]
 
 
