@@ -127,7 +127,8 @@ class JobLife:
     next_checkpoint: float = math.inf
     first_start: float | None = None
     finish: float | None = None
-    preemptions: list[float] = field(default_factory=list)
+    preemptions: list[float] = field(default_factory=list)  # when each was ordered (the report's count)
+    requeued_preempted: list[float] = field(default_factory=list)  # when each preempted attempt ended
     lost_work: float = 0.0
     predicted_start: float | None = None
     predicted: bool = False
@@ -137,6 +138,7 @@ class JobLife:
     lost_pending: float = 0.0  # work a draining job loses when it releases
     progressing_from: float = 0.0  # when this attempt's restart ends and its work goes on
     stopped_at: float = 0.0  # when a draining job was told to stop: it makes no progress after
+    released_at: float | None = None  # when a draining job really gives its GPUs back
 
     @property
     def spec(self):
@@ -364,14 +366,22 @@ class Simulation:
         interval = life.spec.checkpoint_interval
         life.running = RunningJob(
             spec=life.spec, submit_time=queued.submit_time, gpus=gpus, started_at=now,
-            progress_at_start=life.progress, preemptions=tuple(life.preemptions), checkpoint_phase=phase,
+            progress_at_start=life.progress, preemptions=tuple(life.requeued_preempted), checkpoint_phase=phase,
         )
-        life.next_checkpoint = self.checkpoint_after(now, now, interval, phase) if interval else math.inf
+        life.next_checkpoint = self.first_checkpoint(now, interval, phase) if interval else math.inf
         if interval:
             heapq.heappush(cluster.checkpoints_due, (life.next_checkpoint, job_id, life.attempt))
         cluster.running[job_id] = life.running
         cluster.busy_gpus += life.spec.num_gpus
         self.push(life.progressing_from + life.trace.duration - life.progress, FINISH, (job_id, life.attempt))
+
+    @staticmethod
+    def first_checkpoint(start: float, interval: float, phase: float | None) -> float:
+        """An attempt's first interval checkpoint, as jobkit takes it (`Checkpointer.next_due`):
+        the first time of its grid at least half an interval after the start, so that an attempt
+        started just before a grid time does not save at once."""
+        anchor = start if phase is None else phase
+        return anchor + math.ceil((start + interval / 2 - anchor) / interval) * interval
 
     @staticmethod
     def checkpoint_after(t: float, start: float, interval: float, phase: float | None) -> float:
@@ -387,7 +397,8 @@ class Simulation:
         if not interval:
             return 0.0, None
         last = self.checkpoint_after(now, run.started_at, interval, run.checkpoint_phase) - interval
-        if last <= run.started_at or last < life.progressing_from:  # none while it restarts
+        if (last < self.first_checkpoint(run.started_at, interval, run.checkpoint_phase)
+                or last < life.progressing_from):  # none before the first, nor while it restarts
             return run.progress_at_start, None
         return self.done_by(life, last), last
 
@@ -433,8 +444,11 @@ class Simulation:
             self.freed_now.add(cluster.name)
             return
         life.lost_pending = lost
-        life.state, life.stopped_at = "draining", now
-        life.running = run.model_copy(update={"draining_until": release, "preempted_for": for_job})
+        life.state, life.stopped_at, life.released_at = "draining", now, release
+        # The core is told what the live store tells it: the grace period's end, not when the
+        # job will really be done (which nobody knows until it exits).
+        grace_end = now + self.settings.policy.grace_period
+        life.running = run.model_copy(update={"draining_until": grace_end, "preempted_for": for_job})
         cluster.running[life.spec.job_id] = life.running
         self.push(release, RELEASE, (life.spec.job_id, life.attempt))
 
@@ -445,11 +459,16 @@ class Simulation:
         return {cluster.name}
 
     def enqueue(self, cluster: ClusterState, life: JobLife, now: float) -> None:
+        if life.release_reason == "preempted":
+            # What the core's thrash protection counts, as the live store records it (REQUEUE_JOB):
+            # the time the preempted attempt ended, and none for one a failure cut short.
+            life.requeued_preempted.append(now)
+        life.release_reason, life.released_at = "", None
         life.state, life.queued_since, life.running = "queued", now, None
         life.next_checkpoint = math.inf
         cluster.queue[life.spec.job_id] = QueuedJob(
             spec=life.spec, submit_time=life.trace.submit_time, queued_since=now,
-            progress=life.progress, preemptions=tuple(life.preemptions),
+            progress=life.progress, preemptions=tuple(life.requeued_preempted),
         )
         cluster.queued_gpus += life.spec.num_gpus
 
@@ -462,10 +481,11 @@ class Simulation:
         life.lost_work += lost
         interval = life.spec.checkpoint_interval
         if interval:
-            t = self.checkpoint_after(run.started_at, run.started_at, interval, run.checkpoint_phase)
-            stop = min(now, run.draining_until or now)
-            if run.draining_until is not None:
-                stop = min(stop, max(run.started_at, run.draining_until - self.settings.checkpoint_write_s))
+            t = self.first_checkpoint(run.started_at, interval, run.checkpoint_phase)
+            released = life.released_at if run.draining_until is not None else None
+            stop = min(now, released or now)
+            if released is not None:
+                stop = min(stop, max(run.started_at, released - self.settings.checkpoint_write_s))
             while t < stop:
                 if t >= life.progressing_from:  # none while it restarts: its state is not back yet
                     self.checkpoints.append(CheckpointWrite(time=t, job_id=life.spec.job_id,
