@@ -69,6 +69,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections import OrderedDict
@@ -732,6 +733,7 @@ class NodeActivities:
                     raise ApplicationError(f"agent of {self.machine_id}: GPUs {sorted(stuck)} are still held by "
                                            "processes that outlived SIGKILL", type=AGENT_FAULT)
                 self._prepare(run)
+                await self._check_working_dir(run.req)
                 run.process = await self._spawn(run)
                 run.members = RunProcesses(run.process.pid, run.token)
             except (_CannotExec, ValueError) as err:
@@ -818,6 +820,26 @@ class NodeActivities:
         run.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._report_dir(run.req).mkdir(exist_ok=True)
 
+    async def _check_working_dir(self, req: RunJobInput) -> None:
+        """The job's working directory, looked at off the event loop and for a while at most: a
+        hard-mounted NFS home that stops answering would stall every heartbeat of the machine. A
+        directory that is not there is the job's to fix (exit 127, said in its log, as for a
+        missing program); a mount that fails (a stale handle, I/O errors, a dead FUSE) or hangs is
+        the machine's, and the job is queued again."""
+        if req.working_dir is None:
+            return
+        try:
+            info = await asyncio.wait_for(asyncio.to_thread(os.stat, req.working_dir), WORKING_DIR_WAIT)
+        except asyncio.TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"its working directory did not answer within {WORKING_DIR_WAIT:g} s "
+                          "(a hung mount?)", req.working_dir) from None
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as err:
+            raise _CannotExec(type(err)(err.errno, _working_dir_unusable(self.machine_id, err.strerror),
+                                        req.working_dir)) from err
+        if not stat.S_ISDIR(info.st_mode):
+            raise _CannotExec(NotADirectoryError(errno.ENOTDIR, _working_dir_unusable(self.machine_id, "not a directory"),
+                                                 req.working_dir))
+
     async def _spawn(self, run: _Run) -> asyncio.subprocess.Process:
         req = run.req
         with open(run.log_path, "ab") as out:
@@ -831,11 +853,6 @@ class NodeActivities:
             run.body_offset = out.tell()
             # The child gets its own copy of the log's descriptor; ours closes right after.
             try:
-                if req.working_dir is not None and not os.path.isdir(req.working_dir):
-                    # Said so, not as the exec's bare ENOENT, which reads as if the program were missing.
-                    raise _CannotExec(FileNotFoundError(
-                        errno.ENOENT, f"its working directory is not a directory on machine {self.machine_id}",
-                        req.working_dir))
                 process = await asyncio.create_subprocess_exec(
                     *req.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     env=job_env(req, self.machine_id, run.log_path, checkpoint_env=self.checkpoint_env,
@@ -946,6 +963,14 @@ def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:
 # What exec says when the command itself is at fault (not found, not executable, not a file);
 # any other error (no file descriptors, no memory), and any error before it (no space for the
 # log), is the machine's.
+WORKING_DIR_WAIT = 30.0  # seconds a job's working directory may take to answer before its machine is blamed
+
+
+def _working_dir_unusable(machine_id: str, why: str) -> str:
+    return (f"its working directory cannot be used on machine {machine_id} ({why}); give `gpusched submit "
+            "--workdir` a directory its machines have, or `--workdir none` for the agent's own")
+
+
 _COMMAND_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
                    errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.E2BIG}
 

@@ -358,14 +358,16 @@ def test_a_database_no_control_worker_has_migrated_is_one_line_saying_to_start_o
     (None, "{cwd}"),
     ("data/run", "{cwd}/data/run"),
     ("/shared/project", "/shared/project"),
+    ("none", None),
 ], ids=["a job runs where it was submitted from, as with Slurm's sbatch",
         "a relative --workdir is taken from where submit runs",
-        "an absolute --workdir is the job's as given"])
+        "an absolute --workdir is the job's as given",
+        "--workdir none runs it in the agent's own directory (a submit from outside the fleet)"])
 def test_the_working_directory_a_submit_gives_its_job(monkeypatch, tmp_path, given, expected):
     from workers.cli_jobs import _working_dir
 
     monkeypatch.chdir(tmp_path)
-    assert _working_dir(given) == expected.format(cwd=os.getcwd())
+    assert _working_dir(given) == (expected.format(cwd=os.getcwd()) if expected else None)
 
 
 def test_a_relative_working_directory_is_refused_by_the_api_naming_the_field():

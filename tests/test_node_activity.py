@@ -7,6 +7,7 @@ Jobs are small Python programs (``sys.executable -c``); the activity runs in Tem
 from __future__ import annotations
 
 import asyncio
+import errno
 import contextlib
 import json
 import os
@@ -279,8 +280,52 @@ def test_a_job_whose_working_directory_is_not_on_its_machine_fails_saying_so(tmp
     req = job("print('never')", working_dir=str(tmp_path / "not-here"))
     result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, req))
     assert result.exit_code == 127
-    assert f"working directory is not a directory on machine {MACHINE}" in result.last_log_lines[0]
-    assert str(tmp_path / "not-here") in result.last_log_lines[0]
+    assert f"working directory cannot be used on machine {MACHINE} (No such file or directory)" in result.last_log_lines[0]
+    assert str(tmp_path / "not-here") in result.last_log_lines[0] and "--workdir none" in result.last_log_lines[0]
+
+
+@pytest.mark.parametrize("code", [errno.ESTALE, errno.EIO, errno.ENOTCONN],
+                         ids=["a stale NFS handle", "an I/O error", "a dead FUSE mount"])
+def test_a_working_directory_on_a_broken_mount_is_the_machines_fault_not_the_jobs(tmp_path, monkeypatch, code):
+    """Taken for a missing directory before, the job failed for good as if its user had erred."""
+    where, real_stat = str(tmp_path / "nfs-home"), os.stat
+
+    def failing(path, *args, **kwargs):
+        if os.fspath(path) == where:
+            raise OSError(code, os.strerror(code), where)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing)
+    with pytest.raises(ApplicationError) as raised:
+        run(ActivityEnvironment().run(node_in(tmp_path).run_job, job("print('never')", working_dir=where)))
+    assert raised.value.type == "AgentFault" and "cannot start the job" in str(raised.value)
+
+
+def test_a_working_directory_that_hangs_does_not_stall_the_agent_and_is_the_machines_fault(tmp_path, monkeypatch):
+    import activities.node as node_module
+
+    where, real_stat = str(tmp_path / "hung"), os.stat
+    monkeypatch.setattr(node_module, "WORKING_DIR_WAIT", 0.5)
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: time.sleep(2) if os.fspath(path) == where
+                        else real_stat(path, *a, **k))
+    ticks = []
+
+    async def scenario():
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        beat = asyncio.create_task(ticker())
+        try:
+            await ActivityEnvironment().run(node_in(tmp_path).run_job, job("print('never')", working_dir=where))
+        finally:
+            beat.cancel()
+
+    with pytest.raises(ApplicationError) as raised:
+        run(scenario())
+    assert raised.value.type == "AgentFault" and "did not answer within 0.5 s" in str(raised.value)
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.4  # the loop went on meanwhile
 
 
 def test_a_machine_that_cannot_prepare_the_start_fails_the_attempt_not_the_job(tmp_path):

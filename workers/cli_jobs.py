@@ -58,7 +58,8 @@ def add_job_commands(subparsers) -> None:
     submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
     submit.add_argument("--job-id", default=None, help="default: a new unique id")
     submit.add_argument("--workdir", default=None, metavar="DIR",
-                        help="the directory the command runs in, on its machines (default: the current one)")
+                        help="the directory the command runs in, on its machines (default: the current one; "
+                             "none: the agent's own, for a submit from outside the fleet)")
     submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the command (repeatable)")
     submit.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
@@ -240,7 +241,10 @@ def _request(args) -> JobRequest:
 
 
 def _working_dir(given: str | None) -> str | None:
-    """--workdir made absolute, or the directory submit runs in."""
+    """--workdir made absolute, or the directory submit runs in; `none`: the agent's own (a submit
+    from a host outside the fleet, whose directories its machines do not have)."""
+    if given == "none":
+        return None
     try:
         return os.path.abspath(given) if given is not None else os.getcwd()
     except FileNotFoundError:
