@@ -217,16 +217,18 @@ class Store:
 
     # --- fleet ------------------------------------------------------------------------------
 
-    async def register_fleet(self, cluster: str, machines: list[Machine]) -> None:
+    async def register_fleet(self, cluster: str, machines: list[Machine], overwrite: bool = True) -> None:
+        """The machines as given; ``overwrite=False``: only those not known yet (a known one keeps
+        its type, memory and partition, as `fleet apply` or its agent left them)."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(q.UPSERT_CLUSTER, cluster)
             for m in machines:
-                await self._upsert_machine(conn, m)
+                await self._upsert_machine(conn, m, overwrite)
 
-    async def _upsert_machine(self, conn, m: Machine) -> None:
+    async def _upsert_machine(self, conn, m: Machine, overwrite: bool = True) -> None:
         await conn.execute(q.UPSERT_CLUSTER, m.cluster)
-        await conn.execute(q.UPSERT_MACHINE, m.id, m.cluster, m.block, m.rack, m.gpu_type,
-                           m.gpu_memory_gb, m.partition)
+        await conn.execute(q.UPSERT_MACHINE if overwrite else q.JOIN_MACHINE, m.id, m.cluster, m.block, m.rack,
+                           m.gpu_type, m.gpu_memory_gb, m.partition)
         await conn.executemany(q.UPSERT_GPU, [(m.id, i) for i in range(m.gpus)])
 
     async def apply_fleet(self, fleet: Fleet) -> FleetApplied:

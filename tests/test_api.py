@@ -153,12 +153,12 @@ def test_a_renewed_machine_token_is_taken_at_once_the_old_one_refused_within_sec
     assert time.monotonic() - renewed <= FRESH_FOR_S + 2
     assert main(["fleet", "token", m0, *d]) == 0 and capsys.readouterr().out.strip() == new
     assert beats(machine_token(settings.api_token, m1), m1) == 200  # the other machine's token stands
-    # The stack's agent of m0 still carries the old token: it is not heard any more; started
-    # again, the stack gives it the new one, and it is heard.
+    # The stack's agent of m0 still carries the old token: it is not heard any more. `dev up` starts
+    # it again with the new one (before, it found it running and left it deaf), and it is heard.
     s.until(lambda: silent_for(m0) > 3, timeout=15)
     assert silent_for(m1) < 3
-    devstack.stop_component(s.data_dir, machine_component(m0))
-    devstack.start_component(s.data_dir, machine_component(m0))
+    again = devstack.up(s.data_dir)
+    assert again.restarted == [machine_component(m0)]
     s.until(lambda: silent_for(m0) < 2, timeout=20)
 
 

@@ -72,6 +72,19 @@ def store_env(live_servers):
     loop.close()
 
 
+@pytest.mark.parametrize("overwrite, partition", [(False, "inference"), (True, "training")],
+                         ids=["machines registered again without being declared keep the partition set since",
+                              "machines declared again are written as declared"])
+def test_registering_known_machines_again_overwrites_them_only_when_asked(store_env, overwrite, partition):
+    """`gpusched dev up` registers its machines at every start: one that only brought a killed
+    agent back put back the partitions `fleet apply` had set."""
+    run, store = store_env
+    moved = [m.model_copy(update={"partition": "inference"}) for m in machines()]
+    run(store.register_fleet("c1", moved))
+    run(store.register_fleet("c1", machines(), overwrite=overwrite))
+    assert {m["partition"] for m in run(store.list_machines("c1"))} == {partition}
+
+
 def test_migrations_apply_once_and_are_recorded(store_env):
     run, store = store_env
     assert run(store.migrate()) == []

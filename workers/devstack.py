@@ -231,10 +231,14 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         state.gpu_type = gpu_type or state.gpu_type
         state.fast = state.fast if fast is None else fast
         state.fake_devices = state.fake_devices if fake_devices is None else fake_devices
+        # Whether this `up` says what the machines are: then they are written as it says; otherwise
+        # the database keeps what `fleet apply` has set since (a partition, say).
+        declared = (fleet is not None or not state.machines
+                    or any(v is not None for v in (machines, gpus_per_machine, cluster, gpu_type)))
         if fleet is not None:
             state.machines = [m for c in fleet.clusters for m in c.machines]
             state.cluster = fleet.clusters[0].name
-        elif not state.machines or any(v is not None for v in (machines, gpus_per_machine, cluster, gpu_type)):
+        elif declared:
             # A stack of a fleet file keeps its machines until asked for others.
             if machines is not None:
                 state.machines_asked = machines
@@ -257,7 +261,7 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         state.settings = {**state.settings, **explicit}
         settings_now = Settings(**state.settings)
         _save(data_dir, state)
-        _prepare_database(settings_now, state, fleet)
+        _prepare_database(settings_now, state, fleet, declared)
         restarted = _start_workers(data_dir, state, before, standard_ports=standard_ports,
                                    timeout=timeout) if workers else []
         result = UpResult(data_dir=str(data_dir), settings=Settings(**state.settings),
@@ -379,16 +383,18 @@ def _record_servers(state: StackState, ended: dict[str, object]) -> list[str]:
     return errors
 
 
-def _prepare_database(settings: Settings, state: StackState, fleet: Fleet | None) -> None:
+def _prepare_database(settings: Settings, state: StackState, fleet: Fleet | None, declared: bool) -> None:
     """Apply the migrations and register the fleet: both idempotent, so done on every `up`; a
-    fleet file's quotas are set at the `up` that is given it only (`quota set` may change them)."""
+    fleet file's quotas are set at the `up` that is given it only (`quota set` may change them),
+    and the machines are written over only by an `up` that declares them (`declared`): one that
+    brings a killed agent back put back the partitions `fleet apply` had set."""
     from activities.store import Store
 
     async def prepare() -> None:
         store = await Store.connect(settings.pg_dsn)
         try:
             await store.migrate()
-            await store.register_fleet(state.cluster, state.machines)  # a fleet file's machines among them
+            await store.register_fleet(state.cluster, state.machines, overwrite=declared)  # a fleet file's among them
             for team, quota in (fleet.every_quota if fleet is not None else {}).items():
                 await store.set_quota(team, quota)
         finally:
@@ -480,10 +486,15 @@ def _start_workers(data_dir: Path, state: StackState, before: Settings, *, stand
     # arguments: left running, a worker would go on with the old ones, and one that cannot reach
     # Temporal or Postgres strands its work while looking alive. Stopped together: each may take
     # its whole grace, its servers gone.
+    # An agent whose machine's token was renewed (`fleet token --renew`) since it started has the
+    # old one, which the API refuses within seconds: it is started again with the new one.
+    renewed = _token_generations(env.get("GPUSCHED_PG_DSN")) if env.get("GPUSCHED_API_TOKEN") else {}
     restarted = [name for name, (cmd, machine_id) in wanted.items()
                  if (comp := state.components.get(name)) is not None and comp.running()
                  and ((comp.settings_digest or _settings_digest(before, machine_id)) != _settings_digest(now, machine_id)
-                      or comp.cmd != cmd)]
+                      or comp.cmd != cmd
+                      or (machine_id is not None and renewed.get(machine_id, comp.token_generation)
+                          != comp.token_generation))]
     with ThreadPoolExecutor(max(1, len(restarted))) as pool:
         list(pool.map(lambda name: _stop(data_dir, name, state.components[name]), restarted))
     for name, (cmd, machine_id) in wanted.items():
@@ -565,6 +576,24 @@ def _token_generation(dsn: str, machine_id: str) -> int:
             await store.close()
 
     return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S))
+
+
+def _token_generations(dsn: str | None) -> dict[str, int]:
+    """Every machine's token generation now, or none where the database does not answer (the
+    agents are then left as they are)."""
+    from activities.store import Store
+
+    async def read() -> dict[str, int]:
+        store = await Store.connect(dsn, timeout=TOKEN_READ_TIMEOUT_S)
+        try:
+            return await store.token_generations()
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S)) if dsn else {}
+    except Exception:  # noqa: BLE001 - the agents keep running; the next `up` looks again
+        return {}
 
 
 def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:
