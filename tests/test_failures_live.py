@@ -31,6 +31,25 @@ def machine_of(gpu_path: str) -> str:
     return gpu_path.rsplit("/", 1)[0]
 
 
+def test_a_dead_agent_whose_machine_leaves_the_stack_does_not_leave_its_job_running(stack):
+    """`dev up` with fewer machines dropped the record of an agent that had died, and with it the
+    only way `down` found the job it left: that job ran on beside its requeued self, past `down`."""
+    s = stack(machines=2, gpus=4)
+    s.submit("filler", 4, sleeper(300))
+    s.until(lambda: s.status("filler").state == "running")
+    s.submit("orphan", 4, sleeper(300))
+    s.until(lambda: s.status("orphan").state == "running")
+    attempt = s.status("orphan").attempts[0]
+    assert machine_of(attempt.gpus[0]) == "c1/b0/r0/m1"  # the machine `--machines 1` drops
+    pid_files = f"jobs/*/.pids/*/{attempt.allocation_id}.json"
+    s.until(lambda: list(s.data_dir.glob(pid_files)))
+    pid = json.loads(next(s.data_dir.glob(pid_files)).read_text())["pid"]
+    devstack.stop_component(s.data_dir, machine_component("c1/b0/r0/m1"), signal.SIGKILL)
+    assert pid_alive(pid)  # its job runs on, in a session of its own
+    devstack.up(s.data_dir, machines=1)
+    assert not pid_alive(pid)
+
+
 def test_a_dead_agents_job_resumes_elsewhere_from_its_last_checkpoint_and_the_returning_agent_kills_the_zombie(stack):
     s = stack(machines=2, gpus=4, policy={"min_runtime": 0, "grace_period": 5}, machine_timeout=MACHINE_TIMEOUT)
     s.submit("durable", 4, example_job(steps=60, step_seconds=0.2), checkpoint_interval=1)

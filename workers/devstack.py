@@ -473,11 +473,14 @@ def _start_workers(data_dir: Path, state: StackState, before: Settings, *, stand
     if not state.settings["api_token"]:
         state.settings["api_token"] = secrets.token_urlsafe(32)
     wanted = _worker_commands(data_dir, state, api_port)
-    # Agents of machines no longer in the fleet go.
-    for name, comp in list(state.components.items()):
-        if comp.kind == "worker" and name not in wanted:
-            _stop(data_dir, name, comp)
-            del state.components[name]
+    # Agents of machines no longer in the fleet go, and so do the jobs one that died left running:
+    # its record gone, nothing else would stop them (`down` looks through the recorded agents).
+    gone = [name for name, comp in state.components.items() if comp.kind == "worker" and name not in wanted]
+    for name in gone:
+        _stop(data_dir, name, state.components[name])
+    _stop_left_jobs(data_dir, state, gone)
+    for name in gone:
+        del state.components[name]
     _save(data_dir, state)  # the workers read their settings from here
     now = Settings(**state.settings)
     env = _worker_env(data_dir, now)
