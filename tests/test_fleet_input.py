@@ -358,3 +358,20 @@ def test_a_fleet_file_too_long_for_any_fleet_is_refused_before_it_is_read():
     with pytest.raises(InputError) as caught:
         parse_fleet(text, "f.yaml")
     assert caught.value.line is None and "a fleet file is at most 1,048,576" in str(caught.value)
+
+
+@pytest.mark.parametrize("command", [["fleet", "apply"], ["dev", "up", "--fleet"]],
+                         ids=["fleet apply", "dev up --fleet"])
+def test_a_live_fleet_file_with_a_team_no_job_could_name_is_refused_before_anything_starts(
+        tmp_path, capsys, command):
+    """`dev up --fleet` set the quota of a 200-character team, which no job could be submitted
+    for and `quota set` could not change; `fleet apply` refused it."""
+    from workers.cli import main
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text("clusters:\n  - name: c1\n    blocks:\n      - {name: b0, racks: 1, machines_per_rack: 1, "
+                    "gpus_per_machine: 4, gpu_type: H100}\nquotas:\n  " + "t" * 200 + ": {guaranteed: 4}\n")
+    data_dir = tmp_path / "stack"
+    assert main([*command, str(path), "--data-dir", str(data_dir)]) == 2
+    assert "a team's name has at most 128" in capsys.readouterr().err
+    assert not data_dir.exists()  # nothing was started

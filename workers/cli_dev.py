@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 
 from scheduler.errors import InputError
-from scheduler.fleet import MAX_GPUS_PER_MACHINE, name_problem, parse_fleet
-from workers.arg_types import count, positive_float, positive_int, read_input
+from scheduler.fleet import MAX_GPUS_PER_MACHINE, name_problem
+from workers.arg_types import count, positive_float, positive_int
 
 
 def add_dev_commands(subparsers) -> None:
@@ -102,7 +102,9 @@ def run_up(args: argparse.Namespace) -> int:
         if alike:
             print(f"error: --fleet gives the machines; leave out {', '.join(alike)} (or the fleet file)", file=sys.stderr)
             return 2
-        fleet = parse_fleet(read_input(args.fleet, "fleet file"), args.fleet)
+        from workers.cli_fleet import read_live_fleet
+
+        fleet = read_live_fleet(args.fleet)  # a quota's team no job could name is refused, as by `fleet apply`
         count = sum(len(c.machines) for c in fleet.clusters)
         if count > devstack.MAX_MACHINES:
             raise InputError(args.fleet, None, "clusters", (

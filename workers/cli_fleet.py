@@ -87,12 +87,19 @@ def cmd_fleet_token(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
-def cmd_fleet_apply(args: argparse.Namespace) -> int:
-    # Read before connecting: a bad file is refused (exit 2, file, line and field) with no stack.
-    fleet = parse_fleet(read_input(args.file, "fleet file"), args.file)
-    for team in fleet.quotas:  # what the live stack takes of a team's name, beyond the simulator
+def read_live_fleet(path: str):
+    """A fleet file for the live stack (`fleet apply`, `dev up --fleet`): the simulator's checks
+    and what the live stack takes of a team's name beyond them. Read before connecting: a bad file
+    is refused (exit 2, file, line and field) with no stack."""
+    fleet = parse_fleet(read_input(path, "fleet file"), path)
+    for team in fleet.quotas:
         if (problem := team_problem(team)) is not None:
-            raise InputError(args.file, None, f"quotas.{team[:40]}", problem)
+            raise InputError(path, None, f"quotas.{team[:40]}", problem)
+    return fleet
+
+
+def cmd_fleet_apply(args: argparse.Namespace) -> int:
+    fleet = read_live_fleet(args.file)
 
     async def body(client) -> int:
         applied = await client.store.apply_fleet(fleet)
