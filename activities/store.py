@@ -562,7 +562,8 @@ class Store:
                 # arrived (a report sent again for a minute, or committed after a later one);
                 # the writer's clock is believed only between the start and now.
                 as_of = now if report.written_at is None else min(now, max(started, report.written_at))
-                work = alloc["progress_at_start"] + max(0.0, as_of - started)
+                # Less the restart the attempt reported (its checkpoint loaded, no work done).
+                work = alloc["progress_at_start"] + max(0.0, as_of - started - (alloc["restart_s"] or 0.0))
             done = await conn.execute(q.INSERT_CHECKPOINT, job_id, report.seq, allocation_id, report.key,
                                       report.size, report.sha256, report.progress, work, refusal is None,
                                       refusal, report.written_at)

@@ -102,7 +102,8 @@ Protocol (S3 has no rename: write-once keys, then a commit in the control plane'
         "size": 1234, "md5": "<hex>", "sha256": "<hex>", "progress": 17.0, "written_at": 1700000000.5}
 
    (``key`` is the object key without the bucket; for ``file://`` it is the absolute path without
-   its leading ``/``; ``progress`` is what the job passed, or null.) The agent forwards it to the
+   its leading ``/``; ``progress`` is what the job passed, or null; ``written_at`` is when
+   ``save`` was called, as of which the bytes hold the job's state.) The agent forwards it to the
    control plane with its own allocation id (the fencing token) and answers with
    ``checkpoint-<N:010d>.ack.json`` = ``{"committed": true|false, "reason": "..."}``. ``save()``
    waits for the ack up to ``ack_timeout`` (30 s) and, once SIGTERM arrived, never past the grace
@@ -1140,7 +1141,9 @@ class Checkpointer:
                         self.resume_seq)
         data = _by_byte(data)
         with self._lock:
-            self._reference = self._clock()
+            # The state the bytes hold is as of now: the report says so, not when the upload ended
+            # (minutes for tens of GiB), which the control plane counted as work done.
+            asked = self._reference = self._clock()
             location = self._location
             store = self._store(location.scheme)
             digest = _digest_of(data, store.part_size_for(_size_of(data)))
@@ -1182,7 +1185,7 @@ class Checkpointer:
             uri = location.child(key)
             report = {"seq": seq, "key": key, "uri": uri, "size": digest.size, "md5": digest.md5,
                       "sha256": digest.sha256, "progress": None if progress is None else float(progress),
-                      "written_at": self._clock()}
+                      "written_at": asked}
             committed, reason = self._report(seq, report)
             result = SaveResult(seq=seq, key=key, uri=uri, size=digest.size, md5=digest.md5,
                                 sha256=digest.sha256, committed=committed, reason=reason,

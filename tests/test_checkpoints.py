@@ -346,6 +346,23 @@ def test_a_late_report_records_the_work_as_of_its_writing_not_its_arrival(env):
     assert last == pytest.approx(started + 0.1, abs=0.01)  # not moved back by the older one
 
 
+def test_the_work_a_resumed_attempts_checkpoint_holds_leaves_out_its_restart(env):
+    """An attempt that spent 200 s loading its checkpoint and saved 300 s after its launch has
+    done 100 s of work, not 300: the scheduler took a resumed job for further on than it was."""
+    assert env.commit(env.write(1, b"x").model_copy(update={"written_at": None})).committed
+    env.requeue()
+    env.allocation = env.start()
+    saved = env.run(env.store.pool.fetchval("SELECT progress FROM jobs WHERE id = $1", env.job))
+    started = env.run(env.store.pool.fetchval("SELECT started_at FROM allocations WHERE id = $1", env.allocation))
+    env.run(env.store.pool.execute("UPDATE allocations SET restart_s = 200 WHERE id = $1", env.allocation))
+    env.run(env.store.pool.execute("UPDATE allocations SET started_at = started_at - 400 WHERE id = $1",
+                                   env.allocation))  # launched 400 s ago: the save below is in its past
+    assert env.commit(env.write(2, b"y").model_copy(update={"written_at": started - 100})).committed
+    work = env.run(env.store.pool.fetchval("SELECT work_seconds FROM checkpoints WHERE job_id = $1 AND seq = 2",
+                                           env.job))
+    assert work == pytest.approx(saved + 100, abs=0.01)
+
+
 def test_a_report_the_store_cannot_check_now_is_not_refused_and_commits_when_sent_again(env):
     report = env.write(1, b"step=1")
     unreachable = CheckpointCommitter(env.store, s3_client("http://127.0.0.1:1", "key", "secret"), env.bucket)

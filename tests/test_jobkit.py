@@ -480,6 +480,25 @@ def test_report_is_written_and_the_ack_awaited(tmp_path):
     assert not list(reports.glob("*.tmp"))
 
 
+def test_a_report_says_when_the_save_was_asked_not_when_its_upload_ended(tmp_path, monkeypatch):
+    """The control plane counts the work a checkpoint holds up to `written_at`: the upload's end
+    counted its minutes (tens of GiB) as work done."""
+    now = [1000.0]
+    real_digest = jobkit._digest_of
+
+    def slow_upload(*args, **kwargs):  # the bytes take 120 s to go up
+        now[0] += 120.0
+        return real_digest(*args, **kwargs)
+
+    monkeypatch.setattr(jobkit, "_digest_of", slow_upload)
+    reports = tmp_path / "reports"
+    ck = local(tmp_path, report_dir=reports, clock=lambda: now[0])
+    now[0] = 1500.0
+    with FakeAgent(reports):
+        ck.save(b"weights")
+    assert json.loads((reports / "checkpoint-0000000001.json").read_text())["written_at"] == 1500.0
+
+
 def test_a_refused_commit_is_returned(tmp_path):
     reports = tmp_path / "reports"
     ck = local(tmp_path, report_dir=reports)
