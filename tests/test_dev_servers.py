@@ -354,6 +354,28 @@ def test_a_new_dev_stack_runs_one_machine_on_a_gpu_host_and_two_elsewhere(monkey
     assert devstack._default_machines(devstack.StackState(fake_devices=fake_devices)) == machines
 
 
+@pytest.mark.parametrize("fake_devices, kernel_shows, inventory, expected", [
+    (False, True, [("L40S", 48.0)], (1, "L40S")),
+    (False, True, [("H200", 141.0)] * 4, (4, "H200")),
+    (False, True, [], (None, None)),
+    (True, True, [("L40S", 48.0)], (None, None)),
+    (False, False, [], (None, None)),
+], ids=["a host with one L40S is a machine of one L40S", "a host with four H200s is a machine of four H200s",
+        "NVML cannot read them: the defaults, and the agent says why", "fake GPUs asked for: the defaults",
+        "no GPU here: the defaults"])
+def test_a_new_dev_stack_on_a_gpu_host_is_a_machine_of_its_gpus(monkeypatch, fake_devices, kernel_shows, inventory,
+                                                                  expected):
+    """It was 8 H100s whatever the host had: an L40S host's jobs asking for L40S were refused, and
+    a 4-GPU job on a 1-GPU host admitted to wait for GPUs that are not there."""
+    from workers.devices import GpuInfo
+
+    monkeypatch.setattr(devstack, "_nvml_gpu_count", lambda: len(inventory))
+    monkeypatch.setattr("workers.devices.nvidia_gpus_present", lambda: kernel_shows)
+    monkeypatch.setattr(devstack, "_nvml_inventory", lambda: [
+        GpuInfo(index=i, gpu_type=kind, memory_gb=memory, uuid=f"GPU-{i}") for i, (kind, memory) in enumerate(inventory)])
+    assert devstack._host_gpus(fake_devices) == expected
+
+
 @pytest.mark.parametrize("nvml_gpus, kernel_shows", [(8, True), (0, True)],
                          ids=["NVML reads them", "NVML fails"])
 def test_dev_up_refuses_several_machines_on_a_gpu_host_before_it_starts_anything(

@@ -227,10 +227,15 @@ def up(data_dir: Path | str | None = None, *, machines: int | None = None,
         # Named in the summary: a killed agent or worker that comes back is news to whoever ran `up`.
         stopped = [name for name, comp in state.components.items() if comp.kind != "external" and not comp.running()]
         state.cluster = cluster or state.cluster
-        state.gpus_per_machine = gpus_per_machine or state.gpus_per_machine
-        state.gpu_type = gpu_type or state.gpu_type
         state.fast = state.fast if fast is None else fast
         state.fake_devices = state.fake_devices if fake_devices is None else fake_devices
+        if not state.machines and gpus_per_machine is None and gpu_type is None and fleet is None:
+            # A new stack on a host with NVIDIA GPUs is a machine of those GPUs: its count and type
+            # as NVML reports them, not 8 H100s (an L40S host's jobs asking for L40S were refused,
+            # and a 1-GPU host's 4-GPU job was admitted to wait for 7 GPUs that are not there).
+            gpus_per_machine, gpu_type = _host_gpus(state.fake_devices)
+        state.gpus_per_machine = gpus_per_machine or state.gpus_per_machine
+        state.gpu_type = gpu_type or state.gpu_type
         # Whether this `up` says what the machines are: then they are written as it says; otherwise
         # the database keeps what `fleet apply` has set since (a partition, say).
         declared = (fleet is not None or not state.machines
@@ -439,6 +444,28 @@ def _real_gpus_here() -> bool:
     from workers.devices import nvidia_gpus_present
 
     return nvidia_gpus_present() or _nvml_gpu_count() > 0
+
+
+def _host_gpus(fake_devices: bool) -> tuple[int | None, str | None]:
+    """(count, type) of this host's NVIDIA GPUs as its agent will report them, or (None, None)
+    where its GPUs are faked or NVML cannot tell (the defaults then hold)."""
+    if fake_devices or not _real_gpus_here():
+        return None, None
+    found = _nvml_inventory()
+    return (len(found), found[0].gpu_type) if found else (None, None)
+
+
+def _nvml_inventory() -> list:
+    try:
+        from workers.devices import NvmlDevices
+
+        devices = NvmlDevices()
+        try:
+            return devices.inventory()
+        finally:
+            devices.close()
+    except Exception:  # no driver or library: the agent says why when it starts
+        return []
 
 
 def _nvml_gpu_count() -> int:
