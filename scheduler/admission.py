@@ -116,13 +116,22 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
     exposed_now = preemptible.exposed_now(snapshot.cluster, running, now, config)
     usage.preemptible = exposed_now
     state = Admission(
-        cap=cap, usage=usage, running=running, now=snapshot.now, config=config,
-        keep_whole=_reserved_pool(cap, queue, config, usage),
+        cap=cap, usage=usage, running=running, now=snapshot.now, config=config, keep_whole=NO_RESERVE,
         draining_for=_draining_for(running),
         exposed=preemption.Exposed(running, exposed_now, exposed_now.unprotected), going=set(leaving),
     )
     _hold_earmarks(snapshot, state)
+    state.keep_whole = _reserved_pool(cap, _without_promises(state, queue), config, usage)
     return state
+
+
+def _without_promises(state: Admission, queue: list[QueuedJob]) -> list[QueuedJob]:
+    """The jobs the reserved pool may be kept for: not those promised GPUs elsewhere (an
+    earmark), which start on those; a machine was kept idle for one, and a job told it was kept
+    for "jobs that need a whole machine" that would start only after the claimant had."""
+    if not state.earmarks:
+        return queue
+    return [job for job in queue if job.spec.job_id not in state.earmarks]
 
 
 def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
@@ -155,7 +164,8 @@ def _after_the_pool_served(state: Admission) -> bool:
     kept_out = [job for job, reason in state.waiting if KEPT_WHOLE in reason]
     if not kept_out:
         return False
-    keep = _reserved_pool(state.cap, [job for job, _ in state.waiting], state.config, state.usage)
+    keep = _reserved_pool(state.cap, _without_promises(state, [job for job, _ in state.waiting]), state.config,
+                          state.usage)
     if keep == state.keep_whole:
         return False
     state.keep_whole = keep

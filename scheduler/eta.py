@@ -178,7 +178,9 @@ def estimate_starts(
         keys = [p.key for p in shape.pools if p.key in keep and reserve_serves(p.key, keep[p.key], shape.n, shape.topology)]
         if keys:
             served_by[shape_key] = keys
-            count = sum(len(lane.jobs) for lane in shape.lanes)
+            # Not for a job bigger than its team's maximum: it never starts, and the pool kept
+            # for it told a job that does start that it never would ("estimated start unknown").
+            count = sum(len(lane.jobs) for lane in shape.lanes if lane.limit is None or shape.n <= lane.limit)
             for key in keys:
                 waiting_in[key] = waiting_in.get(key, 0) + count
     for key in [k for k in keep if not waiting_in.get(k)]:

@@ -434,6 +434,31 @@ def test_the_walk_keeps_the_reserved_pool_only_while_a_job_it_is_kept_for_still_
     assert pending(result)["J"].estimated_start == NOW + 120 + 3600
 
 
+def test_the_walk_keeps_no_pool_for_a_job_bigger_than_its_teams_maximum():
+    """The pool was kept in the walk for big_b, which its team's maximum keeps out for good, so
+    the critical 6-GPU job that starts once big ends was told it never would ("unknown")."""
+    queue = [job("small").gpus(6).priority("critical").expected(60).submitted(NOW),
+             job("big_b").gpus(8).team("b").submitted(NOW - 2000),
+             job("big").gpus(8).expected(600).submitted(NOW - 2000)]
+    result = cycle(snapshot(fleet(machines=1), queue=queue, quotas={"b": {"max": 4}}))
+    assert list(placements(result)) == ["big"]
+    assert pending(result)["small"].estimated_start == NOW + 600
+
+
+def test_no_whole_machine_is_kept_idle_for_a_job_promised_gpus_elsewhere():
+    """C preempted L and holds an earmark on L's machine; the reserved pool was still kept for
+    C, so m1 stood idle and J was told it was kept "for jobs that need a whole machine" and
+    that it started now, starting in fact only after C had."""
+    from builders import Earmark
+
+    victim = (running(job("L").gpus(8).priority("low").team("x")).on(mid(0, 0, 0), range(8)).started(0)
+              .preempted_at(NOW - 35).draining(NOW + 85, for_job="C"))
+    earmark = Earmark(job_id="C", gpus=tuple((mid(0, 0, 0), g) for g in range(8)), expires=NOW + 300)
+    queue = [job("C").gpus(8).priority("high").submitted(NOW - 100), job("J").gpus(6).team("y").submitted(NOW - 50)]
+    result = cycle(snapshot(fleet(machines=2), running=[victim], queue=queue, earmarks=[earmark]))
+    assert list(placements(result)) == ["J"]
+
+
 def test_the_walk_keeps_the_cycles_reservations_a_job_behind_one_waits_and_the_holder_starts_on_time():
     """m0 is half free until NOW+1000, m1 full until NOW+3000; the starving 8-GPU job holds m0. A
     2-GPU job queued ahead of it that would run past NOW+1000 is kept behind that reservation: its
