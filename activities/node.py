@@ -960,9 +960,6 @@ def _forgotten(details: activity.ActivityCancellationDetails | None) -> bool:
     return details.timed_out or details.not_found
 
 
-# What exec says when the command itself is at fault (not found, not executable, not a file);
-# any other error (no file descriptors, no memory), and any error before it (no space for the
-# log), is the machine's.
 WORKING_DIR_WAIT = 30.0  # seconds a job's working directory may take to answer before its machine is blamed
 
 
@@ -971,6 +968,9 @@ def _working_dir_unusable(machine_id: str, why: str) -> str:
             "--workdir` a directory its machines have, or `--workdir none` for the agent's own")
 
 
+# What exec says when the command itself is at fault (not found, not executable, not a file);
+# any other error (no file descriptors, no memory), and any error before it (no space for the
+# log), is the machine's.
 _COMMAND_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
                    errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.E2BIG}
 

@@ -450,7 +450,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         return False
     # Asked only of a job that may displace someone: one that may not waits (and may hold a
     # reservation) whatever ends soon.
-    soon = _frees_up_soon(state, job, avoid)
+    soon = _frees_up_soon(state, spec, avoid)
     if soon is not None:
         state.waiting.append((job, "enough GPUs are expected to free up within half the grace period; "
                                    "waiting for them instead of preempting"))
@@ -555,7 +555,7 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     # Movers only trade places with idle GPUs: with fewer idle than the job needs, none can help.
     if kind is None or cap.total_free(cap.eligible_pools(spec)) < spec.num_gpus:
         return False
-    if _frees_up_soon(state, job, avoid) is not None:
+    if _frees_up_soon(state, spec, avoid) is not None:
         return False
     movable = state.movable.get(kind)
     if movable is None:
@@ -580,15 +580,15 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     return True
 
 
-def _frees_up_soon(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> list[tuple[int, int]] | None:
-    """Whether jobs ending by their estimates free room for `job` before a preemption would: if
+def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[int, int]] | None:
+    """Whether jobs ending by their estimates free room for `spec` before a preemption would: if
     so, the free GPUs of that room, (machine, count), that it needs beside theirs.
 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
     within half the grace period, waiting is hardly slower for the claimant and costs nobody
     anything. (Half: if the estimate was wrong, preempting then still starts the claimant within
     about one grace period.)"""
-    cap, now, spec = state.cap, state.now, job.spec
+    cap, now = state.cap, state.now
     if state.ending_soon is None:
         horizon = now + state.config.grace_period / 2
         state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)

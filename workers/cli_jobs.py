@@ -246,10 +246,8 @@ def _working_dir(given: str | None) -> str | None:
     if given == "none":
         return None
     try:
-        return os.path.abspath(given) if given is not None else os.getcwd()
-    except FileNotFoundError:
-        if given is not None and os.path.isabs(given):
-            return given
+        return os.path.abspath(given or os.curdir)
+    except FileNotFoundError:  # the current directory, deleted under the shell
         raise ClientError("the current directory no longer exists; give --workdir an absolute path",
                           "working_dir") from None
 

@@ -449,7 +449,7 @@ def _real_gpus_here() -> bool:
 def _host_gpus(fake_devices: bool) -> tuple[int | None, str | None]:
     """(count, type) of this host's NVIDIA GPUs as its agent will report them, or (None, None)
     where its GPUs are faked or NVML cannot tell (the defaults then hold)."""
-    if fake_devices or not _real_gpus_here():
+    if fake_devices:
         return None, None
     found = _nvml_inventory()
     return (len(found), found[0].gpu_type) if found else (None, None)
@@ -596,21 +596,20 @@ def _launch_worker(data_dir: Path, name: str, comp: Component, env: dict[str, st
 def _token_generation(dsn: str, machine_id: str) -> int:
     """The generation of the machine's token now: one renewed (`gpusched fleet token --renew`)
     is started with its new token, or the API would not hear it."""
-    from activities.store import Store
-
-    async def read() -> int:
-        store = await Store.connect(dsn, timeout=TOKEN_READ_TIMEOUT_S)
-        try:
-            return await store.token_generation(machine_id)
-        finally:
-            await store.close()
-
-    return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S))
+    return _read_token_generations(dsn).get(machine_id, 0)
 
 
 def _token_generations(dsn: str | None) -> dict[str, int]:
-    """Every machine's token generation now, or none where the database does not answer (the
-    agents are then left as they are)."""
+    """Every renewed machine's token generation now, or none where the database does not answer
+    (the agents are then left as they are)."""
+    try:
+        return _read_token_generations(dsn) if dsn else {}
+    except Exception:  # noqa: BLE001 - the agents keep running; the next `up` looks again
+        return {}
+
+
+def _read_token_generations(dsn: str) -> dict[str, int]:
+    """The generation of every machine token renewed at least once (the others are at 0)."""
     from activities.store import Store
 
     async def read() -> dict[str, int]:
@@ -620,10 +619,7 @@ def _token_generations(dsn: str | None) -> dict[str, int]:
         finally:
             await store.close()
 
-    try:
-        return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S)) if dsn else {}
-    except Exception:  # noqa: BLE001 - the agents keep running; the next `up` looks again
-        return {}
+    return asyncio.run(asyncio.wait_for(read(), TOKEN_READ_TIMEOUT_S))
 
 
 def _worker_env(data_dir: Path, settings: Settings) -> dict[str, str]:

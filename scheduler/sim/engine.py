@@ -482,7 +482,7 @@ class Simulation:
         interval = life.spec.checkpoint_interval
         if interval:
             t = self.first_checkpoint(run.started_at, interval, run.checkpoint_phase)
-            released = life.released_at if run.draining_until is not None else None
+            released = life.released_at  # None but while it drains
             stop = min(now, released or now)
             if released is not None:
                 stop = min(stop, max(run.started_at, released - self.settings.checkpoint_write_s))
