@@ -22,7 +22,7 @@ from activities import queries as q
 from activities import rows
 from activities.outages import log_outages_in_one_line
 from scheduler import in_words
-from scheduler.fleet import Fleet
+from scheduler.fleet import MAX_GPU_TYPE_CHARS, Fleet
 from scheduler.gc_policy import no_collections
 from scheduler.models import CycleResult, Machine, PolicyConfig, Quota, Snapshot
 from workflows.types import (
@@ -95,7 +95,7 @@ class FleetApplied(BaseModel):
 class GpuReport(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
     index: int = Field(ge=0, le=1023)  # what CUDA_VISIBLE_DEVICES names: never negative
-    gpu_type: str | None = Field(default=None, max_length=200)
+    gpu_type: str | None = Field(default=None, max_length=MAX_GPU_TYPE_CHARS)
     memory_gb: float | None = Field(default=None, ge=0)  # 0: NVML could not say
     healthy: bool = True
     faults: list[Annotated[str, Field(max_length=200)]] = Field(default=[], max_length=64)

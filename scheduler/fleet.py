@@ -189,6 +189,20 @@ def name_problem(name: str) -> str | None:
     if len(name) > MAX_NAME_CHARS:
         return f"is {len(name)} characters; at most {MAX_NAME_CHARS}"
     return None
+# A GPU type as agents report it in every heartbeat, whose model takes no longer one: a fleet
+# file's longer type made a stack whose agent was refused at every heartbeat, so no job ran.
+MAX_GPU_TYPE_CHARS = 200
+
+
+def gpu_type_problem(gpu_type: str) -> str | None:
+    """Why `gpu_type` cannot be a GPU type, or None."""
+    if not gpu_type.strip() or not gpu_type.isprintable():
+        return "must be a non-empty string of printable characters"
+    if len(gpu_type) > MAX_GPU_TYPE_CHARS:
+        return f"is {len(gpu_type)} characters; at most {MAX_GPU_TYPE_CHARS}"
+    return None
+
+
 MAX_MACHINES_PER_BLOCK = 100_000
 MAX_MACHINES_PER_FLEET = 100_000  # across its clusters: 800,000 GPUs of 8, past any fleet there is
 MAX_GPUS_PER_FLEET = 1_000_000  # and so GPUs too: 100,000 machines of 1,024 would take gigabytes
@@ -253,6 +267,8 @@ class _FleetReader:
                              f"brings the fleet to {self.gpus} GPUs; a fleet file holds at most "
                              f"{MAX_GPUS_PER_FLEET}: give fewer machines or GPUs per machine")
         gpu_type = self.text(keys["gpu_type"], f"{field}.gpu_type")
+        if (problem := gpu_type_problem(gpu_type)) is not None:
+            raise self.error(keys["gpu_type"], f"{field}.gpu_type", problem)
         if "gpu_memory_gb" in keys:
             memory = self.positive_number(keys["gpu_memory_gb"], f"{field}.gpu_memory_gb", MOST_GPU_MEMORY_GB)
         else:

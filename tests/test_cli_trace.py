@@ -255,6 +255,15 @@ def test_a_trace_is_written_to_a_file_not_to_a_folder_s_name(tmp_path, capsys, o
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_trace_under_a_file_names_the_file_asked_for_not_a_temporary_one(tmp_path, capsys):
+    """It said `error: .../f/.x.csv.<pid>.partial: Not a directory`: cleaning up the temporary
+    file raised again, over the error that named the user's path."""
+    (tmp_path / "f").write_text("")
+    assert run("trace", "generate", "--jobs", "10", "--gpus", "8", "--days", "1", "--out", str(tmp_path / "f" / "x.csv")) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/f/x.csv" in err and ".partial" not in err, err
+
+
 @pytest.mark.parametrize("argv, flags", [
     (["generate", "--jobs", "200", "--days", "1", "--gpus", "64"], "--jobs or --days"),
     (["from-philly", "--input", "{d}/philly.csv"], "--days"),

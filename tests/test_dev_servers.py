@@ -674,12 +674,18 @@ def test_dev_commands_refuse_bad_arguments_with_exit_code_2(argv, capsys):
     (["dev", "up", "--machines", "65"], "--machines 65: the embedded stack takes at most 64"),
     (["dev", "up", "--cluster", "us/east"], "--cluster 'us/east' must be printable characters without '/'"),
     (["dev", "up", "--cluster", "c" * 65], "is 65 characters; at most 64"),
+    (["dev", "up", "--gpu-type", "G" * 201], "is 201 characters; at most 200"),
+    (["dev", "up", "--gpu-type", " "], "must be a non-empty string of printable characters"),
 ], ids=["a fleet of more machines than agents to run here", "a fleet and machines alike", "no such file",
         "more GPUs than a heartbeat lists", "more machines than agents to run here", "a cluster with a slash",
-        "a cluster name too long for machine ids"])
+        "a cluster name too long for machine ids", "a GPU type longer than a heartbeat takes", "a blank GPU type"])
 def test_dev_up_refuses_what_it_cannot_run_before_it_starts_anything(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    assert main([*argv, "--data-dir", str(tmp_path / "stack")]) == 2
+    try:
+        code = main([*argv, "--data-dir", str(tmp_path / "stack")])
+    except SystemExit as refused_by_argparse:
+        code = refused_by_argparse.code
+    assert code == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "stack").exists()
 

@@ -242,6 +242,7 @@ BAD_FLEETS = [
     ("clusters:\n  - name: c1\x1b\n", 2, None, "holds the control character U+001B"),
     (one_block(block(name="b" * 65)), 4, "clusters[0].blocks[0].name", "a name of up to 64 printable characters"),
     ("clusters:\n  - name: " + "c" * 995 + "\n    blocks: []\n", 2, "clusters[0].name", "up to 64"),
+    (one_block(block(gpu_type="G" * 201)), 4, "clusters[0].blocks[0].gpu_type", "is 201 characters; at most 200"),
 ]
 
 
@@ -298,6 +299,7 @@ BAD_FLEETS = [
         "a control character in a value, on its line",
         "a block name longer than machine ids take",
         "a cluster name longer than machine ids take, which took every control worker down",
+        "a GPU type longer than a heartbeat takes, whose machines never joined",
     ],
 )
 def test_a_bad_fleet_file_names_line_field_and_fix(text, line, field, fix):

@@ -46,6 +46,7 @@ import httpx
 
 from activities.node import NodeActivities, pid_dir
 from activities.run_processes import stop_left_runs
+from workers.arg_types import gpu_type
 from workers.devices import NVML_ERROR, DeviceBackend, GpuHealth, GpuInfo, detect_devices, kills_processes
 from workers.settings import (
     EXIT_NOT_REACHABLE,
@@ -614,7 +615,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stack directory: stack.json, job logs (jobs/), fake faults (faults/)")
     p.add_argument("--gpus", type=int, default=8,
                    help="number of fake GPUs (NVML counts the real ones)")
-    p.add_argument("--gpu-type", default=None,
+    p.add_argument("--gpu-type", type=gpu_type, default=None,
                    help="GPU type to report (fake: H100 by default; NVML: overrides the "
                         "detected type)")
     devices = p.add_mutually_exclusive_group()

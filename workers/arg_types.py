@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from scheduler.errors import InputError
+from scheduler.fleet import gpu_type_problem
 
 
 def utf8_name(text: str) -> str:
@@ -18,6 +19,13 @@ def utf8_name(text: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError(f"{text.encode(errors='surrogateescape')!r} holds bytes that are not "
                                          "UTF-8; type it in a UTF-8 locale") from None
+    return text
+
+
+def gpu_type(text: str) -> str:
+    """A GPU type a machine reports: refused here rather than by every heartbeat after."""
+    if (problem := gpu_type_problem(utf8_name(text))) is not None:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}{'...' if len(text) > 40 else ''} {problem}")
     return text
 
 

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from scheduler.errors import InputError
+from workers.arg_types import gpu_type
 from scheduler.fleet import MAX_GPUS_PER_MACHINE, name_problem
 from workers.arg_types import count, positive_float, positive_int
 
@@ -38,7 +39,7 @@ def add_dev_commands(subparsers) -> None:
     up.add_argument("--gpus-per-machine", type=positive_int, default=None,
                     help="GPUs per machine (default: as before, else 8)")
     up.add_argument("--cluster", default=None, help="cluster name (default: as before, else c1)")
-    up.add_argument("--gpu-type", default=None, help="GPU type (default: as before, else H100)")
+    up.add_argument("--gpu-type", type=gpu_type, default=None, help="GPU type (default: as before, else H100)")
     up.add_argument("--fleet", default=None, metavar="F.yaml",
                     help="the machines of a fleet file (docs/traces.md, \"Fleet YAML\"; at most 64), with their places, GPU types "
                          "and partitions, and its quotas; instead of --machines, --gpus-per-machine, "

@@ -12,6 +12,7 @@ turns bad input into one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -203,7 +204,9 @@ def _write_all(files: list[tuple[Path, str]]) -> None:
         staged.clear()
     finally:
         for temporary, _ in staged:
-            temporary.unlink(missing_ok=True)
+            # Its folder may be a file or gone: that error is the one already raised, named for the user.
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
 
 
 def _in_place(path: Path) -> bool:
