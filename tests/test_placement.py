@@ -111,6 +111,16 @@ WHERE_CASES = [
         job("j").gpus(22),
         lambda g: len({_rack_id(m) for m in machines_of(g)}) == 2 and mid(0, 0, 0) in machines_of(g),
     ),
+    (
+        fleet(machines=1) + fleet(first_block=1, machines=1, gpus=4), [],
+        job("j").gpus(4),
+        lambda g: machines_of(g) == {mid(1, 0, 0)},
+    ),
+    (
+        fleet(machines=4) + fleet(first_block=1, racks=2, machines=1), [_busy(mid(0, 0, m), 4) for m in range(4)],
+        job("j").gpus(16),
+        lambda g: blocks_of(g) == {"b0"},
+    ),
 ]
 WHERE_IDS = [
     "a 2-GPU job goes to the fullest machine that fits: 2 free rather than 4 or a whole one",
@@ -128,6 +138,8 @@ WHERE_IDS = [
     "an 'any' job of 12 takes two machines with 6 free each, not a whole machine and part of another",
     "a job that needs one whole machine among as many machines takes one, not two",
     "a job kept off a whole machine only if that spreads it over no more racks",
+    "best fit holds across machines of different sizes: a 4-GPU job takes a whole 4-GPU machine, not half of an 8",
+    "fewest racks come before fewest machines: four half-free machines in one rack, not two empty ones in two",
 ]
 
 

@@ -89,14 +89,15 @@ def test_who_may_be_preempted(run, claimant, victims):
 ORDER_CASES = [
     ([_run("low", M0, started=0), _run("normal", M1, priority="normal", started=NOW - 1000)], {}, "low"),
     ([_run("borrowed", M0, team="x", started=0), _run("owned", M1, team="y", started=NOW - 1000)],
-     {"x": {"guaranteed": 0}, "y": {"guaranteed": 16}}, "borrowed"),
+     {"x": {"guaranteed": 0}, "y": {"guaranteed": 16}, "t": {"guaranteed": 8}}, "borrowed"),
     ([_run("older", M0, started=0), _run("newer", M1, started=5000)], {}, "newer"),
     ([_run("saved-long-ago", M0).checkpointed(5000), _run("saved-recently", M1).checkpointed(9000)], {}, "saved-recently"),
     ([_run("b", M0), _run("a", M1)], {}, "a"),
 ]
 ORDER_IDS = [
     "the lowest class goes first, even if a higher-class candidate started more recently",
-    "a borrowed job goes before one within its team's guarantee, even if it started earlier",
+    "a borrowed job goes before one within its team's guarantee, even if it started earlier "
+    "(the claimant's team under its guarantee, so that both may be displaced)",
     "among equals, the most recently started goes first",
     "among equals started together, the one with least work since its checkpoint goes first",
     "when all else is equal, the job id decides",
@@ -110,6 +111,16 @@ def test_victim_order(run, quotas, victim):
     [victim_job] = [r.build() for r in run if r.spec.job_id == victim]
     [earmark] = result.earmarks
     assert set(earmark.gpus) == set(victim_job.gpus)
+
+
+def test_the_place_that_displaces_the_fewest_jobs_and_least_work_is_chosen():
+    """x started last, so it is the first candidate, but displacing it and w frees M0 where w
+    alone frees M1."""
+    w = running(job("w").gpus(8).priority("low").team("t")).on(M0, range(4, 8)).on(M1, range(4)).started(1000)
+    result = cycle(snapshot(fleet(machines=2), running=[_run("x", M0, range(4), started=5000), w], queue=[CRIT]))
+    assert preempted(result) == ["w"]
+    [earmark] = result.earmarks
+    assert set(earmark.gpus) == {(M1, g) for g in range(8)}
 
 
 # --- only if it really lets the claimant start -----------------------------------------------------------

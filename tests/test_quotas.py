@@ -264,6 +264,22 @@ def test_gpus_promised_to_a_waiting_job_count_towards_its_teams_guarantee():
     assert "a2" in pending(result) and "a1" in pending(result)
 
 
+def test_gpus_promised_to_a_waiting_job_count_towards_its_teams_maximum():
+    """a preempts for 8 GPUs, its team's maximum; b, which would fit on free GPUs now, must wait,
+    or the team holds 12 of its 8 once a starts on what it was promised."""
+    quotas = {"o": {"guaranteed": 0}, "t": {"guaranteed": 0, "max": 8}}
+    first = snapshot(
+        fleet(machines=2),
+        running=[running(job("v").gpus(8).priority("low").team("o")).on(M0, range(8)), filler("guard", M1, range(4))],
+        queue=[job("a").gpus(8).priority("critical").team("t").submitted(NOW - 10),
+               job("b").gpus(4).team("t").submitted(NOW)],
+        quotas=quotas)
+    result = cycle(first)
+    assert preempted(result) == ["v"] and "b" in pending(result)
+    later = cycle(after_preemption(first, result, now=NOW + 400))
+    assert set(placements(later)) == {"a"} and "b" in pending(later)
+
+
 def test_no_reclaim_while_free_gpus_let_the_job_start():
     result = cycle(snapshot(
         fleet(machines=3), running=_full_of_b(), queue=[job("a1").team("a").gpus(8).submitted(NOW)],

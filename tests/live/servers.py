@@ -17,6 +17,7 @@ The fixtures are plain (sync) pytest fixtures; async code inside a test runs wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import shutil
@@ -197,8 +198,9 @@ def live_stack(live_servers, tmp_path):
                            settings=settings, **kwargs)
 
     yield start
-    for data_dir in data_dirs:
-        devstack.down(data_dir)
+    with contextlib.ExitStack() as stops:  # every stack is stopped, even after one's stop raises
+        for data_dir in data_dirs:
+            stops.callback(devstack.down, data_dir)
 
 
 async def until_blocked_or_done(conn, other: asyncio.Future, timeout: float = 10.0) -> None:
