@@ -196,9 +196,12 @@ def admit(state: Admission, job: QueuedJob) -> None:
             return
         promised = usage.promised.get(spec.team, 0)
         also = f", {promised} promised to its waiting jobs" if promised else ""
-        state.waiting.append(
-            (job, f"team {spec.team} is at its maximum ({usage.held(spec.team)} of {limit} GPUs held{also})")
-        )
+        numbers = f"{usage.held(spec.team)} of {limit} GPUs held{also}"
+        if usage.held(spec.team) + promised >= limit:
+            state.waiting.append((job, f"team {spec.team} is at its maximum ({numbers})"))
+        else:  # a smaller job of the team would start: "at its maximum" would not be true
+            state.waiting.append((job, f"team {spec.team} would pass its maximum with this job's "
+                                       f"{in_words.gpus(spec.num_gpus)} ({numbers})"))
         return
     # b. earmark
     earmark = state.earmarks.get(spec.job_id)
@@ -306,11 +309,15 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
         usable = all(m in cap.index and healthy[cap.index[m]] >> g & 1 for m, g in earmark.gpus)
         if not usable:
             continue
+        claimant = waiting.get(earmark.job_id)
+        if claimant is not None and not state.usage.within_max(claimant.spec.team, claimant.spec.num_gpus):
+            # Its team's maximum was lowered under it since the promise: it cannot start on them,
+            # and kept, they stood idle until the promise lapsed (the victim waiting beside them).
+            continue
         free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]
         cap.take(free)
         state.earmarks[earmark.job_id] = earmark
         state.earmark_free[earmark.job_id] = free
-        claimant = waiting.get(earmark.job_id)
         if claimant is not None:  # a mover's GPUs count already: it still holds its old ones
             state.claimants[earmark.job_id] = claimant
             state.usage.promise(claimant.spec.team, claimant.spec.num_gpus)

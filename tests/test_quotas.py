@@ -95,8 +95,7 @@ def test_the_maximum_reason_names_the_team_and_the_numbers():
                             queue=[job("v").team("vision").gpus(4).submitted(NOW)],
                             quotas={"vision": {"guaranteed": 4, "max": 8}}))
     reason = pending(result)["v"].reason
-    assert reason.startswith("team vision is at its maximum"), reason
-    assert "6" in reason and "8" in reason, reason
+    assert reason == "team vision would pass its maximum with this job's 4 GPUs (6 of 8 GPUs held)", reason
 
 
 # --- which running jobs are borrowed ------------------------------------------------------------------
@@ -278,6 +277,22 @@ def test_gpus_promised_to_a_waiting_job_count_towards_its_teams_maximum():
     assert preempted(result) == ["v"] and "b" in pending(result)
     later = cycle(after_preemption(first, result, now=NOW + 400))
     assert set(placements(later)) == {"a"} and "b" in pending(later)
+
+
+def test_a_promise_to_a_job_whose_teams_maximum_was_lowered_under_it_is_dropped():
+    """Kept, the promised machine stood idle until the promise lapsed, the victim waiting beside
+    it ("the largest free is 0"), and the claimant was told it starts now."""
+    quotas = {"o": {"guaranteed": 0}, "t": {"guaranteed": 8, "max": 16}}
+    first = snapshot(fleet(machines=1), running=[running(job("v").gpus(8).priority("low").team("o")).on(M0, range(8))],
+                     queue=[job("claim").gpus(8).priority("normal").team("t").submitted(NOW)], quotas=quotas)
+    result = cycle(first)
+    assert preempted(result) == ["v"]
+    later = after_preemption(first, result, now=NOW + 130)
+    lowered = later.model_copy(update={"quotas": {**later.quotas, "t": Quota(guaranteed=4, max=4)}})
+    result = cycle(lowered)
+    assert set(placements(result)) == {"v"} and not result.earmarks
+    assert "more than team t's maximum of 4" in pending(result)["claim"].reason
+    assert pending(result)["claim"].estimated_start is None
 
 
 def test_no_reclaim_while_free_gpus_let_the_job_start():
