@@ -302,6 +302,9 @@ def job_view(job: Row, attempts: Iterable[Row], checkpoints: Iterable[Row] = ())
         pending_reason=job["pending_reason"] if job["state"] == "queued" else None,
         position=job["position"],
         estimated_start=iso(job["estimated_start"]),
+        deadline=iso(request.deadline),
+        misses_deadline=job["misses_deadline"] if job["state"] == "queued" else None,
+        preemptions=len(job["preemptions"] or ()),
         attempts=[attempt_view(a) for a in attempts],
         checkpoints=[checkpoint_view(c) for c in checkpoints],
     )

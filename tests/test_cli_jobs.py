@@ -8,7 +8,8 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
+import time
+from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import asyncpg
@@ -22,6 +23,7 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from workers.arg_types import deadline
 from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
 from workers.client import ClientError, GpuschedClient
@@ -187,6 +189,27 @@ def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view
     assert not any(words in out for words in not_shown), out
 
 
+@pytest.mark.parametrize("view, line", [
+    (_view(state="queued", estimated_start="2999-01-01T00:00:00+00:00"),
+     "  held back, starts 2999-01-01T00:00:00+00:00 (in "),
+    (_view(state="queued", position=1, deadline="2999-01-01T00:00:00+00:00", misses_deadline=True),
+     "  deadline hint 2999-01-01T00:00:00+00:00 (in "),
+    (_view(state="running", preemptions=2), "  preempted 2 times"),
+    (_view(state="running", preemptions=1), "  preempted 1 time"),
+], ids=[
+    "a held-back job says the earliest it starts, as the list does",
+    "a job with a deadline hint says it and whether it is expected to miss it",
+    "a job preempted twice says so",
+    "once, in the singular",
+])
+def test_status_says_when_a_held_back_job_may_start_its_deadline_and_its_preemptions(capsys, view, line):
+    _print_view(view)
+    out = capsys.readouterr().out
+    assert any(shown.startswith(line) for shown in out.splitlines()), out
+    if view.misses_deadline:
+        assert "; expected to miss it" in out, out
+
+
 @pytest.mark.parametrize("iso, when", [
     (None, "unknown"),
     ("2026-12-01T00:00:45+00:00", "2026-12-01T00:00:45+00:00 (in 45 s)"),
@@ -200,7 +223,9 @@ def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
     views = [_view(job_id="pretrain-a-183659", state="running", num_gpus=8),
              _view(job_id="j", state="queued", position=1, estimated_start="2026-12-01T00:10:00+00:00"),
              _view(job_id="k", state="queued", position=2),
-             _view(job_id="held", state="queued", estimated_start="2026-12-01T00:02:00+00:00")]
+             _view(job_id="held", state="queued", estimated_start="2026-12-01T00:02:00+00:00"),
+             _view(job_id="late", state="queued", position=3, estimated_start="2026-12-01T01:00:00+00:00",
+                   misses_deadline=True)]
     now = datetime.fromisoformat("2026-12-01T00:00:00+00:00").timestamp()
     assert list_table(views, now).splitlines() == [
         "JOB                STATE    TEAM    PRIORITY  GPUS  QUEUED",
@@ -208,7 +233,16 @@ def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
         "j                  queued   vision  normal       4  #1, starts in 10.0 min",
         "k                  queued   vision  normal       4  #2",
         "held               queued   vision  normal       4  held back, starts in 2.0 min at the earliest",
+        "late               queued   vision  normal       4  #3, starts in 60.0 min, misses its deadline",
     ]
+
+
+@pytest.mark.parametrize("typed, seconds_from_now", [
+    ("+90m", 5400), ("+6h", 21600), ("+2d", 172800), ("+3600s", 3600), ("+1.5H", 5400),
+    ("2030-01-01T00:00:00+00:00", datetime(2030, 1, 1, tzinfo=timezone.utc).timestamp() - time.time()),
+], ids=["minutes", "hours", "days", "seconds", "a fraction, the unit in capitals", "a date and time with its zone"])
+def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_now):
+    assert deadline(typed) - time.time() == pytest.approx(seconds_from_now, abs=5)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -220,6 +254,12 @@ def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
     (["submit", "--team", "vision", "--gpus", "1", "--expected-duration", "inf", "--", "true"],
      "argument --expected-duration: must be a finite number, not inf"),
     (["cluster", "set", "c1", "--machine-timeout", "nan"], "argument --machine-timeout: must be a finite number"),
+    (["submit", "--team", "vision", "--gpus", "1", "--deadline", "tomorrow", "--", "true"],
+     "argument --deadline: 'tomorrow' is neither a date and time (2026-12-08T09:00) nor a time from now (+6h)"),
+    (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+6y", "--", "true"],
+     "argument --deadline: '+6y' is not a time from now; write it as +90m, +6h or +2d"),
+    (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+-1h", "--", "true"],
+     "argument --deadline: '+-1h' is not a time from now"),
 ], ids=[
     "listing by a state that does not exist names the states there are",
     "a negative limit is refused before the database sees it",
@@ -228,6 +268,9 @@ def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
     "attempt 0 is refused, not taken for the last one",
     "an endless expected duration",
     "a machine timeout that is not a number",
+    "a deadline in words",
+    "a deadline from now in an unknown unit",
+    "a deadline from now that is in the past",
 ])
 def test_a_bad_flag_is_a_usage_error(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
@@ -368,6 +411,14 @@ def test_the_working_directory_a_submit_gives_its_job(monkeypatch, tmp_path, giv
 
     monkeypatch.chdir(tmp_path)
     assert _working_dir(given) == (expected.format(cwd=os.getcwd()) if expected else None)
+
+
+def test_a_submits_deadline_reaches_its_request():
+    from workers.cli import build_parser
+    from workers.cli_jobs import _request
+
+    args = build_parser().parse_args(["submit", "--team", "vision", "--gpus", "1", "--deadline", "+2h", "--", "true"])
+    assert _request(args).deadline == pytest.approx(time.time() + 7200, abs=5)
 
 
 def test_a_relative_working_directory_is_refused_by_the_api_naming_the_field():

@@ -8,6 +8,8 @@ import gc
 import itertools
 import json
 import threading
+import time
+from datetime import datetime
 from pathlib import Path
 
 import asyncpg
@@ -358,6 +360,24 @@ def test_a_requeued_job_goes_back_to_the_queue_with_its_preemption_counted(store
         "a third twice that", "a fourth four times", "never longer than the cap", "a backoff of 0 holds none"])
 def test_a_job_queued_again_after_failures_in_a_row_is_held_back_longer_each_time(backoff, failures, held):
     assert held_back(backoff, failures) == held
+
+
+def test_a_queued_job_says_whether_it_misses_its_deadline_hint_and_how_often_it_was_preempted(store_env):
+    """The cycle wrote whether each queued job misses its deadline, but no view showed it."""
+    run, store = store_env
+    run(store.set_quota("vision", Quota(guaranteed=4, max=8, queue_cap=None)))
+    run(store.admit(job("a", gpus=4)))
+    run(store.admit(job("b", gpus=4)))
+    assert sorted(p.job_id for p in run(store.plan_cycle("c1", 1, run_cycle)).placements) == ["a", "b"]
+    soon, late = time.time() + 60, time.time() + 10 * 86400
+    run(store.admit(job("c", gpus=4, deadline=soon, expected_duration=3600)))
+    assert run(store.admit(job("d", gpus=4, deadline=late, expected_duration=3600))).accepted
+    assert run(store.plan_cycle("c1", 2, run_cycle)).placements == []
+    run(store.pool.execute("UPDATE jobs SET preemptions = ARRAY[1.0, 2.0] WHERE id = 'c'"))
+    c, d, a = (run(store.job_view(j)) for j in "cda")
+    assert (c.misses_deadline, d.misses_deadline, a.misses_deadline) == (True, False, None)
+    assert datetime.fromisoformat(c.deadline).timestamp() == pytest.approx(soon, abs=0.001) and a.deadline is None
+    assert (c.preemptions, d.preemptions) == (2, 0)
 
 
 def test_a_held_back_job_stays_out_of_the_queue_until_its_hold_ends_and_says_why(store_env):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
+from datetime import datetime
 from pathlib import Path
 
 from scheduler.errors import InputError
@@ -27,6 +29,33 @@ def gpu_type(text: str) -> str:
     if (problem := gpu_type_problem(utf8_name(text))) is not None:
         raise argparse.ArgumentTypeError(f"{text[:40]!r}{'...' if len(text) > 40 else ''} {problem}")
     return text
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def deadline(text: str) -> float:
+    """A deadline hint as epoch seconds: `+90m`, `+6h`, `+2d`, `+3600s` from now, or an ISO date
+    and time (local time unless it names a zone)."""
+    spec = text.strip()
+    if spec.startswith("+"):
+        number, unit = spec[1:-1], spec[-1:].lower()
+        try:
+            amount = float(number) if unit in _UNITS else math.nan
+        except ValueError:
+            amount = math.nan
+        if not math.isfinite(amount) or amount <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a time from now; write it as +90m, +6h or +2d")
+        return time.time() + amount * _UNITS[unit]
+    try:
+        when = datetime.fromisoformat(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a date and time (2026-12-08T09:00) nor a time from "
+                                         "now (+6h)") from None
+    try:
+        return when.timestamp()  # a naive time is the local time, as typed
+    except (OverflowError, OSError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of the range of dates a clock can tell") from None
 
 
 def whole(text: str) -> int:

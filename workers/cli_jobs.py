@@ -26,7 +26,7 @@ from activities.outages import database_down
 from activities.store import UNMIGRATED_FIX
 from scheduler import in_words
 from scheduler.models import DAY, JobKind, PolicyConfig, Priority, Quota, Topology
-from workers.arg_types import finite, limit, positive_float, positive_int, utf8_name
+from workers.arg_types import deadline, finite, limit, positive_float, positive_int, utf8_name
 from workers.client import ENDED, ClientError, GpuschedClient, NotYetAdmitted, new_job_id
 from workers.settings import SettingsError, load_settings, missing_stack
 from workflows.types import JobRequest, JobState, JobView, first_error, flag_for, request_problem, team_problem
@@ -56,6 +56,10 @@ def add_job_commands(subparsers) -> None:
                         help="times a failed command is run again, from its newest checkpoint (default 0)")
     submit.add_argument("--cluster", default=None)
     submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
+    submit.add_argument("--deadline", type=deadline, default=None, metavar="WHEN",
+                        help="a hint: when it should be done, as a date and time (2026-12-08T09:00, local time "
+                             "unless it names a zone) or a time from now (+90m, +6h, +2d); `status` says whether "
+                             "its estimated start and expected duration miss it")
     submit.add_argument("--job-id", default=None, help="default: a new unique id")
     submit.add_argument("--workdir", default=None, metavar="DIR",
                         help="the directory the command runs in, on its machines (default: the current one; "
@@ -226,7 +230,7 @@ def _request(args) -> JobRequest:
             gpu_type=args.gpu_type, topology=args.topology, priority=args.priority,
             checkpoint_interval=args.checkpoint_interval, expected_duration=args.expected_duration,
             kind=args.kind, cluster=args.cluster, env=env, max_retries=args.max_retries,
-            working_dir=_working_dir(args.workdir),
+            working_dir=_working_dir(args.workdir), deadline=args.deadline,
         )
     except ValidationError as e:
         field, message = first_error(e)
@@ -305,8 +309,17 @@ def cmd_submit(args) -> int:
 
 def _print_view(view: JobView) -> None:
     print(f"{view.job_id}  {view.state}  team={view.team}  priority={view.priority}  gpus={view.num_gpus}")
+    now = time.time()
     if view.position is not None:
-        print(f"  queue position {view.position}, estimated start {_when(view.estimated_start, time.time())}")
+        print(f"  queue position {view.position}, estimated start {_when(view.estimated_start, now)}")
+    elif view.state == "queued" and view.estimated_start is not None:
+        # Held back after infrastructure failures in a row: out of the queue until then.
+        print(f"  held back, starts {_when(view.estimated_start, now)} at the earliest")
+    if view.deadline is not None:
+        verdict = {True: "; expected to miss it", False: "; expected to make it"}.get(view.misses_deadline, "")
+        print(f"  deadline hint {_when(view.deadline, now)}{verdict}")
+    if view.preemptions:
+        print(f"  preempted {view.preemptions} time{'s' if view.preemptions > 1 else ''}")
     if view.pending_reason:
         print("  waiting: " + view.pending_reason)
     if view.reason and view.reason != view.pending_reason:
@@ -367,6 +380,8 @@ def list_table(views: list[JobView], now: float) -> str:
             queued = f"#{v.position}"
             if v.estimated_start is not None:
                 queued += f", starts {_from_now(v.estimated_start, now)}"
+            if v.misses_deadline:
+                queued += ", misses its deadline"
         elif v.state == "queued" and v.estimated_start is not None:
             # Held back after infrastructure failures in a row: out of the queue until then.
             queued = f"held back, starts {_from_now(v.estimated_start, now)} at the earliest"

@@ -486,6 +486,11 @@ class JobView(Model):
     pending_reason: str | None = None  # a queued job: why it waits now, as of the last cycle
     position: int | None = None
     estimated_start: str | None = None
+    deadline: str | None = None  # the submit's hint
+    # A queued job with a deadline hint: whether its estimated start plus the work left misses
+    # it, as of the last cycle.
+    misses_deadline: bool | None = None
+    preemptions: int = 0  # how many times it was displaced for other work
     attempts: list[AttemptView] = Field(default_factory=list)
     checkpoints: list[CheckpointView] = Field(default_factory=list)
 
