@@ -307,6 +307,32 @@ def test_a_number_whose_report_was_refused_is_taken_by_a_later_writer_whose_byte
     assert env.resumed["seq"] == 2
 
 
+def _refused_elsewhere(env, seq: int) -> CheckpointReport:
+    """A report of bytes this store does not hold (a machine writing to another store)."""
+    data = b"written elsewhere"
+    return CheckpointReport(seq=seq, key=f"{checkpoint_prefix(env.job)}{seq:010d}", size=len(data),
+                            sha256=hashlib.sha256(data).hexdigest(), md5=hashlib.md5(data).hexdigest())
+
+
+def test_refused_reports_of_higher_numbers_count_for_nothing_in_the_two_newest_kept(env):
+    one, two = env.write(1, b"step=1"), env.write(2, b"step=2")
+    assert env.commit(one).committed
+    for seq in (3, 4):
+        assert not env.commit(_refused_elsewhere(env, seq)).committed
+    assert env.commit(two).committed  # not refused as "older than its two newest complete ones"
+    assert env.exists(one.key) and env.exists(two.key)
+
+
+def test_the_bytes_of_a_number_above_the_kept_ones_are_not_deleted_before_its_report_comes(env):
+    for seq in (1, 2):
+        assert env.commit(env.write(seq, f"step={seq}".encode())).committed
+    assert not env.commit(_refused_elsewhere(env, 4)).committed
+    four = env.write(4, b"step=4")  # a later writer's 4, uploaded, not reported yet
+    assert env.commit(env.write(3, b"step=3")).committed
+    assert env.exists(four.key)
+    assert env.commit(four).committed
+
+
 def test_a_late_report_of_a_checkpoint_below_the_two_kept_is_never_committed(env):
     """Its object may be gone with the clean-up since (collected, or never reported when the
     clean-up looked): committed, or brought back from collected, it was a complete checkpoint of

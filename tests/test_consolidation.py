@@ -174,3 +174,58 @@ def test_a_claimant_that_may_move_a_job_moves_it_whoever_of_its_shape_could_not(
     quotas = {"g": {"guaranteed": 8}, "x": {"guaranteed": 1}, "ops": {"guaranteed": 100}, "*": {"guaranteed": 0}}
     result = cycle(snapshot(fleet(machines=2), running=held, queue=queue, quotas=quotas))
     assert [(p.job_id, p.for_job) for p in result.preemptions] == [("m", "H")]
+
+
+# --- which job is moved, and only as many as needed (mutation testing found these rules untested) -----------
+
+M2, M3, M4 = mid(0, 0, 2), mid(0, 0, 3), mid(0, 0, 4)
+
+
+def _saved(job_id, machine, gpus, priority="low", checkpointed=NOW - 100):
+    return running(job(job_id).gpus(len(gpus)).priority(priority)).on(machine, gpus).checkpointed(checkpointed)
+
+
+MOVE_CASES = [
+    (2, [filler("f0", M0, range(3)), _saved("A", M0, [3], "normal"), _saved("B", M0, [4]), filler("f1", M1, range(6))],
+     _claimant(priority="high"), {"max_preemption_searches": 0}, ["B"]),
+    (2, [filler("f0", M0, range(3)), _saved("A", M0, [3], checkpointed=NOW - 1000),
+         _saved("B", M0, [4], checkpointed=NOW - 10), filler("f1", M1, range(6))], _claimant(), {}, ["B"]),
+    (3, [filler("f0", M0, range(4)), _saved("X", M0, [4], checkpointed=NOW - 1000),
+         filler("f1", M1, range(4)), _saved("Y", M1, [4, 5], checkpointed=NOW - 10), filler("f2", M2, range(5))],
+     _claimant(), {}, ["X"]),
+    (3, [filler("f0", M0, range(4)), _saved("X", M0, [4, 5], checkpointed=NOW - 1000),
+         filler("f1", M1, range(4)), _saved("Y", M1, [4, 5], checkpointed=NOW - 10), filler("f2", M2, range(6))],
+     _claimant(), {}, ["Y"]),
+    (2, [filler("f0", M0, range(3)), _saved("X", M0, [3, 4], checkpointed=NOW - 10),
+         _saved("Y", M0, [5], checkpointed=NOW - 1000), filler("f1", M1, range(6))], _claimant(), {}, ["X"]),
+    (2, [filler("f0", M0, range(3)), _saved("Y", M0, [3, 4], checkpointed=NOW - 1000),
+         _saved("X", M0, [7], checkpointed=NOW - 10), filler("f1", M1, range(5))], _claimant(), {}, ["Y"]),
+    (2, [filler("f0", M0, range(4)), _saved("m", M0, [4]), filler("f1", M1, range(6), expected=NOW + 10)],
+     _claimant(), {}, []),
+]
+MOVE_IDS = [
+    "the lowest class is moved first (the high gang kept from preempting, so that it moves)",
+    "of one class, the job with the least work at risk is moved first",
+    "the machine that needs the fewest GPUs moved is cleared",
+    "of machines alike, the one with less work at risk is cleared",
+    "only as many movers as needed, so that one landing gap is enough",
+    "a job the gang does not need moved is left alone",
+    "no move when GPUs free up on their own within half the grace",
+]
+
+
+@pytest.mark.parametrize("machines, run, claimant, settings, moved", MOVE_CASES, ids=MOVE_IDS)
+def test_which_job_is_moved_for_a_gang(machines, run, claimant, settings, moved):
+    assert preempted(cycle(snapshot(fleet(machines=machines), running=run, queue=[claimant], **settings))) == moved
+
+
+def test_a_job_moved_for_one_gang_is_not_moved_again_for_a_second_in_the_same_cycle():
+    """Both gangs were promised all of m0, and each of its jobs was told to move twice."""
+    run = [_saved("X", M0, [0, 1, 2, 3], checkpointed=NOW - 10), _saved("Y", M0, [4, 5, 6, 7], checkpointed=NOW - 10)]
+    run += [filler(f"f{k}", m, range(4)) for k, m in enumerate([M1, M2, M3, M4])]
+    gangs = [job(g).gpus(8).priority("low").submitted(WAITED) for g in ("g1", "g2")]
+    result = cycle(snapshot(fleet(machines=5), running=run, queue=gangs))
+    moved = preempted(result)
+    assert len(moved) == len(set(moved)), moved
+    promised = [slot for e in result.earmarks for slot in e.gpus]
+    assert len(promised) == len(set(promised)), result.earmarks

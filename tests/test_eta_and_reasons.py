@@ -515,3 +515,23 @@ def test_a_reservation_holder_behind_a_job_of_its_own_team_and_shape_is_estimate
     [hold] = result.reservations
     starts = {j: p.estimated_start for j, p in pending(result).items()}
     assert (hold.job_id, starts) == ("h", {"h": NOW + 1000, "x": NOW + 1000 + 3600})
+
+
+def _two_victims_of_c():
+    v1 = running(job("v1").gpus(4).priority("low")).on(M[0], range(4)).started(NOW - 5000).draining(NOW + 100, for_job="c")
+    v2 = running(job("v2").gpus(4).priority("low")).on(M[0], range(4, 8)).started(NOW - 5000).draining(NOW + 500, for_job="c")
+    return [v1, v2]
+
+
+def test_a_claimant_is_estimated_to_start_when_the_last_of_its_victims_has_left():
+    from scheduler.models import Earmark
+
+    earmark = Earmark(job_id="c", gpus=tuple((M[0], g) for g in range(8)), expires=NOW + 600)
+    result = cycle(snapshot(fleet(), running=_two_victims_of_c(), queue=[job("c").gpus(8).priority("high").submitted(NOW)],
+                            earmarks=[earmark]))
+    assert pending(result)["c"].estimated_start == NOW + 500
+
+
+def test_a_claimant_waiting_for_victims_is_told_when_the_last_grace_ends():
+    result = cycle(snapshot(fleet(), running=_two_victims_of_c(), queue=[job("c").gpus(8).priority("high").submitted(NOW)]))
+    assert f"grace ends {in_words.from_now(NOW + 500, NOW)}" in pending(result)["c"].reason

@@ -121,3 +121,14 @@ def test_submissions_out_of_time_order_are_refused():
     log.add(10.0, Priority.low, 1, 60.0)
     with pytest.raises(ValueError, match="time order"):
         log.add(5.0, Priority.low, 1, 60.0)
+
+
+def test_a_new_forecast_window_expects_arrivals_one_new_window_later():
+    """The forecast kept for the old window was reused under the new one."""
+    from builders import config
+
+    log = SubmissionLog()
+    log.add(NOW - 100, "normal", 8, 3600.0)
+    log.expected_arrivals(NOW, config(forecast_window=86400.0))
+    [expected] = log.expected_arrivals(NOW, config(forecast_window=3600.0))
+    assert expected.at == NOW - 100 + 3600.0

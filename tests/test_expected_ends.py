@@ -58,3 +58,27 @@ def test_the_ends_kept_between_cycles_equal_ends_worked_out_from_nothing(restart
     # Another restart allowed: worked out afresh, not taken from what was kept.
     cap = Capacity(MACHINES)
     assert expected_ends(cap.layout, jobs, now, restart + 1) == _from_nothing(cap, jobs, now, restart + 1)
+
+
+def _resumed():
+    return running(job("r").gpus(8).expected(3600)).on(mid(0, 0, 0), range(8)).started(NOW - 100).resumed_from(300.0).build()
+
+
+def test_the_ends_kept_from_the_last_cycle_follow_a_new_expected_restart():
+    from scheduler.expected_ends import expected_ends
+
+    cap, jobs = Capacity(fleet()), [_resumed()]
+    expected_ends(cap.layout, jobs, NOW, 0.0)
+    [(_, end, _)] = expected_ends(cap.layout, jobs, NOW, 120.0)
+    assert end == jobs[0].estimated_end + 120.0
+
+
+def test_the_ends_kept_from_the_last_cycle_follow_a_new_layout_of_the_machines():
+    from scheduler.expected_ends import expected_ends
+
+    machines = fleet(machines=2)
+    jobs = [running(job("r").gpus(8)).on(mid(0, 0, 1), range(8)).started(NOW - 100).build()]
+    expected_ends(Capacity(machines).layout, jobs, NOW, 0.0)
+    cap = Capacity(machines[::-1])
+    [(_, _, where)] = expected_ends(cap.layout, jobs, NOW, 0.0)
+    assert where == cap.machines_of(jobs[0])

@@ -26,6 +26,9 @@ WITH_INFERENCE = TWO_BLOCKS + fleet(blocks=1, first_block=9, machines=1, gpus=4,
      WITH_INFERENCE, ("num_gpus", "needs 8 GPUs in one block; the largest block has 4")),
     ("a training job on a fleet of inference machines only", job("a").spec(),
      fleet(partition="inference"), ("kind", "no machine of the training partition")),
+    ("an inference job fits a cluster without an inference partition", job("a").inference().gpus(8).spec(),
+     TWO_BLOCKS, None),
+    ("a job asking exactly its GPUs' memory fits", job("a")._set(gpu_memory_gb=80.0).spec(), TWO_BLOCKS, None),
 ])
 def test_a_job_that_can_never_start_is_told_which_field_to_change(name, spec, machines, verdict):
     assert why_it_never_fits(spec, machines) == verdict, name

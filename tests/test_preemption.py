@@ -20,6 +20,8 @@ from builders import (
     snapshot,
 )
 
+from scheduler.models import Earmark
+
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
 CRIT = job("claim").gpus(8).priority("critical").submitted(NOW)
 
@@ -312,11 +314,13 @@ _ENDING = running(job("ending").gpus(8).priority("low").expected(2030)).on(M0, r
 SOON_CASES = [
     (0.0, [], "enough GPUs are expected to free up within half the grace period"),
     (25.0, [], "enough GPUs are expected to free up within half the grace period"),
+    (60.0, ["ending"], "preempting ending"),
     (300.0, ["ending"], "preempting ending"),
 ]
 SOON_IDS = [
     "no restart expected: the claimant waits for the job about to end",
     "a short restart still ends within half the grace: it waits",
+    "a restart that makes it end after half the grace, though within the whole: the claimant preempts",
     "a restart that makes it end later: the claimant preempts instead",
 ]
 
@@ -488,3 +492,20 @@ def test_a_claimant_does_not_wait_for_gpus_about_to_free_up_that_an_earlier_clai
              job("B").gpus(2).priority("high").submitted(NOW).queued()]
     result = cycle(snapshot(fleet(machines=2), running=held, queue=queue))
     assert sorted((p.job_id, p.for_job) for p in result.preemptions) == [("E", "A"), ("F", "A"), ("Y", "B")]
+
+
+def test_gpus_a_draining_job_leaves_to_its_claimant_are_not_waited_for_by_another():
+    """v leaves m0 to c in 10 s; d, behind c, would have waited for those GPUs instead of preempting L."""
+    v = running(job("v").gpus(8).priority("low")).on(M0, range(8)).started(NOW - 5000).draining(NOW + 10, for_job="c")
+    low = running(job("L").gpus(8).priority("low")).on(M1, range(8)).started(0)
+    earmark = Earmark(job_id="c", gpus=tuple((M0, g) for g in range(8)), expires=NOW + 240)
+    queue = [job("c").gpus(8).priority("high").submitted(NOW - 60), job("d").gpus(8).priority("high").submitted(NOW)]
+    result = cycle(snapshot(fleet(machines=2), running=[v, low], queue=queue, earmarks=[earmark]))
+    assert preempted(result) == ["L"] and [p.for_job for p in result.preemptions] == ["d"]
+
+
+def test_a_lapsed_earmark_holds_nothing():
+    earmark = Earmark(job_id="c", gpus=tuple((M0, g) for g in range(8)), expires=NOW - 1)
+    queue = [job("x").gpus(8).priority("critical").submitted(NOW), job("c").gpus(8).priority("low").submitted(NOW)]
+    result = cycle(snapshot(fleet(), queue=queue, earmarks=[earmark]))
+    assert list(placements(result)) == ["x"] and not result.earmarks

@@ -262,7 +262,8 @@ def test_the_soonest_place_is_the_one_the_plain_search_finds(seed):
     cap = Capacity(machines, jobs)
     book = ReleaseBook(releases)
     held = frozenset(rng.sample(range(len(machines)), rng.randint(0, 4)))
-    for n, topology in ((4, None), (8, None), (8, "machine"), (16, "block"), (24, "block"), (40, "any"), (16, "any")):
+    for n, topology in ((4, None), (8, None), (8, "machine"), (16, "block"), (24, "block"), (40, "any"), (16, "any"),
+                        (8, "any"), (4, "any")):  # an "any" job of a machine or less holds one machine
         spec = job(f"q{n}").gpus(n).topology(topology).spec()
         assert plan_hold(cap, spec, book, NOW, held) == _plain_plan(cap, spec, book, NOW, held), (n, topology)
 
@@ -416,3 +417,13 @@ def test_the_second_reservation_of_a_cycle_counts_back_the_gpus_of_a_job_placed_
     assert machines_of(placements(result)["p"].gpus) == {M0}
     holds = {h.job_id: (h.machines, h.expected_start) for h in result.reservations}
     assert holds == {"s0": ((M1,), NOW + 200), "s1": ((M0,), NOW + 500)}
+
+
+def test_a_starving_job_reserves_though_a_younger_one_alike_came_out_first():
+    """The younger job (a deadline sorts it first; past the consolidation wait, not starving) came
+    out without a reservation, and its answer was reused for the starving one."""
+    young = job("young").gpus(8).deadline(NOW + 100).submitted(NOW - 600)
+    old = job("old").gpus(8).submitted(0)
+    result = cycle(snapshot(fleet(machines=2), running=BASE_RUNNING, queue=[young, old],
+                            quotas={"t": {"guaranteed": 64}}))
+    assert [r.job_id for r in result.reservations] == ["old"]

@@ -35,3 +35,22 @@ def test_followers_that_look_at_different_cycles_each_get_their_own_changes():
                 assert {id(j) for j in gone} == before - after
                 assert {id(j) for j in new} == after - before
             seen[k] = list(jobs)
+
+
+def test_jobs_that_ended_are_dropped_from_what_is_kept_per_job():
+    """Kept, they would grow without bound over a long-running loop."""
+    from scheduler.since_last_cycle import PerRunningJob
+
+    jobs = [running(job(x).gpus(1)).on(mid(0, 0, 0), [k]).build() for k, x in enumerate("abcd")]
+    kept = PerRunningJob(lambda j: (), jobs)
+    assert kept.follow(jobs[1:])
+    assert len(kept.by_job) == 3
+
+
+def test_work_kept_per_job_is_done_again_against_something_new():
+    from scheduler.since_last_cycle import PerJob
+
+    a = running(job("a").gpus(1)).on(mid(0, 0, 0), [0]).build()
+    kept = PerJob(lambda job, against: against)
+    kept.get(a, "old")
+    assert kept.get(a, "new") == "new"

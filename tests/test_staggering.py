@@ -147,3 +147,29 @@ def test_a_job_that_saves_once_in_ages_keeps_the_plan_a_day_long():
     plan = WritePlan(60.0, period)
     assert len(plan.load) == LONGEST_PERIOD / 60.0
     assert 0 <= plan.choose(3.0e8, 8) < LONGEST_PERIOD
+
+
+def test_of_phases_equally_loaded_the_lowest_is_chosen():
+    assert WritePlan(60.0, 3600.0).choose(1800.0, 1) == 0.0
+
+
+def test_the_phase_with_the_lowest_peak_is_chosen_not_the_lowest_total():
+    plan = WritePlan(60.0, 3600.0)
+    plan.load = [1.0] * 60
+    plan.load[0], plan.load[30] = 2.0, 0.0  # phase 0: peak 2, total 2; phase 60: peak 1, total 2
+    assert plan.choose(1800.0, 1) == 60.0
+
+
+def test_a_job_that_saves_once_in_years_is_offered_only_one_periods_phases(monkeypatch):
+    """Each phase of its interval was tried: 5 million for an interval of 3e8 s."""
+    calls = []
+    real = WritePlan._times
+    monkeypatch.setattr(WritePlan, "_times", lambda self, i, p: calls.append(p) or real(self, i, p))
+    WritePlan(60.0, plan_period([3.0e8])).choose(3.0e8, 8)
+    assert len(calls) <= 86400 / 60
+
+
+def test_a_new_checkpoint_slot_is_used_at_once():
+    jobs = [running(job("a").gpus(2).checkpoint(1800)).on(mid(0, 0, 0), [0, 1]).phase(0.0).build()]
+    running_plan("slot-test", jobs, 60.0, [1800.0])
+    assert running_plan("slot-test", jobs, 300.0, [1800.0]).slot == 300.0

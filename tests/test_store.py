@@ -509,6 +509,19 @@ def test_a_machine_that_stops_heartbeating_leaves_the_snapshot(store_env):
     assert {m.id: m.reachable for m in snap.machines} == {"c1/b0/r0/m0": False, "c1/b0/r0/m1": True}
 
 
+def test_a_job_on_a_machine_that_stopped_heartbeating_is_stopped_with_no_grace(store_env):
+    """No machine is there to checkpoint on: a grace would only keep its other GPUs idle."""
+    run, store = store_env
+    run(store.admit(job("gang", gpus=8)))
+    alloc = run(store.plan_cycle("c1", 1, run_cycle)).placements[0].signal.allocation_id
+    run(store.start_attempt("gang", alloc))
+    run(store.configure_cluster("c1", machine_timeout=0.5))
+    run(asyncio.sleep(0.7))
+    run(store.machine_heartbeat("c1/b0/r0/m0", 1, [GpuReport(index=i) for i in range(4)]))  # m1 is silent
+    [stop] = run(store.plan_cycle("c1", 2, run_cycle)).preemptions
+    assert (stop.job_id, stop.signal.grace_period, stop.signal.end_reason.value) == ("gang", 0.0, "machine_failure")
+
+
 @pytest.mark.parametrize("end, quiet_for, takes_work", [
     (EndReason.machine_failure, 10, False),
     (EndReason.not_started, 40, False),
