@@ -82,8 +82,9 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import run_processes
-from activities.run_processes import POLL, RUN_TOKEN, RunProcesses, boot_id, group_to_signal, new_token, start_ticks
-from jobkit import RESTORED_REPORT, STOP_ORDER, UNUSABLE_REPORT
+from activities.run_processes import (POLL, RUN_TOKEN, RunProcesses, boot_id, group_to_signal, new_token, start_ticks,
+                                      tell_stop_order)
+from jobkit import RESTORED_REPORT, UNUSABLE_REPORT
 from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, EXIT_STOPPED, SIGTERM, AttachOrder,
                              RunJobInput, RunJobResult, StopOrder)
 
@@ -471,12 +472,8 @@ class NodeActivities:
         """Tell the job the grace it really has (jobkit's stop.json), before SIGTERM where the
         stop comes first; its GPUSCHED_GRACE_PERIOD is the launch's. Every stop says it: the
         scheduler's order, the agent's shutdown (its own grace at most), an orphan's kill."""
-        folder = self._report_dir(run.req)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{STOP_ORDER}.tmp"
-            tmp.write_text(json.dumps({"grace_period": grace, "deadline": time.time() + grace}))
-            os.replace(tmp, folder / STOP_ORDER)  # whole or not at all: the job may read it any time
+            tell_stop_order(self._report_dir(run.req), grace)
         except OSError as err:
             log.warning("allocation %d: cannot tell the job its grace: %s", run.req.allocation_id, err)
 
@@ -527,8 +524,15 @@ class NodeActivities:
                 # What it saved while no agent listened, first: its allocation may still be the
                 # job's current one now, and not by the time the stop below is done.
                 await self._forward_before_stop(info["job_id"], alloc, Path(info["report_dir"]))
-            log.warning("allocation %d: stopping process group %d left by an earlier agent",
-                        alloc, pgid)
+            log.warning("allocation %d: stopping process group %d left by an earlier agent (%gs grace)",
+                        alloc, pgid, grace)
+            if info.get("report_dir"):
+                # Its GPUSCHED_GRACE_PERIOD is the launch's: told nothing, jobkit planned a save for
+                # that and was killed in the middle of it.
+                try:
+                    tell_stop_order(Path(info["report_dir"]), grace)
+                except OSError as err:
+                    log.warning("allocation %d: cannot tell the job its grace: %s", alloc, err)
             left.signal(signal.SIGTERM)
             deadline = asyncio.get_running_loop().time() + grace
             while left.alive() and asyncio.get_running_loop().time() < deadline:

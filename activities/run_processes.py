@@ -21,6 +21,8 @@ import signal
 import time
 from pathlib import Path
 
+from jobkit import STOP_ORDER
+
 RUN_TOKEN = "GPUSCHED_RUN_TOKEN"
 POLL = 0.05  # how often a stop looks whether the group is gone
 LOOK_EVERY = 0.5  # how often it reads every process's environment: a scan of the machine
@@ -74,6 +76,25 @@ class RunProcesses:
             await asyncio.sleep(POLL)
 
 
+def tell_stop_order(report_dir: Path, grace: float) -> None:
+    """Tell a job the grace its stop really gives (jobkit's stop.json), before SIGTERM: its
+    GPUSCHED_GRACE_PERIOD is the launch's, and jobkit plans its save by the one it is told.
+    Whole or not at all, as the job may read it any time. Raises OSError."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    tmp = report_dir / f".{STOP_ORDER}.tmp"
+    tmp.write_text(json.dumps({"grace_period": grace, "deadline": time.time() + grace}))
+    os.replace(tmp, report_dir / STOP_ORDER)
+
+
+def _tell_left_run(info: dict, grace: float) -> None:
+    """A left run is told its grace too; one whose folder cannot be written is stopped all the same."""
+    if info.get("report_dir"):
+        try:
+            tell_stop_order(Path(info["report_dir"]), grace)
+        except OSError:
+            pass
+
+
 def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
     """Stop, all at once, the runs whose pid files are in ``pid_dir`` and whose processes still
     run with no agent to stop them (it was killed): SIGTERM, ``grace`` for them to checkpoint
@@ -90,6 +111,7 @@ def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
             continue  # the next agent says so, and removes it
         if run.alive():
             left[alloc] = run
+            _tell_left_run(info, grace)
     for run in left.values():
         run.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace

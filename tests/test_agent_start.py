@@ -25,7 +25,7 @@ def left_running(tmp_path, allocation_id: int) -> subprocess.Popen:
     pids.mkdir(parents=True, exist_ok=True)
     (pids / f"{allocation_id}.json").write_text(json.dumps({
         "pid": job.pid, "allocation_id": allocation_id, "job_id": f"old-{allocation_id}",
-        "start_ticks": start_ticks(job.pid), "gpus": [0]}))
+        "start_ticks": start_ticks(job.pid), "gpus": [0], "report_dir": str(tmp_path / f"reports-{allocation_id}")}))
     return job
 
 
@@ -45,6 +45,8 @@ def test_an_agent_whose_gpus_cannot_be_read_stops_the_jobs_an_earlier_agent_left
         assert time.monotonic() - started < 10
         for job in jobs:
             assert job.wait(timeout=5) == -15  # SIGTERM: stopped with its grace, not killed outright
+        for alloc in (7, 8):  # and told that grace, not the launch's
+            assert json.loads((tmp_path / f"reports-{alloc}" / "stop.json").read_text())["grace_period"] == 2
         # Their pid files stay: the next agent that starts forwards what they saved.
         assert sorted(p.name for p in pid_dir(agent_log_dir(tmp_path, MACHINE), MACHINE).iterdir()) == [
             "7.json", "8.json"]

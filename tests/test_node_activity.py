@@ -1029,6 +1029,37 @@ def test_process_groups_left_by_an_earlier_agent_are_reaped(tmp_path):
             leftover.kill()
 
 
+def test_a_process_left_by_an_earlier_agent_is_told_the_grace_it_really_gets_before_it_is_stopped(tmp_path):
+    """Its GPUSCHED_GRACE_PERIOD says the launch's grace; told nothing, jobkit planned a save for
+    that and was killed in the middle of it."""
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    reports = tmp_path / "reports-1"
+    told = tmp_path / "told"
+    leftover = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, signal, sys, time\n"
+        "def on_term(*_):\n"
+        f"    pathlib.Path({str(told)!r}).write_text(pathlib.Path({str(reports / 'stop.json')!r}).read_text())\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n")], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert leftover.stdout.readline() == "ready\n"
+    from activities.run_processes import start_ticks
+
+    (node.pid_dir / "13.json").write_text(json.dumps(
+        {"pid": leftover.pid, "allocation_id": 13, "job_id": "old", "report_dir": str(reports),
+         "start_ticks": start_ticks(leftover.pid)}))
+    try:
+        assert run(node.reap_leftovers(grace=3)) == [13]
+        assert leftover.wait(timeout=2) == 0
+        assert json.loads(told.read_text())["grace_period"] == 3
+    finally:
+        leftover.stdout.close()
+        if leftover.poll() is None:
+            leftover.kill()
+
+
 def daemon_group_whose_leader_has_exited(token: str | None = None):
     """A process group whose leader exited and left a member behind, as a daemon's does: the
     group's id is the dead leader's pid. Returns (that id, the member)."""
