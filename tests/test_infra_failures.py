@@ -55,7 +55,7 @@ class Attempts(Launching):
 
     def __init__(self, runs: list[str]):
         super().__init__()
-        self.runs = runs  # per attempt: "agent fails" or "runs"
+        self.runs = runs  # per attempt: "agent fails", "command fails" (exit 3: the job's own) or "runs"
         self.started = asyncio.Event()  # an attempt that runs is under way
 
     @activity.defn(name="stop_job")
@@ -66,6 +66,8 @@ class Attempts(Launching):
     async def run_job(self, run: RunJobInput) -> RunJobResult:
         if self.runs[run.attempt - 1] == "agent fails":
             raise ApplicationError("the agent broke", type="AgentBroke")
+        if self.runs[run.attempt - 1] == "command fails":
+            return RunJobResult(exit_code=3, log_path="/dev/null")
         self.started.set()
         while True:  # until cancelled (stopped), heartbeating as an agent does
             activity.heartbeat()
@@ -76,7 +78,7 @@ class Attempts(Launching):
                 self.run_job, self.end_attempt]
 
 
-async def attempts_of(address: str, runs: list[str]) -> list[EndAttempt]:
+async def attempts_of(address: str, runs: list[str], max_retries: int = 0) -> list[EndAttempt]:
     """A job placed once per entry of `runs`, each ended as that entry says: the ends recorded."""
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     machine = f"m-{uuid.uuid4().hex[:8]}"
@@ -84,7 +86,8 @@ async def attempts_of(address: str, runs: list[str]) -> list[EndAttempt]:
     async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
                       activities=fakes.activities()), \
             Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
-        request = JobRequest(job_id=f"streak-{machine}", team="vision", num_gpus=1, command=["true"])
+        request = JobRequest(job_id=f"streak-{machine}", team="vision", num_gpus=1, command=["true"],
+                             max_retries=max_retries)
         handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
                                              task_queue="gpusched-control-" + machine,
                                              execution_timeout=timedelta(minutes=2))
@@ -121,3 +124,66 @@ def test_a_preemption_between_infrastructure_failures_ends_their_row(live_server
         EndReason.machine_failure] * 4 + [EndReason.cancelled]
     assert [e.next_state for e in ends[:-1]] == [JobState.queued] * 6
     assert [e.failures_in_a_row for e in ends[:-1]] == [1, 0, 1, 2, 3, 4]
+
+
+@pytest.mark.live
+def test_the_jobs_own_failure_retried_between_infrastructure_failures_ends_their_row(live_servers):
+    """One failure of the agent's, the command's own failure (retried), then four more of the
+    agent's: four in a row, the job queued again, not failed for five."""
+    runs = ["agent fails", "command fails"] + ["agent fails"] * 4
+    ends = asyncio.run(attempts_of(live_servers.temporal_address, runs, max_retries=1))
+    assert [e.end_reason for e in ends] == [EndReason.machine_failure, EndReason.failed] + [
+        EndReason.machine_failure] * 4 + [EndReason.cancelled]
+    assert [e.next_state for e in ends[:-1]] == [JobState.queued] * 6
+    assert [e.failures_in_a_row for e in ends[:-1]] == [1, 0, 1, 2, 3, 4]
+
+
+class AttemptsThatCheckpointWhenStopped(Attempts):
+    """Each attempt runs until stopped, then takes a while (its grace) to checkpoint and exit."""
+
+    def __init__(self, runs: list[str]):
+        super().__init__(runs)
+        self.stopping = asyncio.Event()
+
+    @activity.defn(name="run_job")
+    async def run_job(self, run: RunJobInput) -> RunJobResult:
+        self.started.set()
+        try:
+            while True:
+                activity.heartbeat()
+                await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            self.stopping.set()
+            await asyncio.sleep(1.5)  # checkpointing in the grace
+            raise
+
+
+@pytest.mark.live
+def test_a_job_cancelled_while_it_checkpoints_for_a_preemption_ends_cancelled_not_queued_again(live_servers):
+    """The user's cancel, arriving in the preemption's grace, is the job's end: requeued, the
+    job would run again after its user cancelled it."""
+    async def scenario() -> list[EndAttempt]:
+        client = await Client.connect(live_servers.temporal_address, data_converter=pydantic_data_converter)
+        machine = f"m-{uuid.uuid4().hex[:8]}"
+        fakes = AttemptsThatCheckpointWhenStopped(["runs"])
+        async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
+                          activities=fakes.activities()), \
+                Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
+            request = JobRequest(job_id=f"cancel-{machine}", team="vision", num_gpus=1, command=["true"])
+            handle = await client.start_workflow("JobWorkflow", request.model_dump(mode="json"), id=request.job_id,
+                                                 task_queue="gpusched-control-" + machine,
+                                                 execution_timeout=timedelta(minutes=2))
+            await handle.signal(JobWorkflow.placement, PlacementSignal(
+                allocation_id=1, attempt=1,
+                hosts=[HostGrant(machine_id=machine, gpus=[GpuGrant(index=0, path=f"{machine}/0")])]))
+            await asyncio.wait_for(fakes.started.wait(), 30)
+            await handle.signal(JobWorkflow.preempt, PreemptSignal(allocation_id=1, grace_period=5,
+                                                                   reason="a more important job"))
+            await asyncio.wait_for(fakes.stopping.wait(), 30)
+            await handle.signal(JobWorkflow.cancel, "not needed any more")
+            with contextlib.suppress(WorkflowFailureError):
+                await asyncio.wait_for(handle.result(), 30)
+        return fakes.ends
+
+    ends = asyncio.run(scenario())
+    assert [(e.end_reason, e.next_state) for e in ends] == [(EndReason.cancelled, JobState.cancelled)]

@@ -1507,3 +1507,157 @@ def test_the_agent_logs_each_change_of_how_the_api_takes_its_heartbeats_once(tmp
         "API unreachable at", "heartbeat refused: HTTP", "API answers heartbeats", "heartbeat refused: HTTP",
         "API unreachable at"]
     assert "HTTP 422" in lines[1] and "HTTP 401" in lines[3]
+
+
+# --- rules a mutant could break unseen (a round of mutation testing) --------------------------------------
+
+
+@pytest.mark.parametrize("name, make, exit_code, why", [
+    ("a directory the agent may not enter fails the job with 126, saying so", "denied", 126, "Permission denied"),
+    ("a file given as the working directory fails the job with 126, saying so", "file", 126, "not a directory"),
+])
+def test_a_working_directory_the_job_cannot_use_fails_it_at_once_naming_the_directory(
+        tmp_path, monkeypatch, name, make, exit_code, why):
+    """A user's error, not the machine's: failed at once with the reason, not queued again on
+    machine after machine until five infrastructure failures end it."""
+    where = tmp_path / "project"
+    if make == "file":
+        where.write_text("not a directory")
+    else:  # the tests run as root, who may enter anything: the refusal is made up
+        real_stat = os.stat
+
+        def refusing(path, *args, **kwargs):
+            if os.fspath(path) == str(where):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(where))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", refusing)
+    result = run(ActivityEnvironment().run(node_in(tmp_path).run_job, job("print('never')", working_dir=str(where))))
+    assert result.exit_code == exit_code
+    assert f"working directory cannot be used on machine {MACHINE} ({why})" in result.last_log_lines[0]
+
+
+def test_a_shorter_stop_after_a_cancel_cuts_the_launch_grace_short(tmp_path):
+    """A later request may only shorten the grace: an orphan's kill (or the agent's shutdown)
+    after a preemption with a long grace must not wait the long grace out."""
+    node = node_in(tmp_path)
+    req = job(IGNORES_TERM, allocation_id=19, grace_period=30)
+
+    async def scenario():
+        env = ActivityEnvironment()
+        task = asyncio.create_task(env.run(node.run_job, req))
+        await printed(node, req)
+        start = time.monotonic()
+        env.cancel()  # stops with the launch's 30 s grace
+        await asyncio.sleep(0.1)
+        await node.kill_allocation(19, 0.3)
+        with contextlib.suppress(BaseException):
+            await task
+        return time.monotonic() - start
+
+    assert run(scenario()) < 5
+    assert (node.finished[19].signal, node.finished[19].stopped) == (signal.SIGKILL, True)
+
+
+SAVES_ON_TERM = """
+import signal, sys, time
+def save(*_):
+    time.sleep(0.5)
+    print("saved", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("name, code, grace, ends_with, printed_last", [
+    ("a process that ignores SIGTERM is killed once its grace is over", IGNORES_TERM.replace("running", "ready"),
+     0.3, -signal.SIGKILL, None),
+    ("a process that checkpoints on SIGTERM is given its grace to finish", SAVES_ON_TERM, 5, 0, "saved"),
+])
+def test_a_process_left_by_an_earlier_agent_gets_sigterm_its_grace_then_sigkill(
+        tmp_path, name, code, grace, ends_with, printed_last):
+    from activities.run_processes import start_ticks
+
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    leftover = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
+    assert leftover.stdout.readline() == "ready\n"
+    (node.pid_dir / "21.json").write_text(json.dumps(
+        {"pid": leftover.pid, "allocation_id": 21, "job_id": "old", "start_ticks": start_ticks(leftover.pid),
+         "gpus": [0]}))
+    try:
+        assert run(node.reap_leftovers(grace=grace)) == [21]
+        assert leftover.wait(timeout=2) == ends_with
+        assert (leftover.stdout.read().strip() or None) == printed_last
+        assert node.lingering_gpus() == set() and not list(node.pid_dir.iterdir())
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+        leftover.stdout.close()
+
+
+@pytest.mark.parametrize("name, recorded_ticks, boot, reaped", [
+    ("the recorded leader, its start time matching, is reaped", "its own", "this", True),
+    ("a live process whose start time is not the recorded leader's is another's now, and not signalled",
+     "another", "this", False),
+    ("a pid file of an earlier boot is not acted on even where its pid and start time name a live process",
+     "its own", "another", False),
+])
+def test_a_pid_file_signals_its_pid_only_while_it_is_still_the_runs_leader(tmp_path, name, recorded_ticks, boot,
+                                                                         reaped):
+    """Pids are reused: after a reboot, or after long enough, the pid an earlier agent recorded
+    names another user's process, which an agent coming up must not SIGTERM and SIGKILL."""
+    from activities.run_processes import boot_id, start_ticks
+
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    ticks = start_ticks(process.pid)
+    (node.pid_dir / "22.json").write_text(json.dumps(
+        {"pid": process.pid, "allocation_id": 22, "job_id": "old",
+         "start_ticks": ticks if recorded_ticks == "its own" else ticks + 1,
+         "boot_id": boot_id() if boot == "this" else "an-earlier-boot"}))
+    try:
+        assert run(node.reap_leftovers(grace=1)) == ([22] if reaped else [])
+        time.sleep(0.2)
+        assert (process.poll() is not None) is reaped
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def test_a_member_of_a_runs_group_that_cleared_its_environment_is_reaped_with_the_group(tmp_path):
+    """The leader gone, a member carrying the run's token shows the group is still the run's:
+    the whole group is signalled, not only the members the token finds."""
+    from activities.run_processes import boot_id
+
+    token = "f00d" * 6
+    node = node_in(tmp_path)
+    node.pid_dir.mkdir(parents=True)
+    code = ("import os, subprocess, sys; sleep = [sys.executable, '-c', 'import time; time.sleep(30)']; "
+            "marked = subprocess.Popen(sleep, stdout=subprocess.DEVNULL); "
+            "clean = subprocess.Popen(sleep, stdout=subprocess.DEVNULL, "
+            "env={k: v for k, v in os.environ.items() if k != 'GPUSCHED_RUN_TOKEN'}); "
+            "print(os.getpid(), marked.pid, clean.pid, flush=True)")
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "GPUSCHED_RUN_TOKEN": token})
+    pgid, marked, clean = map(int, leader.stdout.readline().split())
+    leader.wait(timeout=5)
+    leader.stdout.close()
+    deadline = time.monotonic() + 5
+    while token.encode() not in open(f"/proc/{marked}/environ", "rb").read() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (node.pid_dir / "23.json").write_text(json.dumps(
+        {"pid": pgid, "allocation_id": 23, "job_id": "old", "start_ticks": 12345, "token": token,
+         "boot_id": boot_id()}))
+    try:
+        assert run(node.reap_leftovers(grace=1)) == [23]
+        time.sleep(0.2)
+        assert not still_runs(marked) and not still_runs(clean)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
