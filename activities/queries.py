@@ -223,7 +223,7 @@ LIST_JOBS = {
 }
 ATTEMPTS = """
 SELECT job_id, id, attempt, gpus, started_at, placed_at, ended_at, end_reason, exit_code, state, resumed_from,
-       restart_s
+       restart_s, preempt_reason, draining_until
 FROM allocations WHERE job_id = ANY($1::text[]) ORDER BY job_id, attempt"""
 SET_PRIORITY = f"""
 UPDATE jobs SET priority = $2, request = jsonb_set(request, '{{priority}}', to_jsonb($2::text)),

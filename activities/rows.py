@@ -276,6 +276,8 @@ def attempt_view(row: Row) -> AttemptView:
         end_reason=row["end_reason"],
         resumed_from=row["resumed_from"],
         restart_s=row["restart_s"],
+        stopping=row["preempt_reason"] if row["ended_at"] is None else None,
+        stop_by=iso(row["draining_until"]) if row["ended_at"] is None else None,
     )
 
 

@@ -28,7 +28,7 @@ from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
 from workers.client import ClientError, GpuschedClient
 from scheduler.models import Priority, Quota
-from workflows.types import JOB_FAILED, JobView
+from workflows.types import JOB_FAILED, AttemptView, JobView
 
 
 @pytest.mark.parametrize("argv", [
@@ -196,11 +196,16 @@ def test_status_says_why_a_job_waits_apart_from_why_it_was_requeued(capsys, view
      "  deadline hint 2999-01-01T00:00:00+00:00 (in "),
     (_view(state="running", preemptions=2), "  preempted 2 times"),
     (_view(state="running", preemptions=1), "  preempted 1 time"),
+    (_view(state="checkpointing", attempts=[AttemptView(
+        attempt=1, allocation_id=7, gpus=["c1/b0/r0/m0/0"], started_at="2026-12-01T00:00:00+00:00", ended_at=None,
+        end_reason=None, stopping="preempted: critical job c needs its GPUs", stop_by="2999-01-01T00:00:00+00:00")]),
+     "    stopping: preempted: critical job c needs its GPUs (its grace ends 2999-01-01T00:00:00+00:00 (in "),
 ], ids=[
     "a held-back job says the earliest it starts, as the list does",
     "a job with a deadline hint says it and whether it is expected to miss it",
     "a job preempted twice says so",
     "once, in the singular",
+    "an attempt told to stop says why, and when its grace ends",
 ])
 def test_status_says_when_a_held_back_job_may_start_its_deadline_and_its_preemptions(capsys, view, line):
     _print_view(view)

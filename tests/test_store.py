@@ -380,6 +380,27 @@ def test_a_queued_job_says_whether_it_misses_its_deadline_hint_and_how_often_it_
     assert (c.preemptions, d.preemptions) == (2, 0)
 
 
+def test_an_attempt_told_to_stop_says_why_and_when_its_grace_ends_until_it_has_ended(store_env):
+    """Before, a job checkpointing for its second preemption showed only why it was requeued the
+    first time, and a first preemption nothing at all."""
+    run, store = store_env
+    run(store.configure_cluster("c1", policy={"min_runtime": 0}))
+    run(store.admit(job("a", gpus=4, priority="low")))
+    run(store.admit(job("b", gpus=4, priority="low")))
+    for p in run(store.plan_cycle("c1", 1, run_cycle)).placements:
+        run(store.start_attempt(p.job_id, p.signal.allocation_id))
+    run(store.set_quota("speech", Quota(guaranteed=4, max=8)))
+    run(store.admit(job("c", gpus=4, priority="critical", team="speech")))
+    [stop] = run(store.plan_cycle("c1", 2, run_cycle)).preemptions
+    [attempt] = run(store.job_view(stop.job_id)).attempts
+    assert attempt.stopping == stop.signal.reason and "critical job c" in attempt.stopping
+    assert datetime.fromisoformat(attempt.stop_by).timestamp() > time.time() + 60
+    run(store.end_attempt(stop.job_id, stop.signal.allocation_id, EndReason.preempted, None, JobState.queued,
+                          "requeued: preempted"))
+    [attempt] = run(store.job_view(stop.job_id)).attempts
+    assert (attempt.stopping, attempt.stop_by) == (None, None)
+
+
 def test_a_held_back_job_stays_out_of_the_queue_until_its_hold_ends_and_says_why(store_env):
     """Exit 75 or a dead agent twice in a row: placed again at once, it would spend its five
     failures within seconds of a passing outage."""

@@ -337,6 +337,9 @@ def _print_view(view: JobView) -> None:
             resumed += f" (restored in {a.restart_s:.1f} s)"
         print(f"  attempt {a.attempt}: {a.started_at or 'not started'} → {a.ended_at or '…'} "
               f"{a.end_reason or ''} on {' '.join(a.gpus)}{resumed}")
+        if a.stopping:
+            grace = f" (its grace ends {_when(a.stop_by, now)})" if a.stop_by else ""
+            print(f"    stopping: {a.stopping}{grace}")
     complete = [c for c in view.checkpoints if c.complete]
     if view.checkpoints:
         last = complete[-1] if complete else None

@@ -422,6 +422,9 @@ class AttemptView(Model):
     end_reason: str | None
     resumed_from: int | None = None  # the checkpoint sequence it started from; None: from scratch
     restart_s: float | None = None  # a resumed attempt: seconds from its launch to its state restored
+    # An attempt told to stop that has not ended yet: why, and when its grace ends.
+    stopping: str | None = None
+    stop_by: str | None = None
 
 
 class CheckpointView(Model):
