@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -63,3 +64,48 @@ def test_an_agent_whose_gpus_cannot_be_read_and_that_finds_no_left_jobs_exits_2(
     if what == "an empty pid folder":
         pid_dir(agent_log_dir(tmp_path, MACHINE), MACHINE).mkdir(parents=True)
     assert agent.main(["--machine-id", MACHINE, "--data-dir", str(tmp_path)]) == 2
+
+
+class FakeWorker:
+    """Temporal's Worker as the agent uses it; records how it was made. `fails`: its run raises."""
+
+    made: dict = {}
+    fails = False
+
+    def __init__(self, client, **kwargs):
+        FakeWorker.made = kwargs
+        self.is_running = False
+
+    async def run(self):
+        if FakeWorker.fails:
+            raise RuntimeError("the worker failed")
+
+    async def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("fails, code", [(False, 0), (True, 1)],
+                         ids=["an agent whose worker ends cleanly exits 0",
+                              "an agent whose worker fails exits 1, for its supervisor to start it again"])
+def test_an_agent_gives_its_jobs_their_grace_on_shutdown_and_exits_with_what_its_worker_did(
+        tmp_path, monkeypatch, fails, code):
+    import temporalio.worker
+
+    async def connected(*args, **kwargs):
+        return object()
+
+    async def registered(self, stop):
+        return True
+
+    async def no_heartbeats(self):
+        pass
+
+    monkeypatch.setattr(temporalio.worker, "Worker", FakeWorker)
+    monkeypatch.setattr(FakeWorker, "fails", fails)
+    monkeypatch.setattr(agent, "connect", connected)
+    monkeypatch.setattr(agent.Agent, "register", registered)
+    monkeypatch.setattr(agent.Agent, "heartbeat_forever", no_heartbeats)
+    assert agent.main(["--machine-id", MACHINE, "--data-dir", str(tmp_path), "--fake-devices", "--gpus", "1",
+                       "--grace-period", "30", "--keep-logs-days", "0"]) == code
+    # The worker's shutdown waits out the longest grace a job gets (then the jobs are killed).
+    assert FakeWorker.made["graceful_shutdown_timeout"] > timedelta(seconds=30)

@@ -402,3 +402,100 @@ def test_a_machine_token_that_cannot_be_checked_is_answered_503_in_words_not_tak
         beat = client.post(f"/machines/{machine}/heartbeat", json={"gpus": [{"index": 0}]},
                            headers=api_headers(agent, machine))
     assert beat.status_code == 503 and words in beat.json()["detail"], beat.text
+
+
+class RecordingStore:
+    """A store that answers every read with nothing and keeps what it was asked."""
+
+    def __init__(self):
+        self.asked: list[tuple] = []
+
+    async def list_jobs(self, team=None, state=None, limit=1000):
+        self.asked.append(("list_jobs", team, state, limit))
+        return []
+
+    async def machine_heartbeat(self, machine_id, pid, gpus, accepting_work=True):
+        self.asked.append(("heartbeat", machine_id, pid, len(gpus), accepting_work))
+        return []
+
+    async def token_generations(self):
+        return {}
+
+    async def listened(self, *args, **kwargs):
+        pass
+
+    async def close(self):
+        pass
+
+
+def recorded_api(monkeypatch, api_token: str | None = None):
+    """A TestClient of the API over a RecordingStore; (client, store)."""
+    from fastapi.testclient import TestClient
+
+    from workers import api as api_module
+    from workers.settings import Settings
+
+    store = RecordingStore()
+
+    async def connect(dsn, *args, **kwargs):
+        return store
+
+    monkeypatch.setattr(api_module.Store, "connect", connect)
+    settings = Settings(pg_dsn="postgresql://postgres:secret@127.0.0.1:1/gpusched", api_token=api_token)
+    return TestClient(api_module.create_app(settings), raise_server_exceptions=False), store
+
+
+# (sentence, query, status, what the store is asked: team, state, limit)
+LISTINGS = [
+    ("no limit given lists the newest thousand", {}, 200, (None, None, 1000)),
+    ("a limit of ten thousand is taken", {"limit": 10_000}, 200, (None, None, 10_000)),
+    ("a limit past ten thousand is refused", {"limit": 10_001}, 422, None),
+    ("a limit of none is refused, not answered []", {"limit": 0}, 422, None),
+    ("the team and state asked for reach the store", {"team": "vision", "state": "queued", "limit": 5}, 200,
+     ("vision", "queued", 5)),
+]
+
+
+@pytest.mark.parametrize("sentence, query, status, asked", LISTINGS, ids=[row[0] for row in LISTINGS])
+def test_a_listing_of_jobs_takes_one_to_ten_thousand_and_passes_its_filters_on(monkeypatch, sentence, query,
+                                                                              status, asked):
+    client, store = recorded_api(monkeypatch)
+    with client:
+        answer = client.get("/jobs", params=query)
+    assert answer.status_code == status, answer.text
+    assert store.asked == ([] if asked is None else [("list_jobs", *asked)])
+
+
+# (sentence, Authorization header, status of GET /jobs)
+AUTHORIZATIONS = [
+    ("the API's token as a bearer token is taken", "Bearer s3cret", 200),
+    ("the scheme's case does not matter", "bearer s3cret", 200),
+    ("the API's token under another scheme is refused", "Basic s3cret", 401),
+    ("the API's token without a scheme is refused", "s3cret", 401),
+]
+
+
+@pytest.mark.parametrize("sentence, authorization, status", AUTHORIZATIONS, ids=[row[0] for row in AUTHORIZATIONS])
+def test_the_api_s_token_is_taken_only_as_a_bearer_token(monkeypatch, sentence, authorization, status):
+    client, _ = recorded_api(monkeypatch, api_token="s3cret")
+    with client:
+        answer = client.get("/jobs", headers={"Authorization": authorization})
+    assert answer.status_code == status, answer.text
+    if status == 401:
+        assert answer.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("said, recorded", [({"accepting_work": False}, False), ({}, True)],
+                         ids=["an agent that says it takes no work is recorded so",
+                              "an agent from before, which says nothing, takes work"])
+def test_a_heartbeat_reaches_the_store_with_whether_its_agent_takes_work(monkeypatch, said, recorded):
+    machine = "c1/b0/r0/m0"
+    client, store = recorded_api(monkeypatch, api_token="s3cret")
+    from workers.settings import Settings
+
+    agent = Settings(api_token=machine_token("s3cret", machine))  # an agent speaks with its machine's token
+    with client:
+        beat = client.post(f"/machines/{machine}/heartbeat", headers=api_headers(agent, machine),
+                           json={"pid": 9, "gpus": [{"index": 0}, {"index": 1}], **said})
+    assert beat.status_code == 200 and beat.json() == {"live_allocations": []}
+    assert store.asked == [("heartbeat", machine, 9, 2, recorded)]

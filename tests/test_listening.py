@@ -115,3 +115,15 @@ def test_the_store_answers_what_it_heard_of_each_machine_in_order(one_machine):
     assert run(store.hearing(["c1/b0/r0/m0"], 4.0)) == [UNSURE]
     run(store.pool.execute("UPDATE listening SET since = since - 5"))
     assert run(store.hearing(["c1/b0/r0/m0"], 4.0)) == [SILENT]
+
+
+AT_THE_LIMIT = [
+    ("a machine heard just within the seconds asked is heard", 4, 0.5, 1000, HEARD),
+    ("a machine silent a little longer than asked, while the API heard throughout, is silent", 5, 0.5, 1000, SILENT),
+]
+
+
+@pytest.mark.parametrize("name, silent_for, unsaid_for, listened_for, verdict", AT_THE_LIMIT,
+                         ids=[v[0] for v in AT_THE_LIMIT])
+def test_a_machine_is_heard_for_as_long_as_asked_and_no_longer(name, silent_for, unsaid_for, listened_for, verdict):
+    assert hearing_verdict(silent_for, unsaid_for, listened_for, within=4.0) == verdict

@@ -1661,3 +1661,128 @@ def test_a_member_of_a_runs_group_that_cleared_its_environment_is_reaped_with_th
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+class FakeNode:
+    """What the agent asks of its node: the local allocations, and a kill it records."""
+
+    def __init__(self, running: list[int]):
+        self.processes = {a: object() for a in running}
+        self.killed: list[int] = []
+
+    def live_allocations(self) -> list[int]:
+        return sorted(self.processes)
+
+    def lingering_gpus(self) -> set[int]:
+        return set()
+
+    async def kill_allocation(self, alloc: int, grace: float) -> str:
+        self.killed.append(alloc)
+        self.processes.pop(alloc, None)
+        return "stopped"
+
+
+def agent_beating_to(answer: dict, beats: list, node=None):
+    """An agent of MACHINE whose API records each heartbeat's body in `beats` and answers `answer`."""
+    import httpx
+
+    from workers.agent import Agent
+    from workers.devices import FakeDevices
+    from workers.settings import Settings
+
+    def api(request: httpx.Request) -> httpx.Response:
+        beats.append(json.loads(request.content))
+        return httpx.Response(200, json=answer)
+
+    agent = Agent(MACHINE, Settings(api_url="http://api"), FakeDevices(2), node or FakeNode([]),
+                  interval=60, orphan_grace=1.0)
+    agent.http = httpx.AsyncClient(transport=httpx.MockTransport(api))
+    return agent
+
+
+async def settled(agent) -> None:
+    """Until the heartbeats and kills the agent sent off in the background are done."""
+    while agent._tasks:
+        await asyncio.gather(*list(agent._tasks))
+
+
+# (sentence, the worker polls, Temporal answers, the heartbeat says it takes work)
+TAKES_WORK = [
+    ("an agent whose worker polls and whose Temporal answers takes work", True, True, True),
+    ("an agent whose Temporal does not answer takes none", True, False, False),
+    ("an agent whose worker does not poll yet takes none", False, True, False),
+]
+
+
+@pytest.mark.parametrize("sentence, serving, temporal_ok, accepting", TAKES_WORK, ids=[r[0] for r in TAKES_WORK])
+def test_an_agent_says_it_takes_work_only_while_its_worker_polls_and_temporal_answers(sentence, serving,
+                                                                                      temporal_ok, accepting):
+    beats = []
+
+    async def scenario():
+        agent = agent_beating_to({"live_allocations": []}, beats)
+        agent.serving, agent.temporal_ok = serving, temporal_ok
+        await agent.heartbeat()
+        await agent.close()
+
+    run(scenario())
+    assert [b["accepting_work"] for b in beats] == [accepting]
+
+
+def test_an_agent_that_begins_to_shut_down_says_at_once_that_it_takes_no_more_work():
+    """SIGTERM: the scheduler must hear it before the next regular beat, or it places a job on a
+    worker that no longer polls."""
+    beats = []
+
+    async def scenario():
+        agent = agent_beating_to({"live_allocations": []}, beats)
+        agent.serving = True
+        agent.stop_taking_work()  # what the SIGTERM handler calls
+        await settled(agent)
+        await agent.heartbeat()  # and every regular one after
+        await agent.close()
+
+    run(scenario())
+    assert [b["accepting_work"] for b in beats] == [False, False]
+
+
+def test_an_agent_stops_an_allocation_the_api_left_out_of_two_regular_answers_in_a_row_and_no_sooner():
+    """One odd answer kills nothing; nor does a heartbeat sent beside the regular ones (a change of
+    whether the machine takes work, a failing GPU) count toward the two."""
+    beats = []
+
+    async def scenario():
+        node = FakeNode([21])
+        agent = agent_beating_to({"live_allocations": []}, beats, node)
+        await agent.heartbeat()  # first miss
+        await settled(agent)
+        after_one = list(node.killed)
+        agent.beat_now()  # sent beside: not counted
+        await settled(agent)
+        after_beside = list(node.killed)
+        await agent.heartbeat()  # second regular miss in a row
+        await settled(agent)
+        await agent.close()
+        return after_one, after_beside, node.killed
+
+    assert run(scenario()) == ([], [], [21])
+    assert all(b["running_allocations"] == [21] for b in beats)
+
+
+@pytest.mark.parametrize("forward", ["forward_checkpoint", "forward_restart"])
+def test_a_report_the_api_refuses_for_the_machine_s_token_is_sent_again_not_taken_as_a_verdict(forward):
+    """A 403 (the machine's token, while tokens are rolled out) judges nothing about the report."""
+    import httpx
+
+    from workers import agent as agent_module
+
+    async def scenario():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(403, json={"detail": "the token of machine 'c1/b0/r0/m0' ..."})))
+        try:
+            return await getattr(agent_module, forward)(http, "http://api", "train-1", 7, {"seq": 1, "seconds": 2})
+        finally:
+            await http.aclose()
+
+    with pytest.raises(httpx.HTTPStatusError):
+        run(scenario())

@@ -1193,3 +1193,66 @@ def test_a_cycle_that_read_before_a_quota_change_and_locks_after_it_plans_again(
 
     run(change_during_the_cycles_first_read())
     assert [p.job_id for p in run(store.plan_cycle("c1", 1, run_cycle)).placements] == ["a"]
+
+
+def test_a_heartbeat_answers_the_allocations_holding_the_machine_s_gpus_and_none_that_ended_or_are_elsewhere(
+        store_env):
+    """The answer is what the agent keeps: a local process of any other allocation is stopped as
+    an orphan. Before, only an empty answer was checked (on a live stack)."""
+    run, store = store_env
+    alloc = placed(run, store, gpus=4)  # one machine's worth: on one machine
+    [here] = {g.rsplit("/", 1)[0] for g in run(store.job_view("a")).attempts[0].gpus}
+    [there] = [m.id for m in machines() if m.id != here]
+    beat = [GpuReport(index=i) for i in range(4)]
+    assert run(store.machine_heartbeat(here, 1, beat)) == [alloc]  # placed, not taken up yet
+    assert run(store.machine_heartbeat(there, 1, beat)) == []
+    run(store.start_attempt("a", alloc))
+    assert run(store.machine_heartbeat(here, 1, beat)) == [alloc]  # running
+    run(store.end_attempt("a", alloc, EndReason.preempted, None, JobState.queued, "requeued: preempted"))
+    assert run(store.machine_heartbeat(here, 1, beat)) == []  # ended: its process is an orphan
+
+
+def test_a_gpu_reported_sick_is_usable_again_once_its_agent_reports_it_healthy(store_env):
+    """A fault that clears (a thermal throttle, an ECC error after a reset): the GPU comes back."""
+    run, store = store_env
+    m0 = machines()[0].id
+
+    def unhealthy() -> set[int]:
+        return set(next(m for m in run(store.snapshot("c1")).machines if m.id == m0).unhealthy_gpus)
+
+    run(store.machine_heartbeat(m0, 1, [GpuReport(index=i, healthy=i != 2, faults=["ecc_uncorrectable"] * (i == 2))
+                                        for i in range(4)]))
+    assert unhealthy() == {2}
+    run(store.machine_heartbeat(m0, 1, [GpuReport(index=i) for i in range(4)]))
+    assert unhealthy() == set()
+
+
+def test_a_known_machine_s_heartbeat_that_lists_no_gpus_is_heard_and_leaves_its_gpus_as_they_were(store_env):
+    """"A heartbeat without GPUs says nothing about them": not a 422, nor every GPU gone missing."""
+    run, store = store_env
+    m0 = machines()[0].id
+    assert run(store.machine_heartbeat(m0, 7, [])) == []
+    by_id = {m.id: m for m in run(store.snapshot("c1")).machines}
+    assert (by_id[m0].gpus, set(by_id[m0].unhealthy_gpus), by_id[m0].reachable) == (4, set(), True)
+
+
+def test_a_placed_job_counts_against_its_team_s_queue_cap_and_a_running_one_does_not(store_env):
+    """The cap counts the jobs waiting: queued, or placed and not started yet."""
+    run, store = store_env  # vision's queue cap is 3
+    for name in "ab":
+        assert run(store.admit(job(name))).accepted
+    assert len(run(store.plan_cycle("c1", 1, run_cycle)).placements) == 2
+    run(store.start_attempt("a", run(store.job_view("a")).attempts[0].allocation_id))  # a runs, b is placed
+    assert run(store.admit(job("c"))).accepted and run(store.admit(job("d"))).accepted  # b, c waiting: 2
+    verdict = run(store.admit(job("e")))  # b, c and d waiting: the cap
+    assert not verdict.accepted and verdict.field == "team" and "queue cap" in verdict.reason
+
+
+def test_each_renewal_of_a_machine_s_token_moves_it_to_the_next_generation_and_no_other_machine_s(store_env):
+    """`gpusched fleet token M --renew` twice (a machine taken over again): the token of the first
+    renewal must be refused too. Before, only one renewal was tried (on a live stack)."""
+    run, store = store_env
+    m0, m1 = (m.id for m in machines())
+    assert [run(store.renew_machine_token(m0)) for _ in range(3)] == [1, 2, 3]
+    assert (run(store.token_generation(m0)), run(store.token_generation(m1))) == (3, 0)
+    assert run(store.token_generations()) == {m0: 3}
