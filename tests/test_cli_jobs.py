@@ -242,12 +242,15 @@ def test_the_job_list_is_a_table_that_says_when_queued_jobs_should_start():
     ]
 
 
-@pytest.mark.parametrize("typed, seconds_from_now", [
-    ("+90m", 5400), ("+6h", 21600), ("+2d", 172800), ("+3600s", 3600), ("+1.5H", 5400),
-    ("2030-01-01T00:00:00+00:00", datetime(2030, 1, 1, tzinfo=timezone.utc).timestamp() - time.time()),
+@pytest.mark.parametrize("typed, seconds_from_now, at", [
+    ("+90m", 5400, None), ("+6h", 21600, None), ("+2d", 172800, None), ("+3600s", 3600, None),
+    ("+1.5H", 5400, None), ("2030-01-01T00:00:00+00:00", None, datetime(2030, 1, 1, tzinfo=timezone.utc)),
 ], ids=["minutes", "hours", "days", "seconds", "a fraction, the unit in capitals", "a date and time with its zone"])
-def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_now):
-    assert deadline(typed) - time.time() == pytest.approx(seconds_from_now, abs=5)
+def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_now, at):
+    if at is not None:
+        assert deadline(typed) == at.timestamp()
+    else:
+        assert deadline(typed) - time.time() == pytest.approx(seconds_from_now, abs=5)
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -75,6 +75,23 @@ def test_a_gang_whose_first_machine_fails_fails_with_that_machine_s_exit_code_an
     assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
 
 
+def test_a_queued_job_its_cancel_signal_ended_waits_for_the_temporal_cancellation_that_follows_it(stack):
+    """`gpusched cancel` signals, then asks Temporal to cancel: a queued job's workflow, ended by
+    the signal alone, had completed before that came now and then, and the UI listed it Completed."""
+    s = stack(machines=1)
+    s.submit("hog", 4, sleeper(60))
+    s.submit("waits", 4, sleeper(0))
+    s.until(lambda: s.status("hog").state == "running" and s.status("waits").state == "queued")
+    handle = s.client._handle("waits")
+    s.run(handle.signal("cancel", "not needed any more"))
+    s.until(lambda: s.status("waits").state == "cancelled")
+    assert s.run(handle.describe()).status.name == "RUNNING"  # the job ended; its workflow waits a moment
+    s.run(handle.cancel())
+    s.until(lambda: s.run(handle.describe()).status.name != "RUNNING", timeout=30)
+    assert s.run(handle.describe()).status.name == "CANCELED"
+    s.run(s.client.cancel("hog", "the test is done"))
+
+
 def test_each_job_workflow_ends_as_its_job_did_so_the_temporal_ui_lists_how_jobs_ended(stack):
     s = stack(machines=1)
     s.submit("fine", 1, sleeper(0))

@@ -93,6 +93,10 @@ HEARD_WITHIN_S = 4.0
 # Temporal), it is asked again this often, for at most this long: the agent keeps a process whose
 # watch was lost running for 60 s, for a watch to come again.
 HEARING_POLL = timedelta(seconds=2)
+# How long a job its cancel signal ended waits for the cancellation `gpusched cancel` asks of
+# Temporal next, so that its workflow ends Canceled (a look at the workflow and a call: well under
+# a second, unless the client's machine is starved).
+TEMPORAL_CANCEL_WAIT = timedelta(seconds=5)
 HEARING_WAIT = timedelta(seconds=30)
 STOP_ASKED = "stop asked"  # a stop came while the control plane could not tell
 MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
@@ -267,6 +271,16 @@ class JobWorkflow:
         if outcome.state is JobState.failed:
             raise ApplicationError(outcome.reason or "failed", outcome.model_dump(mode="json"),
                                    type=JOB_FAILED, non_retryable=True)
+        if (outcome.state is JobState.cancelled and not self.cancel_asked_of_temporal
+                and workflow.patched("a-cancel-waits-for-its-temporal-cancellation")):
+            # `gpusched cancel` asks Temporal to cancel after its signal: a job its signal ended at
+            # once (queued, placed) finished first, and the UI listed it Completed, now and then.
+            try:
+                await workflow.wait_condition(lambda: self.cancel_asked_of_temporal, timeout=TEMPORAL_CANCEL_WAIT)
+            except asyncio.TimeoutError:
+                pass  # a cancel sent by the signal alone: it ends as the job did
+            except asyncio.CancelledError:
+                self.cancel_asked_of_temporal = True
         if outcome.state is JobState.cancelled and self.cancel_asked_of_temporal:
             raise asyncio.CancelledError(outcome.reason)
         return outcome
