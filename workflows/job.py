@@ -271,7 +271,10 @@ class JobWorkflow:
         if outcome.state is JobState.failed:
             raise ApplicationError(outcome.reason or "failed", outcome.model_dump(mode="json"),
                                    type=JOB_FAILED, non_retryable=True)
+        # Not while a change of class is still being made: it is dropped with the job's end, as
+        # before (its caller told the job ended first), not made to an ended job during the wait.
         if (outcome.state is JobState.cancelled and not self.cancel_asked_of_temporal
+                and workflow.all_handlers_finished()
                 and workflow.patched("a-cancel-waits-for-its-temporal-cancellation")):
             # `gpusched cancel` asks Temporal to cancel after its signal: a job its signal ended at
             # once (queued, placed) finished first, and the UI listed it Completed, now and then.
