@@ -93,11 +93,11 @@ HEARD_WITHIN_S = 4.0
 # Temporal), it is asked again this often, for at most this long: the agent keeps a process whose
 # watch was lost running for 60 s, for a watch to come again.
 HEARING_POLL = timedelta(seconds=2)
+HEARING_WAIT = timedelta(seconds=30)
 # How long a job its cancel signal ended waits for the cancellation `gpusched cancel` asks of
 # Temporal next, so that its workflow ends Canceled (a look at the workflow and a call: well under
 # a second, unless the client's machine is starved).
 TEMPORAL_CANCEL_WAIT = timedelta(seconds=5)
-HEARING_WAIT = timedelta(seconds=30)
 STOP_ASKED = "stop asked"  # a stop came while the control plane could not tell
 MAX_WATCHED_AGAIN = 20  # per attempt: past it, the job is requeued as before (a history stays bounded)
 STOP_PICKUP = timedelta(seconds=10)  # a stop order not taken up by an agent by then is dropped
