@@ -36,6 +36,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import or_
+from typing import NamedTuple
 
 from scheduler import consolidation, eta, in_words, placement, preemptible, preemption, reservation
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
@@ -96,11 +97,19 @@ class Admission:
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
-    ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
-    ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
+    # (job, machine, GPUs, expected end) of jobs ending within half the grace
+    ending_soon: list[tuple[str, int, int, float]] | None = None
+    # (len(going) it was made at, GPUs per machine, the last of their ends per machine)
+    ending_by_machine: tuple[int, dict[int, int], dict[int, float]] | None = None
     # Free GPUs kept, for this admission, for claimants waiting for jobs that end soon; given
     # back once it is done (take_picks' form)
     withheld: list[tuple[int, list[int]]] = field(default_factory=list)
+    # GPUs of jobs ending soon that a waiting claimant counted, per machine: they are its room,
+    # not the next claimant's
+    ending_counted: dict[int, int] = field(default_factory=dict)
+    # The room of each such claimant, held for it in the estimate's walk until the jobs end, as a
+    # reservation is: the walk had the jobs behind it start on the free GPUs it kept, now.
+    waits_for_room: list[reservation.Hold] = field(default_factory=list)
     book: reservation.ReleaseBook | None = None  # see _release_book
     book_made_at: tuple[int, int, int] | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
@@ -467,7 +476,11 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # the wait ended, and it displaced someone after all. Only those: holding their machines
         # whole made the jobs behind displace others instead (Philly week: 3,302 preemptions to
         # 3,585).
-        state.withheld += state.cap.take_picks(soon)
+        state.withheld += state.cap.take_picks(soon.free)
+        for i, count in soon.ending.items():
+            state.ending_counted[i] = state.ending_counted.get(i, 0) + count
+        machines = frozenset(soon.ending).union(i for i, _ in soon.free)
+        state.waits_for_room.append(reservation.Hold(spec.job_id, machines, soon.by))
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -587,9 +600,17 @@ def _consolidate_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) ->
     return True
 
 
-def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[int, int]] | None:
-    """Whether jobs ending by their estimates free room for `spec` before a preemption would: if
-    so, the free GPUs of that room, (machine, count), that it needs beside theirs.
+class SoonRoom(NamedTuple):
+    """Room for a claimant made by jobs ending soon: the free GPUs it needs beside theirs,
+    (machine, count), and how many of the ending jobs' GPUs it counts, per machine."""
+    free: list[tuple[int, int]]
+    ending: dict[int, int]
+    by: float  # when the last of the ending jobs counted ends, by its estimate
+
+
+def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | None:
+    """Whether jobs ending by their estimates free room for `spec` before a preemption would,
+    beside the room counted by the claimants waiting for them already: if so, that room.
 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
     within half the grace period, waiting is hardly slower for the claimant and costs nobody
@@ -598,7 +619,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[
     cap, now = state.cap, state.now
     if state.ending_soon is None:
         horizon = now + state.config.grace_period / 2
-        state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
+        state.ending_soon = [(running.spec.job_id, i, count, end) for running, end, machines in expected_ends(state)
                              if end <= horizon and not running.draining for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of
@@ -607,11 +628,16 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[
     # GPUs are their claimants'.
     if state.ending_by_machine is None or state.ending_by_machine[0] != len(state.going):  # `going` only grows
         by_machine: dict[int, int] = {}
-        for job_id, i, count in state.ending_soon:
+        last_end: dict[int, float] = {}
+        for job_id, i, count, end in state.ending_soon:
             if job_id not in state.going:
                 by_machine[i] = by_machine.get(i, 0) + count
-        state.ending_by_machine = (len(state.going), by_machine)
-    ending = {i: count for i, count in state.ending_by_machine[1].items() if i not in avoid and pool_of[i] in pools}
+                last_end[i] = max(end, last_end.get(i, end))
+        state.ending_by_machine = (len(state.going), by_machine, last_end)
+    last_end = state.ending_by_machine[2]
+    counted = state.ending_counted
+    ending = {i: count - counted.get(i, 0) for i, count in state.ending_by_machine[1].items()
+              if i not in avoid and pool_of[i] in pools and count > counted.get(i, 0)}
     if not ending:
         return None
     n = spec.num_gpus
@@ -622,7 +648,8 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[
         if not fits:
             return None
         best = max(fits, key=lambda i: (ending[i], -i))  # most of its room the ending jobs': the fewest kept
-        return [(best, n - ending[best])] if n > ending[best] else []
+        return SoonRoom([(best, n - ending[best])] if n > ending[best] else [], {best: min(n, ending[best])},
+                        last_end[best])
     soon: dict[int, int] = dict(ending)
     for pool in pools:
         for bucket in pool.buckets[1:]:
@@ -648,14 +675,19 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> list[tuple[
         room += v
         if room >= n:
             break
-    short = n - sum(ending.get(i, 0) for i in chosen)
+    counts, short = {}, n
+    for i in chosen:
+        count = min(ending.get(i, 0), short)
+        if count > 0:
+            counts[i] = count
+            short -= count
     picks = []
     for i in chosen:
         keep = min(len(free[i]), short)
         if keep > 0:
             picks.append((i, keep))
             short -= keep
-    return picks
+    return SoonRoom(picks, counts, max(last_end[i] for i in counts))
 
 
 def _why_waiting(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str:

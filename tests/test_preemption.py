@@ -373,6 +373,30 @@ def test_a_job_behind_a_claimant_waiting_for_gpus_about_to_free_up_may_use_the_f
     assert preempted(after) == [] and machines_of(placements(after)["claim"].gpus) == {M0}
 
 
+def test_the_estimate_keeps_the_free_gpus_a_waiting_claimant_counted_from_the_jobs_behind_it():
+    """The estimate's walk had `behind` start now on the 4 free GPUs kept for the claimant (its
+    reason said the largest free is 0), and the claimant only once `behind` had ended."""
+    behind = job("behind").gpus(4).priority("low").expected(7200).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}}, running=[_ENDING_HALF, _run("low", M1)],
+                            queue=[CRIT, behind]))
+    assert pending(result)["claim"].estimated_start == NOW + 30
+    assert pending(result)["behind"].estimated_start > NOW + 30
+
+
+def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
+    """`ending`'s 4 GPUs make the first claimant's room. The second counted the same 4, waited
+    half a grace for them too, and then found them taken and displaced `low` after all."""
+    first = job("first").gpus(4).priority("critical").submitted(NOW)
+    second = job("second").gpus(4).priority("critical").submitted(NOW + 1)
+    snap = snapshot(fleet(machines=2), quotas={"*": {}},
+                    running=[_ENDING_HALF, _guard(M0, gpus=range(4, 8)), _run("low", M1)],
+                    queue=[first, second])
+    result = cycle(snap)
+    assert pending(result)["first"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert preempted(result) == ["low"]
+    assert pending(result)["second"].reason.startswith("preempting low")
+
+
 def test_a_starving_job_that_may_displace_nobody_reserves_the_gpus_about_to_free_up():
     """A low job may displace nobody, so it was told it waits for the GPUs freeing up "instead of
     preempting", held no reservation, and a 2-hour job behind it took the free GPUs beside
