@@ -700,13 +700,17 @@ def _why_waiting(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str
 
 def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
     cap, keep_whole = state.cap, state.keep_whole
-    if avoid and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None:
-        holders = [h.job_id for h in state.holds if h.machines & avoid]
-        return f"behind the reservation of job {holders[0]}"
-    if keep_whole and placement.find_gpus(cap, spec, avoid=avoid) is not None:
-        return KEPT_WHOLE
-    if avoid and keep_whole and placement.find_gpus(cap, spec) is not None:
-        # Each alone leaves room; together they leave none, and the room in words would say it fits.
-        holders = [h.job_id for h in state.holds if h.machines & avoid]
-        return f"behind the reservation of job {holders[0]}, and {KEPT_WHOLE}"
+    held = bool(avoid) and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None  # fits on held machines
+    kept = bool(keep_whole) and placement.find_gpus(cap, spec, avoid=avoid) is not None  # fits on those kept whole
+    if held != kept:
+        return _behind(state, avoid) if held else KEPT_WHOLE
+    if held or (avoid and keep_whole and placement.find_gpus(cap, spec) is not None):
+        # Both: it fits on either, or only on both together (the room in words would say it
+        # fits). So said, it is admitted again once the pool is served.
+        return f"{_behind(state, avoid)}, and {KEPT_WHOLE}"
     return placement.explain_no_fit(cap, spec)
+
+
+def _behind(state: Admission, avoid: frozenset[int]) -> str:
+    holders = [h.job_id for h in state.holds if h.machines & avoid]
+    return f"behind the reservation of job {holders[0]}"

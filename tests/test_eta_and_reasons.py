@@ -334,6 +334,23 @@ def test_a_job_kept_off_a_machine_both_reserved_and_kept_whole_is_told_both():
                                            "kept for jobs that need a whole machine")
 
 
+
+def test_a_job_that_fits_both_on_reserved_machines_and_on_those_kept_whole_is_told_both():
+    """`j` fits on the H100 machine h0 that `big` holds, and on the A100 machines the pool keeps
+    whole for `sixteen`: either alone keeps it out. It was told only of the reservation."""
+    h0, h1, a1 = mid(0, 0, 0), mid(0, 0, 1), mid(1, 0, 1)
+    machines = (fleet(machines=2, gpu_type="H100") + fleet(machines=2, gpu_type="A100", first_block=1)
+                + fleet(machines=1, gpu_type="A100", first_block=2))
+    run = [filler("h0", h0, [0, 1], expected=700).started(NOW - 100),
+           filler("h1", h1, range(8), expected=1300).started(NOW - 100),
+           filler("a1", a1, range(8), expected=90000).started(NOW - 100)]
+    queue = [job("big").gpus(16).gpu_type("H100").topology("block").submitted(0), job("j").gpus(2).submitted(NOW - 2),
+             job("sixteen").gpus(16).gpu_type("A100").topology("block").submitted(NOW - 1)]
+    result = cycle(snapshot(machines, running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert placements(result) == {}
+    assert pending(result)["j"].reason == ("behind the reservation of job big, and the last whole machines are "
+                                           "kept for jobs that need a whole machine")
+
 WORDS_CASES = [
     (in_words.from_now(NOW + 45, NOW), "in 45 s"),
     (in_words.from_now(NOW + 1000, NOW), "in 16.7 min"),

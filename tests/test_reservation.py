@@ -295,6 +295,26 @@ def test_a_job_kept_off_the_pool_and_admitted_again_holds_one_reservation_not_tw
     assert holders == ["block", "huge"], result.reservations
 
 
+def test_a_job_kept_off_both_a_reservation_and_the_reserved_pool_is_admitted_again_once_the_pool_is_served():
+    """`j` fits on the H100 machine `big` holds, and on the A100 machines the pool keeps whole
+    for `eight`. Told only "behind the reservation of job big", it was not admitted again once
+    `eight` had started and the pool was no longer kept, and stood beside a free machine until
+    the next cycle, told that it starts now."""
+    h0, h1 = mid(0, 0, 0), mid(0, 0, 1)
+    a0, a1, a2 = mid(1, 0, 0), mid(1, 0, 1), mid(1, 0, 2)
+    machines = fleet(machines=2, gpu_type="H100") + fleet(machines=3, gpu_type="A100", first_block=1)
+    run = [filler("h0", h0, [0, 1], expected=700).started(NOW - 100),
+           filler("h1", h1, range(8), expected=1300).started(NOW - 100),
+           filler("a2", a2, range(8), expected=90000).started(NOW - 100)]
+    queue = [job("big").gpus(16).gpu_type("H100").topology("block").submitted(0),
+             job("j").gpus(2).submitted(NOW - 2), job("eight").gpus(8).gpu_type("A100").submitted(NOW - 1)]
+    result = cycle(snapshot(machines, running=run, queue=queue, reserved_pool_fraction=0.5))
+    [hold] = result.reservations
+    assert (hold.job_id, set(hold.machines)) == ("big", {h0, h1})
+    assert machines_of(placements(result)["eight"].gpus) == {a0}
+    assert machines_of(placements(result)["j"].gpus) == {a1}
+
+
 @pytest.mark.parametrize("other", ["none", "bigger machines of another GPU type", "an 8-GPU inference partition"])
 def test_a_job_of_a_whole_small_machine_reserves_whatever_bigger_machines_it_may_not_use(other):
     """B needs a whole A100 machine (4 GPUs). Before, "a whole machine" was the cluster's largest
