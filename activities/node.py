@@ -83,7 +83,7 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import run_processes
 from activities.run_processes import (POLL, RUN_TOKEN, RunProcesses, boot_id, group_to_signal, new_token, start_ticks,
-                                      tell_stop_order)
+                                      tell_grace)
 from jobkit import RESTORED_REPORT, UNUSABLE_REPORT
 from workflows.types import (AGENT_SHUTDOWN, ATTEMPT_ABANDONED, ATTEMPT_NOT_HERE, EXIT_STOPPED, SIGTERM, AttachOrder,
                              RunJobInput, RunJobResult, StopOrder)
@@ -472,10 +472,7 @@ class NodeActivities:
         """Tell the job the grace it really has (jobkit's stop.json), before SIGTERM where the
         stop comes first; its GPUSCHED_GRACE_PERIOD is the launch's. Every stop says it: the
         scheduler's order, the agent's shutdown (its own grace at most), an orphan's kill."""
-        try:
-            tell_stop_order(self._report_dir(run.req), grace)
-        except OSError as err:
-            log.warning("allocation %d: cannot tell the job its grace: %s", run.req.allocation_id, err)
+        tell_grace(self._report_dir(run.req), grace, run.req.allocation_id)
 
     async def kill_allocation(self, allocation_id: int, grace: float) -> RunJobResult | None:
         """Stop an allocation's process (SIGTERM, ``grace``, SIGKILL); None if it has none."""
@@ -526,13 +523,9 @@ class NodeActivities:
                 await self._forward_before_stop(info["job_id"], alloc, Path(info["report_dir"]))
             log.warning("allocation %d: stopping process group %d left by an earlier agent (%gs grace)",
                         alloc, pgid, grace)
-            if info.get("report_dir"):
-                # Its GPUSCHED_GRACE_PERIOD is the launch's: told nothing, jobkit planned a save for
-                # that and was killed in the middle of it.
-                try:
-                    tell_stop_order(Path(info["report_dir"]), grace)
-                except OSError as err:
-                    log.warning("allocation %d: cannot tell the job its grace: %s", alloc, err)
+            # Its GPUSCHED_GRACE_PERIOD is the launch's: told nothing, jobkit planned a save for
+            # that and was killed in the middle of it.
+            tell_grace(info.get("report_dir"), grace, alloc)
             left.signal(signal.SIGTERM)
             deadline = asyncio.get_running_loop().time() + grace
             while left.alive() and asyncio.get_running_loop().time() < deadline:

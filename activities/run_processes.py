@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import signal
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 from jobkit import STOP_ORDER
+
+log = logging.getLogger("gpusched.node")
 
 RUN_TOKEN = "GPUSCHED_RUN_TOKEN"
 POLL = 0.05  # how often a stop looks whether the group is gone
@@ -86,13 +89,14 @@ def tell_stop_order(report_dir: Path, grace: float) -> None:
     os.replace(tmp, report_dir / STOP_ORDER)
 
 
-def _tell_left_run(info: dict, grace: float) -> None:
-    """A left run is told its grace too; one whose folder cannot be written is stopped all the same."""
-    if info.get("report_dir"):
+def tell_grace(report_dir: str | Path | None, grace: float, allocation_id: int) -> None:
+    """`tell_stop_order`, where the run has a report folder; a folder that cannot be written is
+    said in a warning, and the run is stopped all the same."""
+    if report_dir:
         try:
-            tell_stop_order(Path(info["report_dir"]), grace)
-        except OSError:
-            pass
+            tell_stop_order(Path(report_dir), grace)
+        except OSError as err:
+            log.warning("allocation %d: cannot tell the job its grace: %s", allocation_id, err)
 
 
 def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
@@ -111,7 +115,7 @@ def stop_left_runs(pid_dir: Path, grace: float) -> list[int]:
             continue  # the next agent says so, and removes it
         if run.alive():
             left[alloc] = run
-            _tell_left_run(info, grace)
+            tell_grace(info.get("report_dir"), grace, alloc)
     for run in left.values():
         run.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
