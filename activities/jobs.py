@@ -30,6 +30,7 @@ from workflows.types import (
     Abandoned,
     Admission,
     AttemptGrant,
+    AttemptStopping,
     EndReason,
     JobState,
     EndAttempt,
@@ -177,6 +178,10 @@ class JobActivities:
             raise ApplicationError(f"set_job_state sets only {JobState.checkpointing.value}, not {inp.state.value}",
                                    non_retryable=True)
         await self.store.mark_checkpointing(inp.job_id)
+
+    @activity.defn(name="mark_attempt_stopping")
+    async def mark_attempt_stopping(self, inp: AttemptStopping) -> None:
+        await self.store.mark_stopping(inp.allocation_id, inp.grace_period, inp.reason)
 
     @activity.defn(name="set_priority")
     async def set_priority(self, inp: PriorityChange) -> bool:

@@ -334,6 +334,11 @@ UPDATE allocations SET state = 'draining', draining_until = $2, preempt_ordered_
     preempt_reason = $4, preempted_for = $5, preempt_end = $6, version = version + 1,
     orders_sent = 0, order_sent_at = NULL
 WHERE id = $1 AND state IN ('placed', 'running')"""
+# A running attempt its job's cancel stops: shown stopping, and its GPUs expected back by the end
+# of the grace it is given, as a preempted one's (the cycle displaces nobody for a job leaving).
+MARK_STOPPING = f"""
+UPDATE allocations SET draining_until = {NOW_EPOCH} + $2, preempt_reason = $3, version = version + 1
+WHERE id = $1 AND state IN ('placed', 'running') AND draining_until IS NULL"""
 WRITE_PENDING = """
 UPDATE jobs SET position = p.position, estimated_start = p.estimated_start,
     misses_deadline = p.misses_deadline, pending_reason = p.reason

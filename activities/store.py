@@ -469,6 +469,11 @@ class Store:
         """The job checkpoints before it stops: shown only while its attempt still drains."""
         return await self.pool.execute(q.MARK_JOB_CHECKPOINTING, job_id) == "UPDATE 1"
 
+    async def mark_stopping(self, allocation_id: int, grace_period: float, reason: str) -> bool:
+        """An attempt its job's cancel stops, with `grace_period` to checkpoint: said while it
+        runs on (`AttemptView.stopping`). Not one ended, or told to stop already."""
+        return await self.pool.execute(q.MARK_STOPPING, allocation_id, grace_period, reason) == "UPDATE 1"
+
     async def audit_trail(self, job_id: str) -> list[dict]:
         return [dict(r) for r in await self.pool.fetch(q.AUDIT_OF_JOB, job_id)]
 

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from datetime import datetime
 
 import pytest
 from temporalio.client import WorkflowFailureError
@@ -217,6 +218,29 @@ def test_a_running_job_is_cancelled_its_process_stopped_and_its_gpus_freed(stack
     assert s.sql("SELECT count(*) AS n FROM gpu_holds WHERE upper_inf(held)")[0]["n"] == 0
     s.submit("next", 4, sleeper(0))
     assert s.wait("next").state == "succeeded"
+
+
+# Takes 5 s to checkpoint once told to stop; writes the file it is given once it listens.
+SLOW_TO_STOP = [sys.executable, "-c", (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(5), sys.exit(0)))\n"
+    "pathlib.Path(sys.argv[1]).write_text('listening')\n"
+    "time.sleep(120)")]
+
+
+def test_a_running_job_being_cancelled_says_its_attempt_is_stopping_and_when_its_grace_ends(stack):
+    """It showed only `running` while it checkpointed."""
+    s = stack(machines=1)
+    listening = s.data_dir / "slow.listening"
+    s.submit("slow", 4, [*SLOW_TO_STOP, str(listening)])
+    s.until(listening.exists)
+    s.run(s.client.cancel("slow", "cancelled by alice: wrong data"))
+    s.until(lambda: s.status("slow").attempts[0].stopping is not None)
+    view = s.status("slow")
+    assert view.state == "running" and view.attempts[0].stopping == "cancelled by alice: wrong data"
+    assert datetime.fromisoformat(view.attempts[0].stop_by).timestamp() > time.time() + 30
+    view = s.wait("slow", timeout=30)
+    assert view.state == "cancelled" and view.attempts[0].stopping is None
 
 
 def test_a_cancellation_asked_of_temporal_cancels_the_job_like_gpusched_cancel(stack):

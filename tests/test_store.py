@@ -401,6 +401,30 @@ def test_an_attempt_told_to_stop_says_why_and_when_its_grace_ends_until_it_has_e
     assert (attempt.stopping, attempt.stop_by) == (None, None)
 
 
+def test_an_attempt_its_cancel_stops_says_so_and_is_not_displaced_while_it_checkpoints(store_env):
+    """A running job being cancelled showed `running` through its grace, with nothing said, and
+    the cycle counted its GPUs back only at its expected end: a claimant displaced someone else."""
+    run, store = store_env
+    run(store.configure_cluster("c1", policy={"min_runtime": 0}))
+    run(store.admit(job("a", gpus=8, priority="low")))
+    [p] = run(store.plan_cycle("c1", 1, run_cycle)).placements
+    run(store.start_attempt("a", p.signal.allocation_id))
+    assert run(store.mark_stopping(p.signal.allocation_id, 120.0, "cancelled by request"))
+    assert not run(store.mark_stopping(p.signal.allocation_id, 5.0, "again"))  # the first grace stands
+    [attempt] = run(store.job_view("a")).attempts
+    assert attempt.stopping == "cancelled by request"
+    assert time.time() + 100 < datetime.fromisoformat(attempt.stop_by).timestamp() < time.time() + 121
+    run(store.set_quota("speech", Quota(guaranteed=8, max=8)))
+    run(store.admit(job("c", gpus=8, priority="critical", team="speech")))
+    outcome = run(store.plan_cycle("c1", 2, run_cycle))
+    assert outcome.preemptions == [] and outcome.placements == []
+    run(store.end_attempt("a", p.signal.allocation_id, EndReason.cancelled, None, JobState.cancelled,
+                          "cancelled by request"))
+    [attempt] = run(store.job_view("a")).attempts
+    assert (attempt.stopping, attempt.stop_by) == (None, None)
+    assert not run(store.mark_stopping(p.signal.allocation_id, 120.0, "too late"))
+
+
 def test_a_held_back_job_stays_out_of_the_queue_until_its_hold_ends_and_says_why(store_env):
     """Exit 75 or a dead agent twice in a row: placed again at once, it would spend its five
     failures within seconds of a passing outage."""

@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         Admission,
         AttachOrder,
         AttemptGrant,
+        AttemptStopping,
         CarriedOver,
         EndAttempt,
         EndReason,
@@ -536,6 +537,13 @@ class JobWorkflow:
             self._publish()
             await workflow.execute_activity(
                 "set_job_state", JobStateChange(job_id=self.job_id, state=JobState.checkpointing), **STORE_CALL)
+        marked = None
+        if self.cancel_reason is not None and workflow.patched("a-cancel-marks-its-attempt-stopping"):
+            # Said while the processes checkpoint (`gpusched status`: "stopping: …"), and the
+            # cycle expects the GPUs back by the grace's end instead of displacing the job.
+            marked = workflow.start_activity(
+                "mark_attempt_stopping", AttemptStopping(allocation_id=alloc, grace_period=placement.grace_period,
+                                                         reason=self.cancel_reason), **STORE_CALL)
         stops = []
         if preempt is not None and self.cancel_reason is None and workflow.patched("stop-with-ordered-grace"):
             # The agents stop with the preemption's grace, not the one the attempt was launched
@@ -547,6 +555,8 @@ class JobWorkflow:
         for stop in stops:
             stop.cancel()  # one not picked up by now has nothing left to stop
         await asyncio.gather(*stops, return_exceptions=True)
+        if marked is not None:
+            await asyncio.gather(marked, return_exceptions=True)  # before the attempt is ended
         lost = [i for i, r in enumerate(runs) if _heartbeats_lost(r)]
         if lost and workflow.patched("stop-reaches-a-lost-watch"):
             # The stop and a watch's heartbeat timeout came in one workflow task: the stop is seen

@@ -595,6 +595,12 @@ class UnusableReport(Model):
     said: str  # the job's own word on why
 
 
+class AttemptStopping(Model):
+    allocation_id: int
+    grace_period: float
+    reason: str
+
+
 class JobStateChange(Model):
     job_id: str
     state: JobState
