@@ -252,7 +252,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
     if _consolidate_for(state, job, avoid):
         return
     # g. reservation
-    if _reserve(state, job):
+    if _reserve(state, job, avoid):
         return
     # h. wait
     reason = _why_waiting(state, job, avoid)
@@ -273,7 +273,7 @@ def _starving(state: Admission, job: QueuedJob) -> bool:
             and job.spec.num_gpus >= state.cap.fit_terms(job.spec)[1])
 
 
-def _reserve(state: Admission, job: QueuedJob) -> bool:
+def _reserve(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     spec, cap, config = job.spec, state.cap, state.config
     if not _starving(state, job) or len(state.holds) >= config.max_reservations:
         return False
@@ -281,7 +281,7 @@ def _reserve(state: Admission, job: QueuedJob) -> bool:
     if hold is None:
         return False
     _add_hold(state, hold)
-    why = _why_waiting(state, job, placement.NO_AVOID)
+    why = _why_waiting(state, job, avoid)
     state.waiting.append((job, f"{why}; holds a reservation, expected to start "
                                 f"{in_words.from_now(hold.expected_start, state.now)}"))
     return True

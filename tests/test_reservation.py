@@ -315,6 +315,20 @@ def test_a_job_kept_off_both_a_reservation_and_the_reserved_pool_is_admitted_aga
     assert machines_of(placements(result)["j"].gpus) == {a1}
 
 
+@pytest.mark.parametrize("pool", [{"reserved_pool_fraction": 0}, {}],
+                         ids=["no reserved pool", "the default reserved pool, kept for B itself"])
+def test_a_starving_job_kept_off_an_earlier_reservation_that_reserves_too_is_told_whose_reservation(pool):
+    """B fits on m0's free GPUs, but A's reservation holds m0 and B would still run when A starts:
+    B reserves m2. Its reason was worked out as if no machine were held: 'needs 8 GPUs on one
+    machine; the largest free is 8', or with the pool kept for B, that whole machines are kept."""
+    a = job("A").gpus(16).topology("block").submitted(0)
+    b = job("B").gpus(8).expected(36000).submitted(1)
+    run = [filler("f1", M1, range(8), expected=NOW + 600), filler("f2", M2, range(8), expected=NOW + 1200)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=[a, b], max_reservations=2, **pool))
+    assert [r.job_id for r in result.reservations] == ["A", "B"]
+    assert pending(result)["B"].reason.startswith("behind the reservation of job A")
+
+
 @pytest.mark.parametrize("other", ["none", "bigger machines of another GPU type", "an 8-GPU inference partition"])
 def test_a_job_of_a_whole_small_machine_reserves_whatever_bigger_machines_it_may_not_use(other):
     """B needs a whole A100 machine (4 GPUs). Before, "a whole machine" was the cluster's largest
