@@ -22,7 +22,7 @@ from builders import (
 
 from scheduler.models import Earmark
 
-M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
+M0, M1, M2 = mid(0, 0, 0), mid(0, 0, 1), mid(0, 0, 2)
 CRIT = job("claim").gpus(8).priority("critical").submitted(NOW)
 
 
@@ -395,6 +395,127 @@ def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
     assert pending(result)["first"].reason.startswith("enough GPUs are expected to free up within half the grace")
     assert preempted(result) == ["low"]
     assert pending(result)["second"].reason.startswith("preempting low")
+
+
+# --- GPUs about to free up, shared out among the claimants waiting for them ---------------------
+
+WAITS = "enough GPUs are expected to free up within half the grace period"
+
+
+def _ends_soon(job_id, machine, gpus, in_s=30):
+    """A critical job (nobody displaces it) expected to end `in_s` from now."""
+    return running(job(job_id).gpus(len(list(gpus))).priority("critical").team("o").expected(3600)) \
+        .on(machine, gpus).started(NOW - 3600 + in_s)
+
+
+# m0: 4 GPUs end in 30 s, the other 4 are busy; m1: a low job anyone critical may displace.
+@pytest.mark.parametrize("sizes,waiting", [
+    ((2, 2, 2), ["c0", "c1"]),
+    ((2, 4), ["c0"]),
+    ((4, 2), ["c0"]),
+], ids=["two claimants of 2 share the 4 GPUs ending; the third displaces someone",
+        "a claimant of 4 finds only the 2 the first left it and displaces someone",
+        "a claimant of 4 counts all 4; the next finds none left"])
+def test_the_gpus_of_jobs_ending_soon_are_shared_out_among_waiting_claimants_as_far_as_they_go(sizes, waiting):
+    claimants = [job(f"c{k}").gpus(n).priority("critical").submitted(NOW + k) for k, n in enumerate(sizes)]
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}},
+                            running=[_ends_soon("ending", M0, range(4)), filler("busy", M0, range(4, 8)),
+                                     _run("low", M1)],
+                            queue=claimants))
+    told = pending(result)
+    assert [c.spec().job_id for c in claimants if told[c.spec().job_id].reason.startswith(WAITS)] == waiting
+    assert preempted(result) == ["low"]
+
+
+def test_a_claimant_waits_for_the_machine_whose_ending_jobs_make_most_of_its_room():
+    """m1's ending jobs make all 6 GPUs of its room, m0's only 4: waiting on m1 keeps none of
+    the free GPUs, and the 4 free on m0 are left to the job behind."""
+    claim = job("claim").gpus(6).topology("machine").priority("critical").submitted(NOW)
+    behind = job("behind").gpus(4).priority("low").expected(7200).submitted(NOW)
+    run = [_ends_soon("e0", M0, range(4)), _ends_soon("e1", M1, range(6)), filler("f1", M1, [6, 7]),
+           _run("low", M2)]
+    result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[claim, behind]))
+    assert pending(result)["claim"].reason.startswith(WAITS) and preempted(result) == []
+    assert machines_of(placements(result)["behind"].gpus) == {M0}
+
+
+def test_a_claimant_waits_only_for_jobs_ending_on_machines_it_may_use():
+    """The inference machine's job ends in 30 s, but a training job may not run there: it
+    displaces the low job rather than wait for GPUs it could never take."""
+    inference = fleet(machines=1, partition="inference", first_block=1)
+    machines = [*fleet(machines=1), *inference]
+    run = [_run("low", M0), _ends_soon("serving", inference[0].id, range(8))]
+    result = cycle(snapshot(machines, quotas={"*": {}}, running=run,
+                            queue=[job("claim").gpus(8).priority("critical").submitted(NOW)]))
+    assert preempted(result) == ["low"]
+
+
+def test_a_job_expected_to_end_exactly_as_half_the_grace_ends_is_waited_for():
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}},
+                            running=[_ends_soon("ending", M0, range(8), in_s=60), _run("low", M1)],
+                            queue=[job("claim").gpus(8).priority("critical").submitted(NOW)]))
+    assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
+
+
+# A 12-GPU claimant of the whole cluster: m0's 4 ending GPUs, then free ones from the freest machines.
+def test_a_claimant_of_several_machines_keeps_only_the_free_gpus_its_room_needs_beside_the_ending_ones():
+    """Its 12 are m0's 4 ending, m1's 6 free and 2 of m2's 3 free: the one left on m2 goes to
+    the job behind; when the jobs end, the claimant starts displacing nobody."""
+    claim = job("claim").gpus(12).topology("any").priority("critical").submitted(NOW)
+    behind = job("behind").gpus(1).priority("low").expected(7200).submitted(NOW)
+    run = [_ends_soon("ending", M0, range(4)), filler("f0", M0, range(4, 8)), filler("f1", M1, [0, 1]),
+           filler("f2", M2, range(5)), _run("low", mid(0, 0, 3))]
+    snap = snapshot(fleet(machines=4), quotas={"*": {}}, running=run, queue=[claim, behind])
+    result = cycle(snap)
+    assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
+    assert placements(result)["behind"].gpus == ((M2, 7),)
+
+
+@pytest.mark.parametrize("claim,free_on_m1", [
+    (job("claim").gpus(12).topology("block"), range(4, 8)),
+    (job("claim").gpus(12).topology("any"), range(4, 8)),
+], ids=["a block job whose block has exactly its room once the jobs end waits for them",
+        "a job of the cluster with exactly its room once the jobs end waits for them"])
+def test_a_claimant_waits_for_room_that_is_exactly_its_size(claim, free_on_m1):
+    """m0's 8 GPUs end in 30 s and 4 of m1's are free: 12, just what it needs."""
+    run = [_ends_soon("ending", M0, range(8)), _run("low", M1, range(4)), _run("low2", M2)]
+    result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run,
+                            queue=[claim.priority("critical").submitted(NOW)]))
+    assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
+
+
+def test_the_free_gpus_a_claimant_keeps_are_first_those_beside_the_ending_jobs():
+    """Its 10 are m0's 4 ending, m0's 2 free, then 4 of m1's 6: the 2 left free on m1 go to the
+    job behind (kept from m1 first, m0's 2 would have been left instead)."""
+    claim = job("claim").gpus(10).topology("any").priority("critical").submitted(NOW)
+    behind = job("behind").gpus(2).priority("low").expected(7200).submitted(NOW)
+    run = [_ends_soon("ending", M0, range(4)), filler("f0", M0, [4, 5]), filler("f1", M1, [0, 1]), _run("low", M2)]
+    result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[claim, behind]))
+    assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
+    assert machines_of(placements(result)["behind"].gpus) == {M1}
+
+
+def test_a_claimant_of_several_machines_counts_only_the_ending_gpus_it_needs():
+    """The 10-GPU claimant counts m0's 8 and 2 of m1's 4 ending: the other 2 are the room of the
+    2-GPU claimant behind it, which waits too rather than displace the low job."""
+    first = job("first").gpus(10).topology("any").priority("critical").submitted(NOW)
+    second = job("second").gpus(2).priority("critical").submitted(NOW + 1)
+    run = [_ends_soon("e0", M0, range(8)), _ends_soon("e1", M1, range(4)), filler("f1", M1, range(4, 8)),
+           _run("low", M2)]
+    result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[first, second]))
+    assert preempted(result) == []
+    assert pending(result)["first"].reason.startswith(WAITS) and pending(result)["second"].reason.startswith(WAITS)
+
+
+def test_a_claimant_does_not_wait_for_gpus_ending_on_machines_a_reservation_holds_against_it():
+    """m1's job ends in 30 s, but the starving `A` holds m0 and m1 from then: C, which would
+    still run then, displaces the low job on m2 rather than wait for GPUs it may not take."""
+    starving = job("A").gpus(16).topology("block").priority("low").submitted(0)
+    claim = job("C").gpus(8).priority("normal").expected(36000).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=3), quotas={"*": {}},
+                            running=[_ends_soon("ending", M1, range(8)), _run("low", M2)], queue=[starving, claim]))
+    assert [r.job_id for r in result.reservations] == ["A"]
+    assert preempted(result) == ["low"]
 
 
 def test_a_starving_job_that_may_displace_nobody_reserves_the_gpus_about_to_free_up():
