@@ -97,19 +97,19 @@ class Admission:
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
-    # (job, machine, GPUs, expected end) of jobs ending within half the grace
-    ending_soon: list[tuple[str, int, int, float]] | None = None
-    # (len(going) it was made at, GPUs per machine, the last of their ends per machine)
-    ending_by_machine: tuple[int, dict[int, int], dict[int, float]] | None = None
+    ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
+    ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
     # Free GPUs kept, for this admission, for claimants waiting for jobs that end soon; given
     # back once it is done (take_picks' form)
     withheld: list[tuple[int, list[int]]] = field(default_factory=list)
     # GPUs of jobs ending soon that a waiting claimant counted, per machine: they are its room,
     # not the next claimant's
     ending_counted: dict[int, int] = field(default_factory=dict)
-    # The room of each such claimant, held for it in the estimate's walk until the jobs end, as a
-    # reservation is: the walk had the jobs behind it start on the free GPUs it kept, now.
+    # The room of each such claimant, held for it in the estimate's walk until it starts (from
+    # now: nobody backfills it): the walk had the jobs behind it start on the free GPUs it kept.
     waits_for_room: list[reservation.Hold] = field(default_factory=list)
+    # by claimant: the free GPUs it keeps (take_picks' form) and the room it counted
+    room_waits: dict[str, tuple[list[tuple[int, list[int]]], SoonRoom]] = field(default_factory=dict)
     book: reservation.ReleaseBook | None = None  # see _release_book
     book_made_at: tuple[int, int, int] | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
@@ -169,8 +169,13 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
 def _after_the_pool_served(state: Admission) -> bool:
     """A job kept off the reserved pool is admitted again when the jobs the pool was kept for
     have started later in the same cycle: left waiting, it would stand beside free GPUs it fits
-    until the next cycle, told it starts now. Whether any was."""
-    kept_out = [job for job, reason in state.waiting if KEPT_WHOLE in reason]
+    until the next cycle, told it starts now. Whether any was.
+
+    Those told so, and those waiting for GPUs to come back (victims leaving, or jobs about to
+    end): the pool may have kept them off free GPUs before they came to wait so."""
+    kept_out = [job for job, reason in state.waiting
+                if KEPT_WHOLE in reason or job.spec.job_id in state.room_waits
+                or (job.spec.job_id in state.draining_for and job.spec.job_id not in state.earmarks)]
     if not kept_out:
         return False
     keep = _reserved_pool(state.cap, _without_promises(state, [job for job, _ in state.waiting]), state.config,
@@ -187,8 +192,22 @@ def _after_the_pool_served(state: Admission) -> bool:
         # is placed now, or reserves again (one job, one reservation).
         _set_holds(state, [h for h in state.holds if h.job_id not in again])
     for job in kept_out:
+        _stop_waiting_for_room(state, job.spec.job_id)
         admit(state, job)
     return True
+
+
+def _stop_waiting_for_room(state: Admission, job_id: str) -> None:
+    """Undo a claimant's wait for jobs about to end, to admit it again: the free GPUs it kept
+    and the ending ones it counted are everyone's again."""
+    if job_id not in state.room_waits:
+        return
+    kept, soon = state.room_waits.pop(job_id)
+    state.cap.give_back(kept)
+    state.withheld = [picks for picks in state.withheld if not any(picks is k for k in kept)]
+    for i, count in soon.ending.items():
+        state.ending_counted[i] -= count
+    state.waits_for_room = [h for h in state.waits_for_room if h.job_id != job_id]
 
 
 def admit(state: Admission, job: QueuedJob) -> None:
@@ -476,11 +495,13 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # the wait ended, and it displaced someone after all. Only those: holding their machines
         # whole made the jobs behind displace others instead (Philly week: 3,302 preemptions to
         # 3,585).
-        state.withheld += state.cap.take_picks(soon.free)
+        kept = state.cap.take_picks(soon.free)
+        state.withheld += kept
         for i, count in soon.ending.items():
             state.ending_counted[i] = state.ending_counted.get(i, 0) + count
         machines = frozenset(soon.ending).union(i for i, _ in soon.free)
-        state.waits_for_room.append(reservation.Hold(spec.job_id, machines, soon.by))
+        state.waits_for_room.append(reservation.Hold(spec.job_id, machines, now))
+        state.room_waits[spec.job_id] = (kept, soon)
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -605,7 +626,6 @@ class SoonRoom(NamedTuple):
     (machine, count), and how many of the ending jobs' GPUs it counts, per machine."""
     free: list[tuple[int, int]]
     ending: dict[int, int]
-    by: float  # when the last of the ending jobs counted ends, by its estimate
 
 
 def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | None:
@@ -619,7 +639,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     cap, now = state.cap, state.now
     if state.ending_soon is None:
         horizon = now + state.config.grace_period / 2
-        state.ending_soon = [(running.spec.job_id, i, count, end) for running, end, machines in expected_ends(state)
+        state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
                              if end <= horizon and not running.draining for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of
@@ -628,13 +648,10 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     # GPUs are their claimants'.
     if state.ending_by_machine is None or state.ending_by_machine[0] != len(state.going):  # `going` only grows
         by_machine: dict[int, int] = {}
-        last_end: dict[int, float] = {}
-        for job_id, i, count, end in state.ending_soon:
+        for job_id, i, count in state.ending_soon:
             if job_id not in state.going:
                 by_machine[i] = by_machine.get(i, 0) + count
-                last_end[i] = max(end, last_end.get(i, end))
-        state.ending_by_machine = (len(state.going), by_machine, last_end)
-    last_end = state.ending_by_machine[2]
+        state.ending_by_machine = (len(state.going), by_machine)
     counted = state.ending_counted
     ending = {i: count - counted.get(i, 0) for i, count in state.ending_by_machine[1].items()
               if i not in avoid and pool_of[i] in pools and count > counted.get(i, 0)}
@@ -648,8 +665,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
         if not fits:
             return None
         best = max(fits, key=lambda i: (ending[i], -i))  # most of its room the ending jobs': the fewest kept
-        return SoonRoom([(best, n - ending[best])] if n > ending[best] else [], {best: min(n, ending[best])},
-                        last_end[best])
+        return SoonRoom([(best, n - ending[best])] if n > ending[best] else [], {best: min(n, ending[best])})
     soon: dict[int, int] = dict(ending)
     for pool in pools:
         for bucket in pool.buckets[1:]:
@@ -687,7 +703,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
         if keep > 0:
             picks.append((i, keep))
             short -= keep
-    return SoonRoom(picks, counts, max(last_end[i] for i in counts))
+    return SoonRoom(picks, counts)
 
 
 def _why_waiting(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str:

@@ -157,7 +157,8 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
         wanted=wanted,
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
         restart=restart,
-        reservations=[*state.holds, *state.waits_for_room],
+        reservations=state.holds,
+        rooms=state.waits_for_room,
     )
     if claimants:
         starts.update(claimants if wanted is None else {k: v for k, v in claimants.items() if k in wanted})

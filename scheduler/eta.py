@@ -14,6 +14,9 @@ Algorithm overview
   4. The cycle's reservations hold their machines against every job but their holder, as
      admission holds them; a job that would have waited past the starvation threshold in the
      walk holds its soonest place too. Later jobs may use it only if they end before it starts.
+     A claimant waiting for jobs about to end (admission, Preemption 1) holds the machines of
+     its room against every other job until it starts: admission keeps its free GPUs from
+     whoever comes after it, however short.
   5. Advance to the next release, give its GPUs back, and repeat from 2.
   6. Work that arrives later is known only as a forecast (scheduler/forecast.py): a job that
      more important expected arrivals would go before waits, after its place in the walk, until
@@ -105,6 +108,7 @@ def estimate_starts(
     arrivals: ArrivalLoad | None = None,
     restart: float = 0.0,
     reservations: Sequence[Hold] = (),
+    rooms: Sequence[Hold] = (),
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
@@ -136,7 +140,7 @@ def estimate_starts(
     total = sum(m.gpus for m in cap.machines)
     # The lanes that hold a holder of one of the cycle's reservations: only there can a hold keep
     # out the head of the holder's own lane (the walk's own holds apply to later jobs only).
-    holders = {h.job_id for h in reservations}
+    holders = {h.job_id for h in reservations} | {h.job_id for h in rooms}
     holder_lanes: set[_Lane] = set()
     # A lane's turn (see `turn`) is packed into one integer, so that turns compare as numbers do,
     # not as tuples: the walk compares them tens of thousands of times. Each part is below its
@@ -238,10 +242,12 @@ def estimate_starts(
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
     # (from which place in the queue it applies, hold). The cycle's own holds apply to every
     # job but their holder, as this cycle's admission held them against whoever came after.
-    holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations]
+    holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations] + [(-1, h) for h in rooms]
+    room_holders = {h.job_id for h in rooms}
+    rooms_held = len(rooms)  # not reservations: they do not count towards max_holds
 
     def holds_may_grow() -> bool:
-        return holds_left > 0 and len(holds) < max_holds
+        return holds_left > 0 and len(holds) - rooms_held < max_holds
 
     def may_plan(shape: _Shape) -> bool:
         """Whether a job of the shape that finds no room may still plan a reservation: one of a
@@ -348,6 +354,8 @@ def estimate_starts(
             if holds and any(h.job_id == spec.job_id for _, h in holds):
                 holds = [(o, h) for o, h in holds if h.job_id != spec.job_id]
                 avoid_cache.clear()
+                if spec.job_id in room_holders:
+                    rooms_held -= 1
             lane.jobs.popleft()
             released_pool = False
             for key in served_by.get(shape_key, ()):

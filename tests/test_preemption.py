@@ -383,6 +383,20 @@ def test_the_estimate_keeps_the_free_gpus_a_waiting_claimant_counted_from_the_jo
     assert pending(result)["behind"].estimated_start > NOW + 30
 
 
+def test_the_estimate_keeps_a_waiting_claimant_s_free_gpus_from_a_job_behind_it_however_short():
+    """Held in the walk as a reservation is, its room let a job that would end before the
+    claimant's jobs do start on it now, though admission keeps those GPUs from everyone behind
+    (a grace of 300 s: the claimant waits up to 150 s, more than the 60 s job)."""
+    ending = running(job("ending").gpus(4).priority("critical").team("o").expected(3600)) \
+        .on(M0, range(4)).started(NOW - 3480)
+    short = job("short").gpus(4).priority("low").expected(60).submitted(NOW)
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}}, running=[ending, _run("low", M1)],
+                            grace_period=300, queue=[CRIT, short]))
+    assert pending(result)["claim"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["short"].reason == "needs 4 GPUs on one machine; the largest free is 0"
+    assert pending(result)["short"].estimated_start > NOW + 120
+
+
 def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
     """`ending`'s 4 GPUs make the first claimant's room. The second counted the same 4, waited
     half a grace for them too, and then found them taken and displaced `low` after all."""

@@ -315,6 +315,29 @@ def test_a_job_kept_off_both_a_reservation_and_the_reserved_pool_is_admitted_aga
     assert machines_of(placements(result)["j"].gpus) == {a1}
 
 
+# m2 and m1 are the last whole machines, kept for `p` (8 GPUs) until it starts; `c` (4 GPUs,
+# high) comes first and fits on them. On m0: a job that ends in 30 s beside a low one, or c's
+# victim leaving (with no promise of GPUs left) beside a job nobody displaces.
+POOL_SERVED_RUNNING = [
+    [running(job("ending").gpus(4).priority("critical").team("o")).on(M0, range(4)).started(NOW - 3570),
+     running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))],
+    [running(job("v").gpus(4).priority("low")).on(M0, range(4)).draining(NOW + 100, "c"),
+     filler("g", M0, range(4, 8))],
+]
+
+
+@pytest.mark.parametrize("run", POOL_SERVED_RUNNING, ids=[
+    "a claimant that waits for jobs about to end",
+    "a claimant that waits for its victims to leave"])
+def test_a_claimant_waiting_for_gpus_to_come_back_is_admitted_again_once_the_reserved_pool_is_served(run):
+    """It came to wait only because the pool kept it off m1 and m2; once `p` had taken one, it was
+    not admitted again, and stood beside the other until the next cycle, told it starts now."""
+    queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert set(placements(result)) == {"c", "p"}
+    assert machines_of(placements(result)["c"].gpus) | machines_of(placements(result)["p"].gpus) == {M1, M2}
+
+
 @pytest.mark.parametrize("pool", [{"reserved_pool_fraction": 0}, {}],
                          ids=["no reserved pool", "the default reserved pool, kept for B itself"])
 def test_a_starving_job_kept_off_an_earlier_reservation_that_reserves_too_is_told_whose_reservation(pool):
