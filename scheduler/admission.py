@@ -99,17 +99,10 @@ class Admission:
     ends: Ends | None = None  # see expected_ends
     ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
     ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
-    # Free GPUs kept, for this admission, for claimants waiting for jobs that end soon; given
-    # back once it is done (take_picks' form)
-    withheld: list[tuple[int, list[int]]] = field(default_factory=list)
-    # GPUs of jobs ending soon that a waiting claimant counted, per machine: they are its room,
-    # not the next claimant's
+    # Claimants waiting for jobs that end soon, by id (see RoomWait)
+    room_waits: dict[str, RoomWait] = field(default_factory=dict)
+    # The ending jobs' GPUs those claimants counted, per machine: their room, not the next one's
     ending_counted: dict[int, int] = field(default_factory=dict)
-    # The room of each such claimant, held for it in the estimate's walk until it starts (from
-    # now: nobody backfills it): the walk had the jobs behind it start on the free GPUs it kept.
-    waits_for_room: list[reservation.Hold] = field(default_factory=list)
-    # by claimant: the free GPUs it keeps (take_picks' form) and the room it counted
-    room_waits: dict[str, tuple[list[tuple[int, list[int]]], SoonRoom]] = field(default_factory=dict)
     book: reservation.ReleaseBook | None = None  # see _release_book
     book_made_at: tuple[int, int, int] | None = None
     explained: dict[tuple, str] = field(default_factory=dict)
@@ -162,8 +155,8 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
     if borrowing or served_again:
         place = {job.spec.job_id: i for i, job in enumerate(queue)}
         state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
-    if state.withheld:  # free again for what reads the capacity after admission: the estimate's walk
-        state.cap.give_back(state.withheld)
+    for wait in state.room_waits.values():  # free again for what reads the capacity after admission: the walk
+        state.cap.give_back(wait.kept)
 
 
 def _after_the_pool_served(state: Admission) -> bool:
@@ -202,12 +195,10 @@ def _stop_waiting_for_room(state: Admission, job_id: str) -> None:
     and the ending ones it counted are everyone's again."""
     if job_id not in state.room_waits:
         return
-    kept, soon = state.room_waits.pop(job_id)
-    state.cap.give_back(kept)
-    state.withheld = [picks for picks in state.withheld if not any(picks is k for k in kept)]
-    for i, count in soon.ending.items():
+    wait = state.room_waits.pop(job_id)
+    state.cap.give_back(wait.kept)
+    for i, count in wait.room.ending.items():
         state.ending_counted[i] -= count
-    state.waits_for_room = [h for h in state.waits_for_room if h.job_id != job_id]
 
 
 def admit(state: Admission, job: QueuedJob) -> None:
@@ -252,7 +243,7 @@ def admit(state: Admission, job: QueuedJob) -> None:
     waited = state.now - job.queued_since
     like = (_shape(job), spec.team, spec.priority, avoid, waited >= state.config.starvation_threshold,
             waited >= state.config.consolidation_wait, len(state.placed), len(state.earmarks), len(state.holds),
-            len(state.preemptions), len(state.withheld))
+            len(state.preemptions), len(state.room_waits))
     if like in state.settled and spec.job_id not in state.draining_for:
         state.waiting.append((job, state.settled[like]))
         return
@@ -495,13 +486,11 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # the wait ended, and it displaced someone after all. Only those: holding their machines
         # whole made the jobs behind displace others instead (Philly week: 3,302 preemptions to
         # 3,585).
-        kept = state.cap.take_picks(soon.free)
-        state.withheld += kept
         for i, count in soon.ending.items():
             state.ending_counted[i] = state.ending_counted.get(i, 0) + count
         machines = frozenset(soon.ending).union(i for i, _ in soon.free)
-        state.waits_for_room.append(reservation.Hold(spec.job_id, machines, now))
-        state.room_waits[spec.job_id] = (kept, soon)
+        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon,
+                                                 reservation.Hold(spec.job_id, machines, now))
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -628,6 +617,16 @@ class SoonRoom(NamedTuple):
     ending: dict[int, int]
 
 
+class RoomWait(NamedTuple):
+    """A claimant waiting for jobs that end soon. Until admission is done, the free GPUs it
+    counted are kept from the jobs behind it (`kept`, take_picks' form); in the estimate's walk,
+    the machines of its room are held for it until it starts (`hold`, from now: nobody
+    backfills it), where the walk had the jobs behind it start on the GPUs it kept."""
+    kept: list[tuple[int, list[int]]]
+    room: SoonRoom
+    hold: reservation.Hold
+
+
 def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | None:
     """Whether jobs ending by their estimates free room for `spec` before a preemption would,
     beside the room counted by the claimants waiting for them already: if so, that room.
@@ -708,7 +707,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
 
 def _why_waiting(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> str:
     # Capacity only shrinks as the cycle places and earmarks, so one answer per shape holds until then.
-    key = (_shape(job), avoid, len(state.placed), len(state.earmarks), len(state.withheld))
+    key = (_shape(job), avoid, len(state.placed), len(state.earmarks), len(state.room_waits))
     if key not in state.explained:
         state.explained[key] = _explain(state, job.spec, avoid)
     return state.explained[key]

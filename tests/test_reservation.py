@@ -13,6 +13,7 @@ from builders import (
     mid,
     pending,
     placements,
+    preempted,
     running,
     silent,
     snapshot,
@@ -336,6 +337,36 @@ def test_a_claimant_waiting_for_gpus_to_come_back_is_admitted_again_once_the_res
     result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
     assert set(placements(result)) == {"c", "p"}
     assert machines_of(placements(result)["c"].gpus) | machines_of(placements(result)["p"].gpus) == {M1, M2}
+
+
+def _ending(gpus, machine=M0):
+    """A job nobody displaces, on `machine`, expected to end 30 s from now."""
+    gpus = list(gpus)
+    return running(job("ending").gpus(len(gpus)).priority("critical").team("o").expected(3600)) \
+        .on(machine, gpus).started(NOW - 3570)
+
+
+def test_a_claimant_admitted_again_gives_back_the_free_gpus_it_kept_and_its_room():
+    """`c` waited for m0's 2 ending GPUs and kept the 2 free beside them; admitted again once the
+    pool was served, it starts on m2. The 2 it kept go to `small`, and the walk no longer holds
+    m0 for it: `later` starts there as `ending` ends, not an hour on."""
+    run = [_ending([0, 1]), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
+    queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5),
+             job("small").gpus(2).priority("low").expected(7200).submitted(NOW - 3),
+             job("later").gpus(6).priority("low").expected(7200).submitted(NOW - 2)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert {k: machines_of(v.gpus) for k, v in placements(result).items()} == {"p": {M1}, "c": {M2}, "small": {M0}}
+    assert pending(result)["later"].estimated_start == NOW + 720  # `low` on m0, 1 h expected, ends then
+
+
+def test_a_claimant_admitted_again_that_still_waits_counts_its_room_once():
+    """The pool served, `c` is admitted again and still cannot start: it waits for `ending` again,
+    not counting the GPUs it counted the first time as somebody else's (it preempted `low`)."""
+    run = [_ending(range(4)), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
+    queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert list(placements(result)) == ["p"] and preempted(result) == []
+    assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
 
 
 @pytest.mark.parametrize("pool", [{"reserved_pool_fraction": 0}, {}],
