@@ -478,8 +478,9 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     # reservation) whatever ends soon.
     soon = _frees_up_soon(state, spec, avoid)
     if soon is not None:
-        state.waiting.append((job, "enough GPUs are expected to free up within half the grace period; "
-                                   "waiting for them instead of preempting"))
+        state.waiting.append((job, "enough GPUs are expected to free up within half the grace period, or "
+                                   "as jobs already stopping end their grace; waiting for them instead of "
+                                   "preempting"))
         # If they have not by then (estimates are wrong both ways), the claimant preempts.
         state.wake_at.append(now + config.grace_period / 2 + 1.0)
         # Kept from the jobs behind it: handed to them, the free GPUs it counted were gone when
@@ -634,12 +635,16 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
     within half the grace period, waiting is hardly slower for the claimant and costs nobody
     anything. (Half: if the estimate was wrong, preempting then still starts the claimant within
-    about one grace period.)"""
+    about one grace period.) A job already stopping for nobody (a cancel) is sure to leave by the
+    end of its grace: if that is within a grace period, a preemption would free nothing sooner.
+    A victim's GPUs are its claimant's (`preempted_for`)."""
     cap, now = state.cap, state.now
     if state.ending_soon is None:
-        horizon = now + state.config.grace_period / 2
+        half, whole = now + state.config.grace_period / 2, now + state.config.grace_period
         state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
-                             if end <= horizon and not running.draining for i, count in machines]
+                             if (end <= half and not running.draining)
+                             or (running.draining and running.preempted_for is None and end <= whole)
+                             for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of
     # Only machines with a job ending soon or a free GPU can add anything: on a busy cluster

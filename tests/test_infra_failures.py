@@ -75,7 +75,7 @@ class Attempts(Launching):
 
     def activities(self) -> list:
         return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_job_state, self.stop_job,
-                self.run_job, self.end_attempt]
+                self.run_job, self.mark_attempt_stopping, self.end_attempt]
 
 
 async def attempts_of(address: str, runs: list[str], max_retries: int = 0) -> list[EndAttempt]:

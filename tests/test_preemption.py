@@ -411,6 +411,26 @@ def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
     assert pending(result)["second"].reason.startswith("preempting low")
 
 
+# `a` is stopping for nobody (cancelled), its grace ending at the time given; `b` could be displaced.
+@pytest.mark.parametrize("stops_at,victims", [
+    (NOW + 120, []),
+    (NOW + 30, []),
+    (NOW + 300, ["b"]),
+], ids=["a job stopping by the end of a grace period: the claimant waits for its GPUs, displacing nobody",
+        "one stopping sooner: the same",
+        "one stopping later than a preemption would free GPUs: the claimant displaces b"])
+def test_a_claimant_waits_for_the_gpus_of_a_job_already_stopping_rather_than_displace_another(stops_at, victims):
+    """A cancelled job keeps its GPUs for its grace; a claimant displaced `b` meanwhile, whose
+    GPUs its grace frees no sooner."""
+    stopping = running(job("a").gpus(8).priority("low")).on(M0, range(8)).started(0).draining(stops_at)
+    result = cycle(snapshot(fleet(machines=2), quotas={"*": {}}, running=[stopping, _run("b", M1, priority="normal")],
+                            queue=[CRIT]))
+    assert preempted(result) == victims
+    if not victims:
+        assert pending(result)["claim"].reason.startswith("enough GPUs are expected to free up")
+        assert pending(result)["claim"].estimated_start == stops_at
+
+
 # --- GPUs about to free up, shared out among the claimants waiting for them ---------------------
 
 WAITS = "enough GPUs are expected to free up within half the grace period"

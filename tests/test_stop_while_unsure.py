@@ -20,6 +20,7 @@ from workflows.job import JobWorkflow
 from workflows.types import (
     UNSURE,
     AttachOrder,
+    AttemptStopping,
     EndReason,
     GpuGrant,
     HearingAsk,
@@ -67,13 +68,29 @@ class LostWatch(Launching):
 
     def activities(self) -> list:
         return [self.admit_job, self.wake_scheduler, self.start_attempt, self.set_job_state, self.run_job,
-                self.machines_heard, self.stop_job, self.attach_job, self.end_attempt]
+                self.machines_heard, self.stop_job, self.attach_job, self.mark_attempt_stopping, self.end_attempt]
 
 
-async def stop_during_the_wait(address: str, stop: str) -> LostWatch:
+class StoreDownForTheMark(LostWatch):
+    """And Postgres down as a cancel marks its attempt stopping, until `store_back`; whether the
+    process had been told to stop meanwhile in `stopped_while_down`."""
+
+    def __init__(self):
+        super().__init__()
+        self.store_back = asyncio.Event()
+        self.stopped_while_down = False
+
+    @activity.defn(name="mark_attempt_stopping")
+    async def mark_attempt_stopping(self, stopping: AttemptStopping) -> None:
+        if not self.store_back.is_set():
+            raise RuntimeError("the database does not answer")
+        self.marks.append(stopping)
+
+
+async def stop_during_the_wait(address: str, stop: str, fakes: LostWatch | None = None) -> LostWatch:
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     machine = f"m-{uuid.uuid4().hex[:8]}"
-    fakes = LostWatch()
+    fakes = fakes or LostWatch()
     async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
                       activities=fakes.activities()), \
             Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
@@ -92,6 +109,11 @@ async def stop_during_the_wait(address: str, stop: str) -> LostWatch:
                                                                    reason="a more important job"))
         else:
             await handle.signal(JobWorkflow.cancel, "not wanted any more")
+        if isinstance(fakes, StoreDownForTheMark):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_until(lambda: fakes.stops), 5)
+            fakes.stopped_while_down = bool(fakes.stops)
+            fakes.store_back.set()
         for _ in range(400):
             if fakes.ends:
                 break
@@ -103,6 +125,21 @@ async def stop_during_the_wait(address: str, stop: str) -> LostWatch:
         with contextlib.suppress(WorkflowFailureError):
             await asyncio.wait_for(handle.result(), 30)
     return fakes
+
+
+async def _until(what) -> None:
+    while not what():
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.live
+def test_a_cancel_stops_the_process_of_a_lost_watch_while_the_store_cannot_mark_its_attempt(live_servers):
+    """The mark (status's "stopping: …") waited for Postgres before the stop was sent: the
+    process ran on past its grace, or was killed by its agent as an orphan."""
+    fakes = asyncio.run(stop_during_the_wait(live_servers.temporal_address, "cancel", StoreDownForTheMark()))
+    assert fakes.stopped_while_down
+    assert [m.reason for m in fakes.marks] == ["not wanted any more"]
+    assert [(e.end_reason, e.next_state) for e in fakes.ends[:1]] == [(EndReason.cancelled, JobState.cancelled)]
 
 
 @pytest.mark.live

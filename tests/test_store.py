@@ -403,21 +403,26 @@ def test_an_attempt_told_to_stop_says_why_and_when_its_grace_ends_until_it_has_e
 
 def test_an_attempt_its_cancel_stops_says_so_and_is_not_displaced_while_it_checkpoints(store_env):
     """A running job being cancelled showed `running` through its grace, with nothing said, and
-    the cycle counted its GPUs back only at its expected end: a claimant displaced someone else."""
+    the cycle displaced it for a claimant; then, once it showed, the claimant displaced `b`
+    instead, whose GPUs come back no sooner."""
     run, store = store_env
     run(store.configure_cluster("c1", policy={"min_runtime": 0}))
-    run(store.admit(job("a", gpus=8, priority="low")))
-    [p] = run(store.plan_cycle("c1", 1, run_cycle)).placements
-    run(store.start_attempt("a", p.signal.allocation_id))
+    run(store.admit(job("a", gpus=4, priority="low")))
+    run(store.admit(job("b", gpus=4, priority="normal")))
+    placed = {p.job_id: p for p in run(store.plan_cycle("c1", 1, run_cycle)).placements}
+    for job_id, placement in placed.items():
+        run(store.start_attempt(job_id, placement.signal.allocation_id))
+    p = placed["a"]
     assert run(store.mark_stopping(p.signal.allocation_id, 120.0, "cancelled by request"))
     assert not run(store.mark_stopping(p.signal.allocation_id, 5.0, "again"))  # the first grace stands
     [attempt] = run(store.job_view("a")).attempts
     assert attempt.stopping == "cancelled by request"
     assert time.time() + 100 < datetime.fromisoformat(attempt.stop_by).timestamp() < time.time() + 121
-    run(store.set_quota("speech", Quota(guaranteed=8, max=8)))
-    run(store.admit(job("c", gpus=8, priority="critical", team="speech")))
+    run(store.set_quota("speech", Quota(guaranteed=4, max=8)))
+    run(store.admit(job("c", gpus=4, priority="critical", team="speech")))
     outcome = run(store.plan_cycle("c1", 2, run_cycle))
     assert outcome.preemptions == [] and outcome.placements == []
+    assert run(store.job_view("c")).pending_reason.startswith("enough GPUs are expected to free up")
     run(store.end_attempt("a", p.signal.allocation_id, EndReason.cancelled, None, JobState.cancelled,
                           "cancelled by request"))
     [attempt] = run(store.job_view("a")).attempts

@@ -80,6 +80,9 @@ GPU_COUNT = SearchAttributeKey.for_int("GpuCount")
 STORE_CALL = dict(start_to_close_timeout=timedelta(seconds=15),
                   retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200),
                                            maximum_interval=timedelta(seconds=5)))
+# What a stop says of itself (a cancel's mark of its attempt): shown while it lasts, worth nothing
+# after, so given up with the store down for a minute rather than holding up the attempt's end.
+MARK_CALL = dict(STORE_CALL, schedule_to_close_timeout=timedelta(seconds=60))
 # A look at the checkpoint store from the control plane: a HEAD, with the S3 client's retries.
 STORE_LOOK = dict(start_to_close_timeout=timedelta(seconds=60), retry_policy=STORE_CALL["retry_policy"])
 # How long a placed attempt may wait for its agent to pick it up, and how long an agent may be
@@ -543,7 +546,7 @@ class JobWorkflow:
             # cycle expects the GPUs back by the grace's end instead of displacing the job.
             marked = workflow.start_activity(
                 "mark_attempt_stopping", AttemptStopping(allocation_id=alloc, grace_period=placement.grace_period,
-                                                         reason=self.cancel_reason), **STORE_CALL)
+                                                         reason=self.cancel_reason), **MARK_CALL)
         stops = []
         if preempt is not None and self.cancel_reason is None and workflow.patched("stop-with-ordered-grace"):
             # The agents stop with the preemption's grace, not the one the attempt was launched
@@ -555,8 +558,6 @@ class JobWorkflow:
         for stop in stops:
             stop.cancel()  # one not picked up by now has nothing left to stop
         await asyncio.gather(*stops, return_exceptions=True)
-        if marked is not None:
-            await asyncio.gather(marked, return_exceptions=True)  # before the attempt is ended
         lost = [i for i, r in enumerate(runs) if _heartbeats_lost(r)]
         if lost and workflow.patched("stop-reaches-a-lost-watch"):
             # The stop and a watch's heartbeat timeout came in one workflow task: the stop is seen
@@ -573,6 +574,10 @@ class JobWorkflow:
                     continue  # its agent cannot be reached: its machine is gone, or its next agent reaps it
                 runs[i] = watch(hosts[i])
             await asyncio.gather(*runs, return_exceptions=True)
+        if marked is not None:
+            # Before the attempt is ended (the mark of an ended one is dropped), and after every
+            # stop is sent: none waits for the store.
+            await asyncio.gather(marked, return_exceptions=True)
         if workflow.patched("stopped-success-completes") and all(_ended_on_its_own(r) for r in runs):
             # Every process had already exited 0 when the stop reached it: the job is done,
             # and running it again would only repeat its work.

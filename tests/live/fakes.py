@@ -9,7 +9,8 @@ from temporalio import activity
 
 from workers.devices import FakeDevices
 
-from workflows.types import Admission, AttemptGrant, EndAttempt, JobRequest, JobStateChange, StartAttempt, Wake
+from workflows.types import (Admission, AttemptGrant, AttemptStopping, EndAttempt, JobRequest, JobStateChange,
+                             StartAttempt, Wake)
 
 
 class Admitting:
@@ -27,10 +28,12 @@ class Admitting:
 
 class Launching(Admitting):
     """And the store activities of its attempts: every placement launched (from scratch), the
-    checkpointing state taken, each attempt's end recorded in ``ends``."""
+    checkpointing state taken, a cancel's mark of its attempt recorded in ``marks``, each
+    attempt's end recorded in ``ends``."""
 
     def __init__(self):
         self.ends: list[EndAttempt] = []
+        self.marks: list[AttemptStopping] = []
 
     @activity.defn(name="start_attempt")
     async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
@@ -39,6 +42,10 @@ class Launching(Admitting):
     @activity.defn(name="set_job_state")
     async def set_job_state(self, change: JobStateChange) -> None:
         pass
+
+    @activity.defn(name="mark_attempt_stopping")
+    async def mark_attempt_stopping(self, stopping: AttemptStopping) -> None:
+        self.marks.append(stopping)
 
     @activity.defn(name="end_attempt")
     async def end_attempt(self, end: EndAttempt) -> None:
