@@ -165,10 +165,20 @@ def _after_the_pool_served(state: Admission) -> bool:
     until the next cycle, told it starts now. Whether any was.
 
     Those told so, and those waiting for GPUs to come back (victims leaving, or jobs about to
-    end): the pool may have kept them off free GPUs before they came to wait so."""
-    kept_out = [job for job, reason in state.waiting
-                if KEPT_WHOLE in reason or job.spec.job_id in state.room_waits
-                or (job.spec.job_id in state.draining_for and job.spec.job_id not in state.earmarks)]
+    end): the pool may have kept them off free GPUs before they came to wait so. A claimant
+    waiting for jobs about to end gives back the free GPUs it kept, so the jobs that found no
+    room after it, on machines of those pools, come again too."""
+    pool_of, waits = state.cap.pool_of, state.room_waits
+    kept_pools = {pool_of[i] for wait in waits.values() for i, gpus in wait.kept if gpus}
+    no_room = set(state.settled.values()) if kept_pools else set()  # the reasons of jobs that found none
+
+    def may_start_now(job: QueuedJob, reason: str) -> bool:
+        job_id = job.spec.job_id
+        return (KEPT_WHOLE in reason or job_id in waits
+                or (job_id in state.draining_for and job_id not in state.earmarks)
+                or (reason in no_room and not kept_pools.isdisjoint(state.cap.eligible_pools(job.spec))))
+
+    kept_out = [job for job, reason in state.waiting if may_start_now(job, reason)]
     if not kept_out:
         return False
     keep = _reserved_pool(state.cap, _without_promises(state, [job for job, _ in state.waiting]), state.config,
@@ -723,14 +733,18 @@ def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
     held = bool(avoid) and placement.find_gpus(cap, spec, keep_whole=keep_whole) is not None  # fits on held machines
     kept = bool(keep_whole) and placement.find_gpus(cap, spec, avoid=avoid) is not None  # fits on those kept whole
     if held != kept:
-        return _behind(state, avoid) if held else KEPT_WHOLE
+        return _behind(state, spec, avoid) if held else KEPT_WHOLE
     if held or (avoid and keep_whole and placement.find_gpus(cap, spec) is not None):
         # Both: it fits on either, or only on both together (the room in words would say it
         # fits). So said, it is admitted again once the pool is served.
-        return f"{_behind(state, avoid)}, and {KEPT_WHOLE}"
+        return f"{_behind(state, spec, avoid)}, and {KEPT_WHOLE}"
     return placement.explain_no_fit(cap, spec)
 
 
-def _behind(state: Admission, avoid: frozenset[int]) -> str:
-    holders = [h.job_id for h in state.holds if h.machines & avoid]
+def _behind(state: Admission, spec, avoid: frozenset[int]) -> str:
+    """Named by the first hold on machines the job may use: one on others keeps nothing from it."""
+    cap = state.cap
+    usable = {i for pool in cap.eligible_pools(spec) for i in pool.members}
+    holders = [h.job_id for h in state.holds if h.machines & avoid & usable] or \
+              [h.job_id for h in state.holds if h.machines & avoid]
     return f"behind the reservation of job {holders[0]}"

@@ -351,6 +351,20 @@ def test_a_job_that_fits_both_on_reserved_machines_and_on_those_kept_whole_is_to
     assert pending(result)["j"].reason == ("behind the reservation of job big, and the last whole machines are "
                                            "kept for jobs that need a whole machine")
 
+
+def test_a_job_is_told_the_reservation_that_keeps_it_out_not_one_on_machines_it_cannot_use():
+    """X1 holds the A100 machine, X2 the H100 ones; Z may use only H100s, and was told it waits
+    behind X1."""
+    a0, h0, h1 = mid(0, 0, 0), mid(1, 0, 0), mid(1, 0, 1)
+    machines = fleet(gpu_type="A100") + fleet(machines=2, first_block=1, gpu_type="H100")
+    run = [filler("fa", a0, range(8), expected=NOW + 600), filler("fh0", h0, range(4), expected=NOW + 600),
+           filler("fh1", h1, range(8), expected=NOW + 1200)]
+    queue = [job("X1").gpus(8).gpu_type("A100").submitted(0), job("X2").gpus(8).gpu_type("H100").submitted(1),
+             job("Z").gpus(4).gpu_type("H100").submitted(2)]
+    result = cycle(snapshot(machines, running=run, queue=queue, starvation_threshold=0, max_reservations=2,
+                            reserved_pool_fraction=0))
+    assert pending(result)["Z"].reason == "behind the reservation of job X2"
+
 WORDS_CASES = [
     (in_words.from_now(NOW + 45, NOW), "in 45 s"),
     (in_words.from_now(NOW + 1000, NOW), "in 16.7 min"),

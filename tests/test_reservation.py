@@ -369,6 +369,21 @@ def test_a_claimant_admitted_again_that_still_waits_counts_its_room_once():
     assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
 
 
+def test_a_job_kept_off_only_by_the_gpus_a_claimant_kept_starts_once_that_claimant_is_admitted_again():
+    """`c` kept m0's 2 free A100s while it waited for `ending`; `s`, which may use only m0, found
+    none. Once the pool was served, `c` started on an H100 machine and gave the 2 back, but `s`
+    was not admitted again: it stood beside them, told it starts now, the largest free being 0."""
+    a100, h100_busy = mid(0, 0, 0), mid(1, 0, 2)
+    machines = fleet(gpu_type="A100") + fleet(machines=3, first_block=1, gpu_type="H100")
+    run = [_ending([0, 1], a100), filler("busy", h100_busy, range(8), expected=90000),
+           running(job("low").gpus(4).priority("low")).on(a100, range(4, 8))]
+    queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5),
+             job("s").gpus(2).gpu_type("A100").priority("low").submitted(NOW - 3)]
+    result = cycle(snapshot(machines, running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert set(placements(result)) == {"c", "p", "s"}
+    assert machines_of(placements(result)["s"].gpus) == {a100}
+
+
 @pytest.mark.parametrize("pool", [{"reserved_pool_fraction": 0}, {}],
                          ids=["no reserved pool", "the default reserved pool, kept for B itself"])
 def test_a_starving_job_kept_off_an_earlier_reservation_that_reserves_too_is_told_whose_reservation(pool):
