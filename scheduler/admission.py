@@ -97,7 +97,7 @@ class Admission:
     # by claimant rights, in victim order with their keys; some may be going
     candidates: dict[tuple, list[tuple[tuple, RunningJob]]] = field(default_factory=dict)
     ends: Ends | None = None  # see expected_ends
-    ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending within the grace
+    ending_soon: list[tuple[str, int, int]] | None = None  # (job, machine, GPUs) of jobs ending soon (_frees_up_soon)
     ending_by_machine: tuple[int, dict[int, int]] | None = None  # (len(going) it was made at, GPUs per machine)
     # Claimants waiting for jobs that end soon, by id (see RoomWait)
     room_waits: dict[str, RoomWait] = field(default_factory=dict)
@@ -499,9 +499,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # 3,585).
         for i, count in soon.ending.items():
             state.ending_counted[i] = state.ending_counted.get(i, 0) + count
-        machines = frozenset(soon.ending).union(i for i, _ in soon.free)
-        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon,
-                                                 reservation.Hold(spec.job_id, machines, now))
+        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon)
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -630,12 +628,15 @@ class SoonRoom(NamedTuple):
 
 class RoomWait(NamedTuple):
     """A claimant waiting for jobs that end soon. Until admission is done, the free GPUs it
-    counted are kept from the jobs behind it (`kept`, take_picks' form); in the estimate's walk,
-    the machines of its room are held for it until it starts (`hold`, from now: nobody
-    backfills it), where the walk had the jobs behind it start on the GPUs it kept."""
+    counted are kept from the jobs behind it (`kept`, take_picks' form)."""
     kept: list[tuple[int, list[int]]]
     room: SoonRoom
-    hold: reservation.Hold
+
+    def hold(self, job_id: str, now: float) -> reservation.Hold:
+        """In the estimate's walk, the machines of its room are held for it until it starts
+        (from now: nobody backfills it), where the walk had the jobs behind it start on the
+        GPUs it kept."""
+        return reservation.Hold(job_id, frozenset(self.room.ending).union(i for i, _ in self.room.free), now)
 
 
 def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | None:
@@ -743,8 +744,7 @@ def _explain(state: Admission, spec, avoid: frozenset[int]) -> str:
 
 def _behind(state: Admission, spec, avoid: frozenset[int]) -> str:
     """Named by the first hold on machines the job may use: one on others keeps nothing from it."""
-    cap = state.cap
-    usable = {i for pool in cap.eligible_pools(spec) for i in pool.members}
-    holders = [h.job_id for h in state.holds if h.machines & avoid & usable] or \
+    pools, pool_of = state.cap.eligible_pools(spec), state.cap.pool_of
+    holders = [h.job_id for h in state.holds if any(pool_of[i] in pools for i in h.machines & avoid)] or \
               [h.job_id for h in state.holds if h.machines & avoid]
     return f"behind the reservation of job {holders[0]}"

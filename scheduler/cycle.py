@@ -158,7 +158,7 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
         arrivals=ArrivalLoad(snapshot.expected_arrivals, now, config.forecast_ramp),
         restart=restart,
         reservations=state.holds,
-        rooms=[wait.hold for wait in state.room_waits.values()],
+        rooms=[wait.hold(job_id, now) for job_id, wait in state.room_waits.items()],
     )
     if claimants:
         starts.update(claimants if wanted is None else {k: v for k, v in claimants.items() if k in wanted})

@@ -207,6 +207,11 @@ def filler(job_id: str, machine: str, gpus: Iterable[int], *, priority: str = "c
     return running(spec).on(machine, gpus).started(started)
 
 
+def ends_in(seconds: float, job_id: str, machine: str, gpus: Iterable[int]) -> RunningBuilder:
+    """A job nobody displaces (a filler) expected to end `seconds` from now."""
+    return filler(job_id, machine, gpus).started(NOW - 3600.0 + seconds)
+
+
 # --- machines --------------------------------------------------------------------------------
 
 

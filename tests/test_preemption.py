@@ -7,6 +7,7 @@ from builders import (
     NOW,
     after_preemption,
     cycle,
+    ends_in,
     filler,
     fleet,
     job,
@@ -335,8 +336,7 @@ def test_a_claimant_waits_for_gpus_about_to_free_up_counting_the_restart_a_resum
 
 
 # The 4 GPUs of m0 that `ending` holds end by its estimate 30 s from now; m0's other 4 are free.
-_ENDING_HALF = running(job("ending").gpus(4).priority("critical").team("o").expected(3600)) \
-    .on(M0, range(4)).started(NOW - 3570)
+_ENDING_HALF = ends_in(30, "ending", M0, range(4))
 
 
 def test_a_claimant_waiting_for_gpus_about_to_free_up_keeps_the_free_ones_it_counted():
@@ -387,8 +387,7 @@ def test_the_estimate_keeps_a_waiting_claimant_s_free_gpus_from_a_job_behind_it_
     """Held in the walk as a reservation is, its room let a job that would end before the
     claimant's jobs do start on it now, though admission keeps those GPUs from everyone behind
     (a grace of 300 s: the claimant waits up to 150 s, more than the 60 s job)."""
-    ending = running(job("ending").gpus(4).priority("critical").team("o").expected(3600)) \
-        .on(M0, range(4)).started(NOW - 3480)
+    ending = ends_in(120, "ending", M0, range(4))
     short = job("short").gpus(4).priority("low").expected(60).submitted(NOW)
     result = cycle(snapshot(fleet(machines=2), quotas={"*": {}}, running=[ending, _run("low", M1)],
                             grace_period=300, queue=[CRIT, short]))
@@ -436,12 +435,6 @@ def test_a_claimant_waits_for_the_gpus_of_a_job_already_stopping_rather_than_dis
 WAITS = "enough GPUs are expected to free up within half the grace period"
 
 
-def _ends_soon(job_id, machine, gpus, in_s=30):
-    """A critical job (nobody displaces it) expected to end `in_s` from now."""
-    return running(job(job_id).gpus(len(list(gpus))).priority("critical").team("o").expected(3600)) \
-        .on(machine, gpus).started(NOW - 3600 + in_s)
-
-
 # m0: 4 GPUs end in 30 s, the other 4 are busy; m1: a low job anyone critical may displace.
 @pytest.mark.parametrize("sizes,waiting", [
     ((2, 2, 2), ["c0", "c1"]),
@@ -453,7 +446,7 @@ def _ends_soon(job_id, machine, gpus, in_s=30):
 def test_the_gpus_of_jobs_ending_soon_are_shared_out_among_waiting_claimants_as_far_as_they_go(sizes, waiting):
     claimants = [job(f"c{k}").gpus(n).priority("critical").submitted(NOW + k) for k, n in enumerate(sizes)]
     result = cycle(snapshot(fleet(machines=2), quotas={"*": {}},
-                            running=[_ends_soon("ending", M0, range(4)), filler("busy", M0, range(4, 8)),
+                            running=[ends_in(30, "ending", M0, range(4)), filler("busy", M0, range(4, 8)),
                                      _run("low", M1)],
                             queue=claimants))
     told = pending(result)
@@ -466,7 +459,7 @@ def test_a_claimant_waits_for_the_machine_whose_ending_jobs_make_most_of_its_roo
     the free GPUs, and the 4 free on m0 are left to the job behind."""
     claim = job("claim").gpus(6).topology("machine").priority("critical").submitted(NOW)
     behind = job("behind").gpus(4).priority("low").expected(7200).submitted(NOW)
-    run = [_ends_soon("e0", M0, range(4)), _ends_soon("e1", M1, range(6)), filler("f1", M1, [6, 7]),
+    run = [ends_in(30, "e0", M0, range(4)), ends_in(30, "e1", M1, range(6)), filler("f1", M1, [6, 7]),
            _run("low", M2)]
     result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[claim, behind]))
     assert pending(result)["claim"].reason.startswith(WAITS) and preempted(result) == []
@@ -478,7 +471,7 @@ def test_a_claimant_waits_only_for_jobs_ending_on_machines_it_may_use():
     displaces the low job rather than wait for GPUs it could never take."""
     inference = fleet(machines=1, partition="inference", first_block=1)
     machines = [*fleet(machines=1), *inference]
-    run = [_run("low", M0), _ends_soon("serving", inference[0].id, range(8))]
+    run = [_run("low", M0), ends_in(30, "serving", inference[0].id, range(8))]
     result = cycle(snapshot(machines, quotas={"*": {}}, running=run,
                             queue=[job("claim").gpus(8).priority("critical").submitted(NOW)]))
     assert preempted(result) == ["low"]
@@ -486,7 +479,7 @@ def test_a_claimant_waits_only_for_jobs_ending_on_machines_it_may_use():
 
 def test_a_job_expected_to_end_exactly_as_half_the_grace_ends_is_waited_for():
     result = cycle(snapshot(fleet(machines=2), quotas={"*": {}},
-                            running=[_ends_soon("ending", M0, range(8), in_s=60), _run("low", M1)],
+                            running=[ends_in(60, "ending", M0, range(8)), _run("low", M1)],
                             queue=[job("claim").gpus(8).priority("critical").submitted(NOW)]))
     assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
 
@@ -497,7 +490,7 @@ def test_a_claimant_of_several_machines_keeps_only_the_free_gpus_its_room_needs_
     the job behind; when the jobs end, the claimant starts displacing nobody."""
     claim = job("claim").gpus(12).topology("any").priority("critical").submitted(NOW)
     behind = job("behind").gpus(1).priority("low").expected(7200).submitted(NOW)
-    run = [_ends_soon("ending", M0, range(4)), filler("f0", M0, range(4, 8)), filler("f1", M1, [0, 1]),
+    run = [ends_in(30, "ending", M0, range(4)), filler("f0", M0, range(4, 8)), filler("f1", M1, [0, 1]),
            filler("f2", M2, range(5)), _run("low", mid(0, 0, 3))]
     snap = snapshot(fleet(machines=4), quotas={"*": {}}, running=run, queue=[claim, behind])
     result = cycle(snap)
@@ -512,7 +505,7 @@ def test_a_claimant_of_several_machines_keeps_only_the_free_gpus_its_room_needs_
         "a job of the cluster with exactly its room once the jobs end waits for them"])
 def test_a_claimant_waits_for_room_that_is_exactly_its_size(claim, free_on_m1):
     """m0's 8 GPUs end in 30 s and 4 of m1's are free: 12, just what it needs."""
-    run = [_ends_soon("ending", M0, range(8)), _run("low", M1, range(4)), _run("low2", M2)]
+    run = [ends_in(30, "ending", M0, range(8)), _run("low", M1, range(4)), _run("low2", M2)]
     result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run,
                             queue=[claim.priority("critical").submitted(NOW)]))
     assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
@@ -523,7 +516,7 @@ def test_the_free_gpus_a_claimant_keeps_are_first_those_beside_the_ending_jobs()
     job behind (kept from m1 first, m0's 2 would have been left instead)."""
     claim = job("claim").gpus(10).topology("any").priority("critical").submitted(NOW)
     behind = job("behind").gpus(2).priority("low").expected(7200).submitted(NOW)
-    run = [_ends_soon("ending", M0, range(4)), filler("f0", M0, [4, 5]), filler("f1", M1, [0, 1]), _run("low", M2)]
+    run = [ends_in(30, "ending", M0, range(4)), filler("f0", M0, [4, 5]), filler("f1", M1, [0, 1]), _run("low", M2)]
     result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[claim, behind]))
     assert preempted(result) == [] and pending(result)["claim"].reason.startswith(WAITS)
     assert machines_of(placements(result)["behind"].gpus) == {M1}
@@ -534,7 +527,7 @@ def test_a_claimant_of_several_machines_counts_only_the_ending_gpus_it_needs():
     2-GPU claimant behind it, which waits too rather than displace the low job."""
     first = job("first").gpus(10).topology("any").priority("critical").submitted(NOW)
     second = job("second").gpus(2).priority("critical").submitted(NOW + 1)
-    run = [_ends_soon("e0", M0, range(8)), _ends_soon("e1", M1, range(4)), filler("f1", M1, range(4, 8)),
+    run = [ends_in(30, "e0", M0, range(8)), ends_in(30, "e1", M1, range(4)), filler("f1", M1, range(4, 8)),
            _run("low", M2)]
     result = cycle(snapshot(fleet(machines=3), quotas={"*": {}}, running=run, queue=[first, second]))
     assert preempted(result) == []
@@ -547,7 +540,7 @@ def test_a_claimant_does_not_wait_for_gpus_ending_on_machines_a_reservation_hold
     starving = job("A").gpus(16).topology("block").priority("low").submitted(0)
     claim = job("C").gpus(8).priority("normal").expected(36000).submitted(NOW)
     result = cycle(snapshot(fleet(machines=3), quotas={"*": {}},
-                            running=[_ends_soon("ending", M1, range(8)), _run("low", M2)], queue=[starving, claim]))
+                            running=[ends_in(30, "ending", M1, range(8)), _run("low", M2)], queue=[starving, claim]))
     assert [r.job_id for r in result.reservations] == ["A"]
     assert preempted(result) == ["low"]
 

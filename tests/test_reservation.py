@@ -6,6 +6,7 @@ import pytest
 from builders import (
     NOW,
     cycle,
+    ends_in,
     filler,
     fleet,
     job,
@@ -320,7 +321,7 @@ def test_a_job_kept_off_both_a_reservation_and_the_reserved_pool_is_admitted_aga
 # high) comes first and fits on them. On m0: a job that ends in 30 s beside a low one, or c's
 # victim leaving (with no promise of GPUs left) beside a job nobody displaces.
 POOL_SERVED_RUNNING = [
-    [running(job("ending").gpus(4).priority("critical").team("o")).on(M0, range(4)).started(NOW - 3570),
+    [ends_in(30, "ending", M0, range(4)),
      running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))],
     [running(job("v").gpus(4).priority("low")).on(M0, range(4)).draining(NOW + 100, "c"),
      filler("g", M0, range(4, 8))],
@@ -339,18 +340,11 @@ def test_a_claimant_waiting_for_gpus_to_come_back_is_admitted_again_once_the_res
     assert machines_of(placements(result)["c"].gpus) | machines_of(placements(result)["p"].gpus) == {M1, M2}
 
 
-def _ending(gpus, machine=M0):
-    """A job nobody displaces, on `machine`, expected to end 30 s from now."""
-    gpus = list(gpus)
-    return running(job("ending").gpus(len(gpus)).priority("critical").team("o").expected(3600)) \
-        .on(machine, gpus).started(NOW - 3570)
-
-
 def test_a_claimant_admitted_again_gives_back_the_free_gpus_it_kept_and_its_room():
     """`c` waited for m0's 2 ending GPUs and kept the 2 free beside them; admitted again once the
     pool was served, it starts on m2. The 2 it kept go to `small`, and the walk no longer holds
     m0 for it: `later` starts there as `ending` ends, not an hour on."""
-    run = [_ending([0, 1]), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
+    run = [ends_in(30, "ending", M0, [0, 1]), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
     queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5),
              job("small").gpus(2).priority("low").expected(7200).submitted(NOW - 3),
              job("later").gpus(6).priority("low").expected(7200).submitted(NOW - 2)]
@@ -362,7 +356,7 @@ def test_a_claimant_admitted_again_gives_back_the_free_gpus_it_kept_and_its_room
 def test_a_claimant_admitted_again_that_still_waits_counts_its_room_once():
     """The pool served, `c` is admitted again and still cannot start: it waits for `ending` again,
     not counting the GPUs it counted the first time as somebody else's (it preempted `low`)."""
-    run = [_ending(range(4)), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
+    run = [ends_in(30, "ending", M0, range(4)), running(job("low").gpus(4).priority("low")).on(M0, range(4, 8))]
     queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5)]
     result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, reserved_pool_fraction=0.5))
     assert list(placements(result)) == ["p"] and preempted(result) == []
@@ -375,7 +369,7 @@ def test_a_job_kept_off_only_by_the_gpus_a_claimant_kept_starts_once_that_claima
     was not admitted again: it stood beside them, told it starts now, the largest free being 0."""
     a100, h100_busy = mid(0, 0, 0), mid(1, 0, 2)
     machines = fleet(gpu_type="A100") + fleet(machines=3, first_block=1, gpu_type="H100")
-    run = [_ending([0, 1], a100), filler("busy", h100_busy, range(8), expected=90000),
+    run = [ends_in(30, "ending", a100, [0, 1]), filler("busy", h100_busy, range(8), expected=90000),
            running(job("low").gpus(4).priority("low")).on(a100, range(4, 8))]
     queue = [job("c").gpus(4).priority("high").submitted(NOW - 10), job("p").gpus(8).submitted(NOW - 5),
              job("s").gpus(2).gpu_type("A100").priority("low").submitted(NOW - 3)]
