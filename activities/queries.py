@@ -51,6 +51,12 @@ UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
 MACHINE_GPU_TYPE = "SELECT gpu_type FROM machines WHERE id = $1"  # NULL: no such machine
+# An operator's cordon or drain (migration 0015), after the cycles in flight (ORDER_AFTER_CYCLES):
+# once it returns, no cycle places there. NULL: no such machine.
+SET_CORDON = """
+UPDATE machines SET cordon = $2, cordon_reason = $3 WHERE id = $1
+RETURNING (SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h
+           WHERE h.machine_id = machines.id AND upper_inf(h.held)) AS allocations"""
 # A machine that joined when none of its GPUs could be named takes the type its agent reports later.
 NAME_UNKNOWN_MACHINE = """
 UPDATE machines SET gpu_type = $2, gpu_memory_gb = coalesce($3, gpu_memory_gb) WHERE id = $1 AND gpu_type = 'unknown'"""
@@ -78,7 +84,8 @@ def reachable_sql(timeout: str, gap: str) -> str:
 # A machine owes an answer from its agent while its latest heartbeat is older than the latest
 # attempt that ended there for want of it.
 TAKES_WORK = f"""(m.accepting_work AND coalesce(m.unpicked_until <= {NOW_EPOCH}, true)
-    AND (m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false)))"""
+    AND (m.silent_since IS NULL OR coalesce(m.last_heartbeat > m.silent_since, false))
+    AND m.cordon IS NULL)"""
 # The machines' rows are taken in id order, as `fleet apply` takes them (code point order, as
 # Python sorts): in the order of a plan, an allocation across m9 and m10 deadlocked with a file
 # that lists m10 first.
@@ -146,7 +153,9 @@ LIST_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        m.last_heartbeat, m.agent_pid, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
        c.machine_timeout, {reachable_sql("c.machine_timeout", "$2")} AS reachable,
-       {TAKES_WORK} AS takes_work,
+       {TAKES_WORK} AS takes_work, m.cordon, m.cordon_reason,
+       (SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h
+        WHERE h.machine_id = m.id AND upper_inf(h.held)) AS allocations,
        array_agg(g.idx ORDER BY g.idx) AS gpus,
        array_agg(g.idx ORDER BY g.idx) FILTER (WHERE NOT g.healthy) AS unhealthy
 FROM machines m JOIN clusters c ON c.name = m.cluster JOIN gpus g ON g.machine_id = m.id
@@ -285,6 +294,7 @@ LOCK_CLUSTER = CLUSTER + " FOR NO KEY UPDATE"
 SNAPSHOT_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        {reachable_sql("$2", "$3")} AS reachable, {TAKES_WORK} AS takes_work,
+       coalesce(m.cordon = 'draining', false) AS drain,
        count(g.idx) AS gpus,
        coalesce(array_agg(g.idx) FILTER (WHERE NOT g.healthy), '{{}}') AS unhealthy
 FROM machines m JOIN gpus g ON g.machine_id = m.id

@@ -143,7 +143,8 @@ class Reuse:
 def machine(m: Row) -> Machine:
     return Machine(id=m["id"], cluster=m["cluster"], block=m["block"], rack=m["rack"], gpus=m["gpus"],
                    gpu_type=m["gpu_type"], gpu_memory_gb=m["gpu_memory_gb"], partition=m["partition"],
-                   reachable=m["reachable"], unhealthy_gpus=frozenset(m["unhealthy"]), takes_work=m["takes_work"])
+                   reachable=m["reachable"], unhealthy_gpus=frozenset(m["unhealthy"]), takes_work=m["takes_work"],
+                   drain=m["drain"])
 
 
 def running_job(r: Row) -> RunningJob:

@@ -354,6 +354,15 @@ class Store:
     async def list_machines(self, cluster: str | None = None) -> list[dict]:
         return [dict(r) for r in await self.pool.fetch(q.LIST_MACHINES, cluster, LISTEN_GAP)]
 
+    async def cordon(self, machine_id: str, mode: str | None, reason: str | None = None) -> int | None:
+        """Take a machine out of service (`mode` 'cordoned': no new work, its jobs run on;
+        'draining': its jobs are also asked to checkpoint and move) or put it back (None), after
+        the cycles in flight: once this returns, no cycle places there. The number of
+        allocations still on it; None when there is no such machine."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(q.ORDER_AFTER_CYCLES)
+            return await conn.fetchval(q.SET_CORDON, machine_id, mode, reason if mode else None)
+
     async def listened(self) -> None:
         """An API process hears heartbeats (every ``LISTEN_EVERY`` seconds): machines' silence
         counts as evidence only while this goes on (migration 0005)."""

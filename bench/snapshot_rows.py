@@ -40,7 +40,7 @@ def as_rows(snap: Snapshot) -> dict:
     machines = [
         {"id": m.id, "cluster": m.cluster, "block": m.block, "rack": m.rack, "gpu_type": m.gpu_type,
          "gpu_memory_gb": m.gpu_memory_gb, "partition": m.partition, "reachable": m.reachable,
-         "takes_work": m.takes_work, "gpus": m.gpus, "unhealthy": sorted(m.unhealthy_gpus)}
+         "takes_work": m.takes_work, "drain": m.drain, "gpus": m.gpus, "unhealthy": sorted(m.unhealthy_gpus)}
         for m in snap.machines
     ]
     running = [

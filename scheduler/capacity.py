@@ -121,7 +121,7 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         # Down or not, an inference partition stays one: its jobs wait for it to come back.
         has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
         gpus_per_machine=max((m.gpus for m in usable), default=0),
-        all_healthy=all(m.reachable and m.takes_work and not m.unhealthy_gpus for m in machines),
+        all_healthy=all(m.reachable and m.takes_work and not m.drain and not m.unhealthy_gpus for m in machines),
     )
     if len(_last_layout) > 64:
         _last_layout.clear()
@@ -131,8 +131,8 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
 
 def _usable_gpus(m: Machine) -> tuple[int, ...]:
     """The GPUs of a reachable machine that may be given to a job: its healthy ones, none while
-    it takes no work (its jobs keep theirs)."""
-    return tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) if m.takes_work else ()
+    it takes no work (its jobs keep theirs) or is drained (its jobs leave, health.py)."""
+    return tuple(g for g in range(m.gpus) if g not in m.unhealthy_gpus) if m.takes_work and not m.drain else ()
 
 
 class Grouping(NamedTuple):

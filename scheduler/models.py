@@ -184,6 +184,10 @@ class Machine(Frozen):
     # there stays, but nothing new is placed there, lest a job requeued from a dead machine go
     # straight back to it before the machine's timeout has it declared unreachable.
     takes_work: bool = True
+    # An operator drains it for maintenance (`gpusched fleet drain`): nothing new is placed there
+    # and its jobs are asked to checkpoint and move, with their grace. A cordoned machine (`fleet
+    # cordon`) only takes no work: its jobs run on, which `takes_work` says.
+    drain: bool = False
 
 
 QUOTA_LARGEST = 2**31 - 1  # what the store's integer columns hold; no fleet comes near it
@@ -303,7 +307,7 @@ class Requeue(Frozen):
 
     job_id: str
     reason: str
-    graceful: bool  # True: it can still checkpoint (a sick GPU); False: its machine is gone
+    graceful: bool  # True: it can still checkpoint (a sick GPU, a machine drained); False: its machine is gone
 
 
 class Reservation(Frozen):

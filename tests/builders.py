@@ -238,6 +238,16 @@ def silent(machines: Sequence[Machine], *ids: str) -> list[Machine]:
     return [m.model_copy(update={"takes_work": False}) if m.id in ids else m for m in machines]
 
 
+def cordoned(machines: Sequence[Machine], *ids: str) -> list[Machine]:
+    """Machines an operator cordoned (`gpusched fleet cordon`): as the store gives them, taking no work."""
+    return silent(machines, *ids)
+
+
+def drained(machines: Sequence[Machine], *ids: str) -> list[Machine]:
+    """Machines an operator drains (`gpusched fleet drain`): as the store gives them, taking no work."""
+    return [m.model_copy(update={"takes_work": False, "drain": True}) if m.id in ids else m for m in machines]
+
+
 def unhealthy(machines: Sequence[Machine], machine_id: str, gpus: Iterable[int]) -> list[Machine]:
     bad = frozenset(gpus)
     return [m.model_copy(update={"unhealthy_gpus": m.unhealthy_gpus | bad}) if m.id == machine_id else m

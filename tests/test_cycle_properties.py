@@ -48,7 +48,7 @@ KINDS = [JobKind.training, JobKind.training, JobKind.inference]
 @st.composite
 def fleets(draw) -> list[Machine]:
     """1-3 blocks of 1-3 racks of 1-4 machines of 4 or 8 GPUs; some unreachable, some taking no
-    work, some sick GPUs."""
+    work, some drained, some sick GPUs."""
     machines = []
     for b in range(draw(st.integers(1, 3))):
         racks = draw(st.integers(1, 3))
@@ -59,12 +59,13 @@ def fleets(draw) -> list[Machine]:
             for m in range(per_rack):
                 reachable = draw(st.integers(0, 9)) > 0
                 takes_work = draw(st.integers(0, 9)) > 0
+                drain = draw(st.integers(0, 11)) == 0  # an operator drains it (the store says no work too, or not)
                 sick = frozenset()
                 if draw(st.integers(0, 5)) == 0:
                     sick = frozenset(draw(st.lists(st.integers(0, gpus - 1), min_size=1, max_size=2)))
                 machines.append(Machine(id=f"c1/b{b}/r{r}/m{m}", cluster="c1", block=f"b{b}", rack=f"r{r}", gpus=gpus,
                                         gpu_type="H100", partition=partition, reachable=reachable, unhealthy_gpus=sick,
-                                        takes_work=takes_work))
+                                        takes_work=takes_work, drain=drain))
     return machines
 
 
@@ -211,14 +212,15 @@ def check_cycle(snap: Snapshot, result: CycleResult) -> None:
 
     def usable(slot) -> bool:
         m = reachable.get(slot[0])
-        return m is not None and m.takes_work and 0 <= slot[1] < m.gpus and slot[1] not in m.unhealthy_gpus
+        return (m is not None and m.takes_work and not m.drain and 0 <= slot[1] < m.gpus
+                and slot[1] not in m.unhealthy_gpus)
 
     # Health: who must leave, and how.
     expected_requeues = {}
     for r in snap.running:
         if any(s[0] not in reachable for s in r.gpus):
             expected_requeues[r.spec.job_id] = False
-        elif any(s[1] in reachable[s[0]].unhealthy_gpus for s in r.gpus) and not r.draining:
+        elif any(s[1] in reachable[s[0]].unhealthy_gpus or reachable[s[0]].drain for s in r.gpus) and not r.draining:
             expected_requeues[r.spec.job_id] = True
     assert {q.job_id: q.graceful for q in result.requeues} == expected_requeues
     assert len(result.requeues) == len(expected_requeues)

@@ -1,0 +1,104 @@
+"""Cordon and drain: an operator takes a machine out of service. Nothing new goes to a cordoned
+machine and its jobs run on; a drained machine's jobs are also asked to checkpoint and move."""
+
+from __future__ import annotations
+
+import pytest
+from builders import (
+    NOW,
+    cordoned,
+    cycle,
+    drained,
+    fleet,
+    job,
+    machines_of,
+    mid,
+    pending,
+    placements,
+    running,
+    snapshot,
+    unhealthy,
+    unreachable,
+)
+
+M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
+
+
+def _on(job_id, *where, priority="normal"):
+    """A running job on (machine, gpus) pairs, started long ago."""
+    n = sum(len(list(g)) for _, g in where)
+    b = running(job(job_id).gpus(n).priority(priority)).started(NOW - 5000)
+    for machine, gpus in where:
+        b = b.on(machine, gpus)
+    return b
+
+
+MOVED_OFF = [
+    ("a job on a drained machine is asked to checkpoint and move",
+     drained(fleet(machines=2), M0), [_on("j", (M0, range(4)))],
+     {"j": (True, f"machine {M0} is being drained")}),
+    ("a job on a cordoned machine runs on",
+     cordoned(fleet(machines=2), M0), [_on("j", (M0, range(4)))], {}),
+    ("a gang with one of its machines drained moves whole",
+     drained(fleet(machines=2), M1), [_on("j", (M0, range(8)), (M1, range(8)))],
+     {"j": (True, f"machine {M1} is being drained")}),
+    ("a job already told to stop is not asked again",
+     drained(fleet(machines=2), M0), [_on("j", (M0, range(2))).draining(NOW + 60, "x")], {}),
+    ("a drained machine that stops answering takes its jobs with it at once",
+     unreachable(drained(fleet(machines=2), M0), M0), [_on("j", (M0, range(2)))],
+     {"j": (False, f"machine {M0} is unreachable")}),
+    ("a job on a sick GPU of a drained machine is told of the GPU",
+     unhealthy(drained(fleet(machines=2), M0), M0, [1]), [_on("j", (M0, range(2)))],
+     {"j": (True, f"GPU {M0}/1 is unhealthy")}),
+    ("every job of a drained machine moves, and none of the machine beside it",
+     drained(fleet(machines=2), M0), [_on("a", (M0, [0])), _on("b", (M0, [1, 2])), _on("c", (M1, range(8)))],
+     {"a": (True, f"machine {M0} is being drained"), "b": (True, f"machine {M0} is being drained")}),
+]
+
+
+@pytest.mark.parametrize("machines, run, expected", [c[1:] for c in MOVED_OFF], ids=[c[0] for c in MOVED_OFF])
+def test_who_is_moved_off(machines, run, expected):
+    result = cycle(snapshot(machines, running=run))
+    assert {r.job_id: (r.graceful, r.reason) for r in result.requeues} == expected
+    assert not result.preemptions  # a move for maintenance is no preemption: it counts towards no thrash limit
+
+
+NOTHING_NEW = [
+    ("a cordoned machine gets no new job", cordoned),
+    ("a drained machine gets no new job", drained),
+    ("a drained machine gets no new job even where the store still says it takes work",
+     lambda machines, *ids: [m.model_copy(update={"drain": True}) if m.id in ids else m for m in machines]),
+]
+
+
+@pytest.mark.parametrize("out_of_service", [c[1] for c in NOTHING_NEW], ids=[c[0] for c in NOTHING_NEW])
+def test_nothing_new_is_placed_on_a_machine_out_of_service(out_of_service):
+    """m0 is empty but out of service, m1 is free: the 8-GPU job takes m1, and a second one waits."""
+    machines = out_of_service(fleet(machines=2), M0)
+    result = cycle(snapshot(machines, queue=[job("one").gpus(8).submitted(NOW), job("two").gpus(8).submitted(NOW + 1)]))
+    assert machines_of(placements(result)["one"].gpus) == {M1}
+    assert pending(result)["two"].reason == "needs 8 GPUs on one machine; the largest free is 0"
+
+
+def test_gpus_of_a_drained_machine_are_no_reason_to_displace_anyone():
+    """Preempting the low job on the drained m0 would free GPUs nobody may use: the critical job
+    waits, and the low job moves off by the drain alone."""
+    result = cycle(snapshot(drained(fleet(machines=1), M0), running=[_on("low", (M0, range(8)), priority="low")],
+                            queue=[job("crit").gpus(8).priority("critical").submitted(NOW)]))
+    assert not result.preemptions and not result.placements
+    assert [r.job_id for r in result.requeues] == ["low"]
+
+
+def test_a_job_moved_off_a_drained_machine_keeps_its_gpus_elsewhere_until_it_has_left():
+    """A gang on m0 and m1, m1 drained: its GPUs on m0 are not given to a waiting job in its grace."""
+    result = cycle(snapshot(drained(fleet(machines=2), M1), running=[_on("gang", (M0, range(8)), (M1, range(8)))],
+                            queue=[job("next").gpus(8).submitted(NOW)]))
+    assert [r.job_id for r in result.requeues] == ["gang"]
+    assert not result.placements
+
+
+def test_a_machine_back_in_service_is_used_again():
+    machines = drained(fleet(machines=1), M0)
+    back = [m.model_copy(update={"takes_work": True, "drain": False}) for m in machines]
+    result = cycle(snapshot(back, queue=[job("back").gpus(8).submitted(NOW)]))
+    assert machines_of(placements(result)["back"].gpus) == {M0}
