@@ -26,7 +26,8 @@ For each job, the first of these that applies decides:
      job they are promised to);
   h. otherwise it waits, with the reason in words.
 Capacity only shrinks during admission, so a shape that found no GPUs (or no victims) is not
-searched again in the same cycle.
+searched again in the same cycle; the exception, a claimant breaking a whole machine of the
+reserved pool (step e), forgets the shapes that found no GPUs.
 """
 
 from __future__ import annotations
@@ -297,7 +298,10 @@ def _reserve(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     spec, cap, config = job.spec, state.cap, state.config
     if not _starving(state, job) or len(state.holds) >= config.max_reservations:
         return False
-    hold = reservation.plan_hold(cap, spec, _release_book(state), state.now, state.held_machines)
+    taken = state.held_machines
+    if state.room_waits:  # nor where a claimant waits for jobs about to end: their GPUs are its
+        taken = taken.union(*(wait.machines() for wait in state.room_waits.values()))
+    hold = reservation.plan_hold(cap, spec, _release_book(state), state.now, taken)
     if hold is None:
         return False
     _add_hold(state, hold)
@@ -499,7 +503,8 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         # 3,585).
         for i, count in soon.ending.items():
             state.ending_counted[i] = state.ending_counted.get(i, 0) + count
-        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon)
+        counted = frozenset(job_id for job_id, i, _ in state.ending_soon if i in soon.ending and job_id not in going)
+        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon, counted)
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -508,8 +513,15 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     slots = placement.find_gpus(cap, spec, avoid=avoid) if state.keep_whole else None
     if slots is not None:
         _start_on(state, job, slots)
+        # The one way capacity grows for the rest: a whole machine it broke is no longer kept,
+        # and its other free GPUs are anyone's.
+        state.no_fit.clear()
         return True
     state.searches += 1
+    if state.room_waits:
+        # Nor the jobs about to end whose GPUs a claimant ahead waits for: displaced for this
+        # one, they would cost their work to hand it GPUs promised to the claimant ahead.
+        going = going.union(*(wait.jobs for wait in state.room_waits.values()))
     choice = preemption.choose_victims(cap, spec, ranked, avoid, going)
     if choice is None:
         state.no_victims.add(key)
@@ -628,15 +640,21 @@ class SoonRoom(NamedTuple):
 
 class RoomWait(NamedTuple):
     """A claimant waiting for jobs that end soon. Until admission is done, the free GPUs it
-    counted are kept from the jobs behind it (`kept`, take_picks' form)."""
+    counted are kept from the jobs behind it (`kept`, take_picks' form), and the jobs ending on
+    the machines of its room (`jobs`) are displaced for none of them."""
     kept: list[tuple[int, list[int]]]
     room: SoonRoom
+    jobs: frozenset[str]
+
+    def machines(self) -> frozenset[int]:
+        """The machines of its room."""
+        return frozenset(self.room.ending).union(i for i, _ in self.room.free)
 
     def hold(self, job_id: str, now: float) -> reservation.Hold:
         """In the estimate's walk, the machines of its room are held for it until it starts
         (from now: nobody backfills it), where the walk had the jobs behind it start on the
         GPUs it kept."""
-        return reservation.Hold(job_id, frozenset(self.room.ending).union(i for i, _ in self.room.free), now)
+        return reservation.Hold(job_id, self.machines(), now)
 
 
 def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | None:

@@ -41,6 +41,7 @@ from scheduler.reservation import Hold, ReleaseBook, plan_hold
 
 _INF = float("inf")  # the share of a team without a guarantee: after every team with one
 _CLASSES = len(Priority)
+_ROOM = -2  # the place in the queue a claimant's room applies from (every job's, as a reservation's -1)
 MIN_RUN = 60.0  # a queued job whose estimate has run out still needs a little time
 STEP_FLOOR = 60.0
 STEP_SHARE = 0.02
@@ -242,7 +243,7 @@ def estimate_starts(
     blocked: list[tuple] = []  # shapes to look at again when GPUs come back
     # (from which place in the queue it applies, hold). The cycle's own holds apply to every
     # job but their holder, as this cycle's admission held them against whoever came after.
-    holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations] + [(-1, h) for h in rooms]
+    holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations] + [(_ROOM, h) for h in rooms]
     room_holders = {h.job_id for h in rooms}
     rooms_held = len(rooms)  # not reservations: they do not count towards max_holds
 
@@ -255,7 +256,7 @@ def estimate_starts(
         return shape.n >= shape.terms[1] and holds_may_grow()
 
     raw: dict[str, float] = {}
-    no_room: set[tuple] = set()  # (shape, machines kept out) found full since GPUs last came back
+    no_room: set[tuple] = set()  # (shape, machines kept out, pool exempt) found full since GPUs last came back
     avoid_cache: dict[tuple, frozenset[int]] = {}
     t = now
     end = now + horizon
@@ -294,17 +295,23 @@ def estimate_starts(
                 continue
             avoid = NO_AVOID
             if holds:
+                # Claimants waiting for jobs about to end may share one job's GPUs (admission
+                # shares them out): their rooms hold nothing against each other.
+                room_holder = spec.job_id in room_holders
                 applying = tuple(k for k, (h_order, h) in enumerate(holds)
                                  if h_order < order and t + duration > h.expected_start
-                                 and h.job_id != spec.job_id)
+                                 and h.job_id != spec.job_id and not (room_holder and h_order == _ROOM))
                 if applying:
                     avoid = avoid_cache.get(applying)
                     if avoid is None:
                         avoid = avoid_cache[applying] = frozenset().union(*(holds[k][1].machines for k in applying))
             # Cheap test first: most blocked shapes are blocked because too little is free at all.
             picks = None
-            if room and (shape_key, avoid) not in no_room:
-                picks = picks_for(cap, shape.terms, n, avoid, keep)
+            # A claimant waiting for its room may displace others, and such a job takes the
+            # reserved pool's GPUs rather than displace anyone (admission, step e).
+            tried = (shape_key, avoid, spec.job_id in room_holders)
+            if room and tried not in no_room:
+                picks = picks_for(cap, shape.terms, n, avoid, NO_RESERVE if tried[2] else keep)
             if picks is None and avoid is not NO_AVOID and lane in holder_lanes and _holder_to_front(lane, applying, holds):
                 # Kept out by the reservation of a job behind it in its own lane: admission takes
                 # the holder first (a starving job, in its first pass), so the walk does too; left
@@ -332,7 +339,7 @@ def estimate_starts(
                 if planning or (room and avoid is not NO_AVOID):
                     # Another lane of this shape may keep out of fewer reserved machines, or plan
                     # a reservation of its own.
-                    no_room.add((shape_key, avoid))
+                    no_room.add(tried)
                     lane.aside = True
                     offer(shape_key)
                 # Otherwise no lane of the shape fits until GPUs come back: taking GPUs never

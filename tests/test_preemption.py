@@ -396,6 +396,64 @@ def test_the_estimate_keeps_a_waiting_claimant_s_free_gpus_from_a_job_behind_it_
     assert pending(result)["short"].estimated_start > NOW + 120
 
 
+def test_claimants_sharing_one_ending_job_s_gpus_are_both_estimated_to_start_as_it_ends():
+    """`ending`'s 3 GPUs make a's room and b's: each one's room held the machine against the
+    other in the estimate's walk, and both were told they never start."""
+    ending = filler("ending", M0, [0, 1, 2]).started(NOW - 3600 + 30)
+    low = running(job("low").gpus(1).priority("low").team("x")).on(M0, [3]).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=1, gpus=4), running=[ending, low],
+                            queue=[job("a").gpus(1).priority("high").submitted(NOW - 20),
+                                   job("b").gpus(2).priority("high").submitted(NOW - 10)]))
+    assert not result.placements and not result.preemptions
+    for job_id in ("a", "b"):
+        told = pending(result)[job_id]
+        assert told.reason.startswith("enough GPUs are expected to free up within half the grace"), told.reason
+        assert told.estimated_start == NOW + 30
+
+
+def test_a_starving_job_does_not_reserve_the_machine_a_claimant_waits_for():
+    """r waits for `ending`'s machine m0; s, starving, reserved that very machine, and in the
+    estimate each hold kept the other off it: r was told an hour, though told it waits 30 s."""
+    ending = filler("ending", M0, range(8)).started(NOW - 3600 + 30)
+    low = running(job("low").gpus(8).priority("low").team("x").expected(20_000)).on(M1, range(8)).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=2), running=[ending, low], quotas={"t": {"guaranteed": 8}},
+                            queue=[job("r").gpus(8).priority("high").team("t").submitted(NOW - 30),
+                                   job("s").gpus(8).priority("low").team("y").submitted(NOW - 4000)]))
+    assert pending(result)["r"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert [h.machines for h in result.reservations] == [(M1,)]
+    assert pending(result)["r"].estimated_start == NOW + 30
+
+
+def test_a_claimant_waiting_for_a_machine_of_the_reserved_pool_is_estimated_to_start_as_it_frees_up():
+    """`ending` leaves m0 whole, in the pool kept for `whole`: admission lets claimant a take it
+    at once (it may displace others), but the walk kept the pool from it, and told it
+    15,000 s where it starts in about a minute."""
+    ending = filler("ending", M0, range(4)).started(NOW - 3600 + 30)
+    low = running(job("low").gpus(4).priority("low").team("x").expected(20_000)).on(M1, range(4)).started(NOW - 5000)
+    queue = [job("a").gpus(2).priority("high").submitted(NOW - 20),
+             job("whole").gpus(4).priority("low").team("y").submitted(NOW - 10)]
+    told = pending(cycle(snapshot(fleet(machines=2, gpus=4), running=[ending, low], queue=queue,
+                                  reserved_pool_fraction=0.5)))["a"]
+    assert told.reason.startswith("enough GPUs are expected to free up within half the grace"), told.reason
+    assert told.estimated_start == NOW + 30
+    later = snapshot(fleet(machines=2, gpus=4), running=[low], queue=queue, reserved_pool_fraction=0.5, now=NOW + 31)
+    assert "a" in placements(cycle(later))
+
+
+def test_a_job_fits_beside_a_claimant_on_the_whole_machine_of_the_pool_it_broke():
+    """a may displace `low`, so it takes 2 GPUs of m0, kept whole for `big`; m0 is whole no more,
+    and b, of a's shape, fits on its other 2. b was told the last whole machines are kept, from
+    the no-fit a had found before it took the pool's GPUs."""
+    busy = filler("busy", M1, [0, 1, 2]).started(NOW - 100)
+    low = running(job("low").gpus(4).priority("low").team("x").expected(20_000)).on(M2, range(4)).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=3, gpus=4), running=[busy, low], reserved_pool_fraction=0.5, queue=[
+        job("a").gpus(2).topology("any").priority("high").submitted(NOW - 30),
+        job("b").gpus(2).topology("any").priority("low").submitted(NOW - 20),
+        job("big").gpus(8).topology("block").priority("low").team("y").submitted(NOW - 10)]))
+    assert machines_of(placements(result)["a"].gpus) == machines_of(placements(result)["b"].gpus) == {M0}
+    assert not result.preemptions
+
+
 def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
     """`ending`'s 4 GPUs make the first claimant's room. The second counted the same 4, waited
     half a grace for them too, and then found them taken and displaced `low` after all."""
@@ -408,6 +466,23 @@ def test_gpus_about_to_free_up_are_counted_for_one_waiting_claimant_only():
     assert pending(result)["first"].reason.startswith("enough GPUs are expected to free up within half the grace")
     assert preempted(result) == ["low"]
     assert pending(result)["second"].reason.startswith("preempting low")
+
+
+def test_a_job_whose_gpus_a_claimant_waits_for_is_not_displaced_for_the_job_behind_it():
+    """`a` waits for `ending`'s 3 GPUs. `b` behind it displaced `ending` (which loses its work),
+    and b's earmark took a GPU of a's room: once `ending` left, b started and a, first in the
+    queue, waited for b."""
+    ending = running(job("ending").gpus(3).priority("low").team("x").expected(3600)).on(M0, [0, 1, 2]) \
+        .started(NOW - 3600 + 30)
+    snap = snapshot(fleet(machines=1, gpus=4), running=[ending, filler("busy", M0, [3]).started(NOW - 100)],
+                    queue=[job("a").gpus(3).priority("high").submitted(NOW - 20),
+                           job("b").gpus(1).priority("high").submitted(NOW - 10)])
+    result = cycle(snap)
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert preempted(result) == [] and not result.earmarks
+    gone = after_preemption(snap, result, now=NOW + 40, victims_gone=True)
+    gone = gone.model_copy(update={"running": tuple(r for r in gone.running if r.spec.job_id != "ending")})
+    assert "a" in placements(cycle(gone))
 
 
 # `a` is stopping for nobody (cancelled), its grace ending at the time given; `b` could be displaced.
