@@ -756,3 +756,18 @@ def test_a_lapsed_earmark_holds_nothing():
     queue = [job("x").gpus(8).priority("critical").submitted(NOW), job("c").gpus(8).priority("low").submitted(NOW)]
     result = cycle(snapshot(fleet(), queue=queue, earmarks=[earmark]))
     assert list(placements(result)) == ["x"] and not result.earmarks
+
+
+def test_the_estimate_keeps_a_waiting_claimant_s_free_gpus_on_another_machine_from_the_job_behind_it():
+    """The 12-GPU claimant waits for m0's 4 ending GPUs and keeps m1's 6 free and 2 of m2's 3; the
+    job behind needs 2 GPUs on one machine for two hours. Admission left it m2's last GPU only,
+    so it waits; the walk must not start it now on m1's free GPUs that the claimant kept."""
+    claim = job("claim").gpus(12).topology("any").priority("critical").submitted(NOW)
+    behind = job("behind").gpus(2).priority("low").expected(7200).submitted(NOW)
+    low = running(job("low").gpus(8).priority("low")).on(mid(0, 0, 3), range(8))
+    run = [ends_in(30, "ending", M0, range(4)), filler("f0", M0, range(4, 8)), filler("f1", M1, [0, 1]),
+           filler("f2", M2, range(5)), low]
+    result = cycle(snapshot(fleet(machines=4), quotas={"*": {}}, running=run, queue=[claim, behind]))
+    assert preempted(result) == [] and pending(result)["claim"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert "behind" in pending(result)
+    assert pending(result)["behind"].estimated_start > NOW + 30

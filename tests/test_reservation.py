@@ -524,3 +524,62 @@ def test_a_starving_job_reserves_though_a_younger_one_alike_came_out_first():
     result = cycle(snapshot(fleet(machines=2), running=BASE_RUNNING, queue=[young, old],
                             quotas={"t": {"guaranteed": 64}}))
     assert [r.job_id for r in result.reservations] == ["old"]
+
+
+def test_a_claimant_waiting_on_its_earmark_does_not_keep_the_pool_once_the_job_it_was_kept_for_started():
+    """`e` holds an earmark on m0 (its
+    victim still draining): it starts there, not on the pool. `p` took m1; the pool, kept for
+    `p`, is served, so `j`, kept off m2, starts there. Counted for `e`, the pool stayed kept."""
+    victim = running(job("v").gpus(8).priority("low")).on(M0, range(8)).draining(NOW + 100, "e")
+    queue = [job("e").gpus(8).priority("high").submitted(NOW - 20), job("j").gpus(2).submitted(NOW - 10),
+             job("p").gpus(8).submitted(NOW - 5)]
+    earmark = Earmark(job_id="e", gpus=tuple((M0, g) for g in range(8)), expires=NOW + 500)
+    result = cycle(snapshot(fleet(machines=3), running=[victim], queue=queue, earmarks=[earmark],
+                            reserved_pool_fraction=0.5))
+    assert machines_of(placements(result)["p"].gpus) == {M1}
+    assert machines_of(placements(result)["j"].gpus) == {M2}
+    assert "e" in pending(result)
+
+
+def test_a_job_kept_off_the_pool_after_the_job_it_was_kept_for_started_is_placed_once_the_pool_is_served():
+    """`p` comes first and takes m1;
+    `j`, behind it, is kept off m2 (the last whole machine, kept for `p` until admission ends).
+    Admitted again, it met its own settled answer (nothing placed since) and waited, told that
+    whole machines are kept, beside a free machine."""
+    run = [filler("busy", M0, range(8), expected=90000)]
+    queue = [job("p").gpus(8).submitted(NOW - 10), job("j").gpus(2).submitted(NOW - 5)]
+    result = cycle(snapshot(fleet(machines=3), running=run, queue=queue, reserved_pool_fraction=0.5))
+    assert machines_of(placements(result)["p"].gpus) == {M1}
+    assert machines_of(placements(result)["j"].gpus) == {M2}
+
+
+def _two_holds():
+    """A (16 H100 GPUs, one block) holds both H100 machines from NOW+20000; B (8 A100 GPUs) holds
+    the A100 machine a0 from NOW+1000. `j` (2 GPUs of any type, an hour) fits only on a0's 2
+    free GPUs and would still run when B's hold starts, not when A's does."""
+    a0, h0, h1 = mid(0, 0, 0), mid(1, 0, 0), mid(1, 0, 1)
+    machines = fleet(machines=1, gpu_type="A100") + fleet(machines=2, first_block=1, gpu_type="H100")
+    run = [filler("fa", a0, range(6), expected=1000).started(NOW - 0),
+           filler("fh0", h0, range(8), expected=5000).started(NOW),
+           filler("fh1", h1, range(8), expected=20000).started(NOW)]
+    queue = [job("A").gpus(16).gpu_type("H100").topology("block").submitted(0),
+             job("B").gpus(8).gpu_type("A100").submitted(1), job("j").gpus(2).submitted(NOW - 5)]
+    return snapshot(machines, running=run, queue=queue, max_reservations=2, reserved_pool_fraction=0)
+
+
+def test_a_job_is_told_the_reservation_that_holds_it_out_not_an_earlier_one_it_would_end_before():
+    """A's hold is on machines `j`
+    may use, but `j` would end before it starts: only B's keeps `j` out."""
+    result = cycle(_two_holds())
+    assert sorted(r.job_id for r in result.reservations) == ["A", "B"]
+    assert pending(result)["j"].reason == "behind the reservation of job B"
+
+
+def test_a_job_kept_out_by_two_reservations_is_told_the_first():
+    """A holds m0, B m1; `j` fits on either's 2 free
+    GPUs but would still run when each starts: it is told A's, the first reservation made."""
+    run = [filler("f0", M0, range(6), expected=1000).started(NOW), filler("f1", M1, range(6), expected=2000).started(NOW)]
+    queue = [job("A").gpus(8).submitted(0), job("B").gpus(8).submitted(1), job("j").gpus(2).submitted(NOW - 5)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, max_reservations=2, reserved_pool_fraction=0))
+    assert [(r.job_id, set(r.machines)) for r in result.reservations] == [("A", {M0}), ("B", {M1})]
+    assert pending(result)["j"].reason == "behind the reservation of job A"
