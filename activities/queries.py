@@ -156,6 +156,8 @@ SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partitio
        {TAKES_WORK} AS takes_work, m.cordon, m.cordon_reason,
        (SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h
         WHERE h.machine_id = m.id AND upper_inf(h.held)) AS allocations,
+       array(SELECT DISTINCT a.job_id FROM gpu_holds h JOIN allocations a ON a.id = h.allocation_id
+             WHERE h.machine_id = m.id AND upper_inf(h.held) ORDER BY a.job_id) AS job_ids,
        array_agg(g.idx ORDER BY g.idx) AS gpus,
        array_agg(g.idx ORDER BY g.idx) FILTER (WHERE NOT g.healthy) AS unhealthy
 FROM machines m JOIN clusters c ON c.name = m.cluster JOIN gpus g ON g.machine_id = m.id

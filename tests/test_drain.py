@@ -21,6 +21,8 @@ from builders import (
     unreachable,
 )
 
+from workers.cli_fleet import machine_state
+
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
 
 
@@ -102,3 +104,26 @@ def test_a_machine_back_in_service_is_used_again():
     back = [m.model_copy(update={"takes_work": True, "drain": False}) for m in machines]
     result = cycle(snapshot(back, queue=[job("back").gpus(8).submitted(NOW)]))
     assert machines_of(placements(result)["back"].gpus) == {M0}
+
+
+LISTED = [
+    ("a machine in service", {"reachable": True, "takes_work": True, "cordon": None, "allocations": 2}, "up"),
+    ("a machine whose agent owes an answer", {"reachable": True, "takes_work": False, "cordon": None, "allocations": 0},
+     "up, taking no work (its agent owes an answer or is starting)"),
+    ("a cordoned machine", {"reachable": True, "takes_work": False, "cordon": "cordoned", "allocations": 1},
+     "cordoned"),
+    ("a machine being drained", {"reachable": True, "takes_work": False, "cordon": "draining", "allocations": 2,
+                                 "cordon_reason": "PSU swap"}, "draining (PSU swap), 2 job(s) left"),
+    ("a drained machine", {"reachable": True, "takes_work": False, "cordon": "draining", "allocations": 0},
+     "drained"),
+    ("a drained machine switched off for its maintenance", {"reachable": False, "takes_work": False,
+                                                            "cordon": "draining", "allocations": 0,
+                                                            "cordon_reason": "PSU swap"},
+     "unreachable; drained (PSU swap)"),
+    ("a machine that died", {"reachable": False, "takes_work": True, "cordon": None, "allocations": 1}, "unreachable"),
+]
+
+
+@pytest.mark.parametrize("row, state", [c[1:] for c in LISTED], ids=[c[0] for c in LISTED])
+def test_how_fleet_list_names_a_machine_s_state(row, state):
+    assert machine_state(row) == state

@@ -4,6 +4,7 @@ machine's job runs on; nothing new goes to either until the machine is back in s
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -45,6 +46,10 @@ def test_a_drained_machine_s_job_moves_with_a_checkpoint_and_the_machine_takes_w
     assert second.resumed_from is not None  # it checkpointed in its grace
     assert s.sql("SELECT preemptions FROM jobs WHERE id = 'mover'")[0]["preemptions"] == []  # no thrash count
     s.until(lambda: "drained (PSU swap)" in listed(s, capsys)[drained], timeout=30)
+    assert listed(s, capsys)[other].endswith("up; jobs 1: mover")
+    assert main(["fleet", "list", "--json", *d]) == 0
+    shown = {m["id"]: m for m in json.loads(capsys.readouterr().out)}
+    assert (shown[drained]["state"], shown[drained]["jobs"], shown[other]["jobs"]) == ("drained (PSU swap)", [], ["mover"])
 
     # The other machine is busy and the drained one takes nothing: a second whole-machine job waits.
     s.submit("next", 4, sleeper(0.5), topology="machine")
@@ -55,7 +60,7 @@ def test_a_drained_machine_s_job_moves_with_a_checkpoint_and_the_machine_takes_w
     assert f"{drained}: back in service" in capsys.readouterr().out
     nxt = s.wait("next", timeout=60)
     assert nxt.state == "succeeded" and {machine_of(g) for g in nxt.attempts[0].gpus} == {drained}
-    assert listed(s, capsys)[drained].endswith("up")
+    assert listed(s, capsys)[drained].endswith("up; jobs 0")
     assert s.wait("mover", timeout=90).state == "succeeded"
 
 
@@ -88,4 +93,4 @@ def test_a_cordon_the_fleet_cannot_take_is_refused_with_exit_2_and_changes_nothi
     s = stack(machines=1, gpus=2)
     assert main([*argv, "--data-dir", str(s.data_dir)]) == 2
     assert words in capsys.readouterr().err
-    assert all(line.endswith("up") for line in listed(s, capsys).values())
+    assert all(line.endswith("up; jobs 0") for line in listed(s, capsys).values())

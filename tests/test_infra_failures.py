@@ -14,7 +14,7 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from live.fakes import Launching
 from workflows.job import INFRA_STREAK_RESET, MAX_INFRA_FAILURES, JobWorkflow, infra_failures_with
@@ -55,7 +55,7 @@ class Attempts(Launching):
 
     def __init__(self, runs: list[str]):
         super().__init__()
-        self.runs = runs  # per attempt: "agent fails", "command fails" (exit 3: the job's own) or "runs"
+        self.runs = runs  # per attempt: "agent fails", "command fails" (exit 3: the job's own), "runs" or "moved"
         self.started = asyncio.Event()  # an attempt that runs is under way
 
     @activity.defn(name="stop_job")
@@ -78,13 +78,15 @@ class Attempts(Launching):
                 self.run_job, self.mark_attempt_stopping, self.end_attempt]
 
 
-async def attempts_of(address: str, runs: list[str], max_retries: int = 0) -> list[EndAttempt]:
-    """A job placed once per entry of `runs`, each ended as that entry says: the ends recorded."""
+async def attempts_of(address: str, runs: list[str], max_retries: int = 0, moved_after: float = 0.0,
+                      **worker) -> list[EndAttempt]:
+    """A job placed once per entry of `runs`, each ended as that entry says: the ends recorded.
+    "moved" runs `moved_after` seconds and is then moved off by the cycle (a drain, a sick GPU)."""
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     machine = f"m-{uuid.uuid4().hex[:8]}"
     fakes = Attempts(runs)
     async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
-                      activities=fakes.activities()), \
+                      activities=fakes.activities(), **worker), \
             Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
         request = JobRequest(job_id=f"streak-{machine}", team="vision", num_gpus=1, command=["true"],
                              max_retries=max_retries)
@@ -100,6 +102,12 @@ async def attempts_of(address: str, runs: list[str], max_retries: int = 0) -> li
                 await asyncio.wait_for(fakes.started.wait(), 30)
                 await handle.signal(JobWorkflow.preempt, PreemptSignal(allocation_id=attempt, grace_period=1,
                                                                        reason="a more important job"))
+            elif how == "moved":
+                await asyncio.wait_for(fakes.started.wait(), 30)
+                await asyncio.sleep(moved_after)
+                await handle.signal(JobWorkflow.preempt, PreemptSignal(
+                    allocation_id=attempt, grace_period=1, reason=f"machine {machine} is being drained",
+                    end_reason=EndReason.machine_failure))
             for _ in range(600):  # 30 s: a workflow task that fails leaves the attempt unended
                 if len(fakes.ends) >= attempt:
                     break
@@ -136,6 +144,28 @@ def test_the_jobs_own_failure_retried_between_infrastructure_failures_ends_their
         EndReason.machine_failure] * 4 + [EndReason.cancelled]
     assert [e.next_state for e in ends[:-1]] == [JobState.queued] * 6
     assert [e.failures_in_a_row for e in ends[:-1]] == [1, 0, 1, 2, 3, 4]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("moved_after, in_a_row, last", [
+    (16.0, [1, 2, 3, 4, 0, 1], JobState.queued),
+    (0.0, [1, 2, 3, 4, 0, 0], JobState.failed),  # a move is not counted, nor a job's last failure
+], ids=["a move off a drained machine after a long run ends the row",
+        "a move after a short run leaves the row as it was"])
+def test_a_job_moved_off_its_machine_after_a_long_run_starts_its_count_again(live_servers, monkeypatch, moved_after,
+                                                                             in_a_row, last):
+    """Four failures, a run moved off by a drain, one more failure. A failure after a long run
+    starts the count again; a drain after one kept the row, and the next failure was the fifth.
+    (The reset is 20 s here, not 30 min, the workflow unsandboxed to take it; a move takes about
+    8 s with these fakes.)"""
+    monkeypatch.setattr("workflows.job.INFRA_STREAK_RESET", timedelta(seconds=20))
+    runs = ["agent fails"] * 4 + ["moved", "agent fails"]
+    ends = asyncio.run(attempts_of(live_servers.temporal_address, runs, moved_after=moved_after,
+                                   workflow_runner=UnsandboxedWorkflowRunner()))
+    assert [e.end_reason for e in ends[:6]] == [EndReason.machine_failure] * 6
+    assert [e.failures_in_a_row for e in ends[:6]] == in_a_row
+    assert ends[5].next_state is last
+    assert ("(5 infrastructure failures)" in ends[5].reason) is (last is JobState.failed)
 
 
 class AttemptsThatCheckpointWhenStopped(Attempts):

@@ -123,8 +123,9 @@ def cmd_fleet_cordon(args: argparse.Namespace) -> int:
 def machine_state(m: dict) -> str:
     """A listed machine's state in words: what keeps work off it, most telling first."""
     why = f" ({m['cordon_reason']})" if m.get("cordon_reason") else ""
-    if not m["reachable"]:
-        return "unreachable"
+    if not m["reachable"]:  # and still out of service once its agent is back, if it was taken out
+        out = {"draining": f"; drained{why}", "cordoned": f"; cordoned{why}"}.get(m.get("cordon"), "")
+        return f"unreachable{out}"
     if m.get("cordon") == "draining":
         return (f"draining{why}, {m['allocations']} job(s) left" if m["allocations"] else f"drained{why}")
     if m.get("cordon") == "cordoned":
@@ -139,7 +140,8 @@ def cmd_fleet_list(args: argparse.Namespace) -> int:
             shown = [{"id": m["id"], "cluster": m["cluster"], "gpus": len(m["gpus"]), "gpu_type": m["gpu_type"],
                       "gpu_memory_gb": m["gpu_memory_gb"], "partition": m["partition"], "reachable": m["reachable"],
                       "takes_work": m["takes_work"], "cordon": m["cordon"], "cordon_reason": m["cordon_reason"],
-                      "jobs": m["allocations"], "unhealthy_gpus": m["unhealthy"] or []} for m in machines]
+                      "state": machine_state(m), "jobs": m["job_ids"], "unhealthy_gpus": m["unhealthy"] or []}
+                     for m in machines]
             print(json.dumps(shown, indent=2))
             return 0
         if not machines:
@@ -148,8 +150,10 @@ def cmd_fleet_list(args: argparse.Namespace) -> int:
         width = max(len(m["id"]) for m in machines)
         for m in machines:
             sick = f", unhealthy GPUs {','.join(map(str, m['unhealthy']))}" if m["unhealthy"] else ""
+            ids = m["job_ids"]
+            jobs = f": {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}" if ids else ""
             print(f"{m['id']:<{width}}  {len(m['gpus'])} x {m['gpu_type']:<6} {m['partition']:<9} "
-                  f"jobs {m['allocations']:>3}  {machine_state(m)}{sick}")
+                  f"{machine_state(m)}{sick}; jobs {len(ids)}{jobs}")
         return 0
 
     return run_with_client(args, body)

@@ -378,6 +378,13 @@ class JobWorkflow:
                 if end in (EndReason.preempted, EndReason.failed) or not workflow.patched(
                         "infra-failures-row-kept-by-requeues"):
                     self.infra_failures = 0
+                elif (self.infra_failures and self.attempt_began is not None
+                      and workflow.now() - self.attempt_began >= INFRA_STREAK_RESET
+                      and workflow.patched("infra-failures-row-ended-by-a-long-move")):
+                    # Moved off after a long run (its machine drained, a GPU gone sick, its
+                    # agent restarted): as a failure after such a run starts the count again,
+                    # so does this, or a drain after a healthy day left one failure to the five.
+                    self.infra_failures = 0
             # 5. Give the GPUs back and move on.
             await self._end(placement.allocation_id, end, exit_code, next_state, reason)
             self.allocation_id = None
