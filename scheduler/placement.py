@@ -234,15 +234,27 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
                 return (f"needs {in_words.gpus(n)} on one machine; the machines with {n} or more GPUs are unreachable, "
                         f"those that answer have {size}")
             return f"needs {in_words.gpus(n)} on one machine; machines here have {size}"
-        return f"needs {in_words.gpus(n)} on one machine; the largest free is {largest}"
+        return f"needs {in_words.gpus(n)} on one machine; the largest free is {largest}{_out_of_service(cap, pools)}"
     if topology == Topology.block:
         by_block: dict[str, int] = {}
         for i in _usable(cap, pools, NO_AVOID):
             block = cap.machines[i].block
             by_block[block] = by_block.get(block, 0) + len(cap.free[i])
         best = max(by_block.values(), default=0)
-        return f"needs {in_words.gpus(n)} in one block; the most free in a block is {best}"
-    return f"needs {in_words.gpus(n)}; {cap.total_free(pools)} are free"
+        return f"needs {in_words.gpus(n)} in one block; the most free in a block is {best}{_out_of_service(cap, pools)}"
+    return f"needs {in_words.gpus(n)}; {cap.total_free(pools)} are free{_out_of_service(cap, pools)}"
+
+
+def _out_of_service(cap: Capacity, pools) -> str:
+    """The machines the job may use that answer but take no work (an operator cordoned or drains
+    them, or their agent owes an answer): an operator reading the reason knows where GPUs went."""
+    machines = cap.machines
+    out = sum(1 for pool in pools for i in pool.members if not machines[i].takes_work or machines[i].drain)
+    if not out:
+        return ""
+    if out == 1:
+        return "; 1 machine it may use takes no work now (cordoned, drained, or its agent owes an answer)"
+    return f"; {out} machines it may use take no work now (cordoned, drained, or their agents owe an answer)"
 
 
 def _wants(spec: JobSpec) -> str:

@@ -79,7 +79,31 @@ def test_nothing_new_is_placed_on_a_machine_out_of_service(out_of_service):
     machines = out_of_service(fleet(machines=2), M0)
     result = cycle(snapshot(machines, queue=[job("one").gpus(8).submitted(NOW), job("two").gpus(8).submitted(NOW + 1)]))
     assert machines_of(placements(result)["one"].gpus) == {M1}
-    assert pending(result)["two"].reason == "needs 8 GPUs on one machine; the largest free is 0"
+    assert pending(result)["two"].reason == ("needs 8 GPUs on one machine; the largest free is 0; 1 machine it may "
+                                             "use takes no work now (cordoned, drained, or its agent owes an answer)")
+
+
+M2 = mid(0, 0, 2)
+OUT_OF_SERVICE = "2 machines it may use take no work now (cordoned, drained, or their agents owe an answer)"
+
+
+@pytest.mark.parametrize("topology, reason", [
+    ("machine", f"needs 4 GPUs on one machine; the largest free is 2; {OUT_OF_SERVICE}"),
+    ("block", f"needs 4 GPUs in one block; the most free in a block is 2; {OUT_OF_SERVICE}"),
+    ("any", f"needs 4 GPUs; 2 are free; {OUT_OF_SERVICE}"),
+], ids=["a one-machine job", "a one-block job", "a job of any machines"])
+def test_a_waiting_job_is_told_how_many_machines_it_may_use_take_no_work(topology, reason):
+    """m0 is drained and m1 cordoned, both empty; m2 has 2 of its 4 GPUs free."""
+    machines = cordoned(drained(fleet(machines=3, gpus=4), M0), M1)
+    result = cycle(snapshot(machines, running=[_on("r", (M2, [0, 1]))],
+                            queue=[job("w").gpus(4).topology(topology).submitted(NOW)]))
+    assert pending(result)["w"].reason == reason
+
+
+def test_nothing_is_said_of_machines_out_of_service_when_every_machine_takes_work():
+    result = cycle(snapshot(fleet(machines=1, gpus=4), running=[_on("r", (M0, [0, 1]))],
+                            queue=[job("w").gpus(4).submitted(NOW)]))
+    assert pending(result)["w"].reason == "needs 4 GPUs on one machine; the largest free is 2"
 
 
 def test_gpus_of_a_drained_machine_are_no_reason_to_displace_anyone():

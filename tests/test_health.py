@@ -133,7 +133,8 @@ def test_an_empty_machine_taking_no_work_is_not_where_a_whole_machine_job_goes_b
     would pick it up."""
     result = cycle(snapshot(silent(fleet(machines=1), M0), queue=[job("back").gpus(8).submitted(NOW)]))
     assert not result.placements
-    assert pending(result)["back"].reason == "needs 8 GPUs on one machine; the largest free is 0"
+    assert pending(result)["back"].reason == ("needs 8 GPUs on one machine; the largest free is 0; 1 machine it may "
+                                              "use takes no work now (cordoned, drained, or its agent owes an answer)")
 
 
 def test_gpus_a_preemption_frees_on_a_machine_taking_no_work_do_not_count():
