@@ -18,7 +18,9 @@ once, that no job was lost, and that no checkpoint was corrupted.
    Temporal or SeaweedFS killed and started again after 1-10 s; one of them frozen (SIGSTOP, with
    every process under it: a machine's agent and jobs, or Postgres and its backends) and let go
    (SIGCONT) after as long, so it comes back with its connections open; or a GPU given an
-   uncorrectable ECC error or thermal slowdown for 5-20 s.
+   uncorrectable ECC error or thermal slowdown for 5-20 s; or, as an operator does, a machine
+   drained (its jobs checkpoint and move) or cordoned for 10-30 s, then put back in service
+   (`gpusched fleet drain | cordon | uncordon`, sent again while Postgres cannot take it).
    Meanwhile, as users do, ``--cancels`` jobs are cancelled and ``--bumps`` jobs change class
    (once or twice), each 5-60 s after its submit, so queued, placed, running and draining jobs
    alike; a request the stack cannot take is sent again until it can.
@@ -83,7 +85,8 @@ MACHINE_TIMEOUT_S = 8.0
 START_WAIT_S = 5.0  # how long a worker started again is watched for exiting
 SERVER_START_S = 60.0  # a server started again answers by then, or its start is a finding
 SERVERS = ("postgres", "temporal", "s3")
-FAULTS = ("agent", "control", "api", "gpu", *SERVERS, "freeze")
+FAULTS = ("agent", "control", "api", "gpu", *SERVERS, "freeze", "drain")
+DRAIN_REASON = "chaos: maintenance"
 SHAPES = [(1, 4), (2, 3), (4, 2), (8, 1)]  # GPUs, weight
 CLASSES = [("low", 3), ("normal", 3), ("high", 2), ("critical", 1)]
 CANCEL_REASON = "chaos: cancelled by its user"
@@ -239,17 +242,21 @@ class Chaos:
         self.agents = {machine_component(m.id): m for m in self.state.machines}
         self.down: set[str] = set()
         self.bad_gpus: set[tuple[str, int]] = set()
+        self.out_of_service: set[str] = set()  # machines drained or cordoned now
         self.count: Counter = Counter()
         self.log: list[str] = []
         self.errors: list[str] = []
 
-    async def run(self, until: float) -> None:
+    async def run(self, until: float, client: GpuschedClient) -> None:
         outages = []
         while time.monotonic() < until:
             await asyncio.sleep(self.rng.expovariate(1 / 6))
             kind = self.rng.choice(self.kinds)
             if kind == "gpu":
                 outages.append(asyncio.create_task(self.gpu_fault()))
+                continue
+            if kind == "drain":
+                outages.append(asyncio.create_task(self.drain(client)))
                 continue
             if kind == "freeze":
                 name = self.rng.choice([*sorted(self.agents), "control", "api", *SERVERS])
@@ -317,6 +324,38 @@ class Chaos:
         await asyncio.sleep(self.rng.uniform(5, 20))
         devices.clear_faults(fault_file, gpu)
         self.bad_gpus.discard((machine.id, gpu))
+
+
+    async def drain(self, client: GpuschedClient) -> None:
+        """An operator takes a machine out of service (drained: its jobs checkpoint and move; or
+        cordoned: they run on) and puts it back 10-30 s later."""
+        machine = self.rng.choice(self.state.machines)
+        mode = self.rng.choice(["draining", "cordoned"])
+        back_after = self.rng.uniform(10, 30)
+        if machine.id in self.out_of_service:
+            return
+        self.out_of_service.add(machine.id)
+        self.count["drain"] += 1
+        self.log.append(f"{time.strftime('%H:%M:%S')} {mode} {machine.id} for {back_after:.1f} s")
+        try:
+            if await self.cordon(client, machine.id, mode):
+                await asyncio.sleep(back_after)
+            await self.cordon(client, machine.id, None)
+        finally:
+            self.out_of_service.discard(machine.id)
+
+    async def cordon(self, client: GpuschedClient, machine_id: str, mode: str | None) -> bool:
+        """Sent again while the store cannot take it (Postgres killed or frozen); whether taken."""
+        give_up_at = time.monotonic() + 120
+        while True:
+            try:
+                await asyncio.wait_for(client.store.cordon(machine_id, mode, DRAIN_REASON if mode else None), 20)
+                return True
+            except Exception as e:  # the stack is partly down
+                if time.monotonic() >= give_up_at:
+                    self.errors.append(f"{mode or 'uncordon'} {machine_id} never taken: {type(e).__name__}: {e}")
+                    return False
+                await asyncio.sleep(1)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -502,8 +541,11 @@ async def audit(client: GpuschedClient, settings, data_dir: Path, stamps: Path,
     bad_checkpoints = await asyncio.to_thread(verify_checkpoints, settings, rows)
     gangs = {r.job_id for _, r in jobs if r.num_gpus > 4}  # each machine of a gang runs the steps
     needed = sum(steps[j] * (2 if j in gangs else 1) for j in succeeded)
+    # Jobs the cycle moved off a drained machine (`fleet drain`): each is one of the ends above.
+    drain_moves = await pool.fetchval("SELECT count(*) FROM audit WHERE event = 'preempt_ordered' "
+                                      "AND reason LIKE '%is being drained'")
     return {
-        "jobs": len(steps), "succeeded": len(succeeded),
+        "jobs": len(steps), "succeeded": len(succeeded), "moved_off_drained_machines": drain_moves,
         "not_succeeded": not_succeeded, "ended_unexpectedly": unexpected, "lost": lost, "wrong_final_states": wrong,
         "attempts": len(allocations), "end_reasons": dict(Counter(a["end_reason"] for a in allocations)),
         "processes": len(lives), "attempts_without_stamps": unstamped,
@@ -532,7 +574,7 @@ async def chaos_run(data_dir: Path, args) -> dict:
                                                max=args.machines * args.gpus, queue_cap=1000))
         began = time.monotonic()
         until = began + args.minutes * 60
-        refused, _, _ = await asyncio.gather(submit_all(client, jobs, began, until + 120), chaos.run(until),
+        refused, _, _ = await asyncio.gather(submit_all(client, jobs, began, until + 120), chaos.run(until, client),
                                              users.run(client, began, until + 120))
         chaos_s = time.monotonic() - began
     # Everything back: what a fault left down, then the GPUs' faults cleared.
