@@ -21,6 +21,7 @@ from builders import (
     unreachable,
 )
 
+from scheduler.health import jobs_to_requeue
 from workers.cli_fleet import machine_state
 
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
@@ -151,3 +152,31 @@ LISTED = [
 @pytest.mark.parametrize("row, state", [c[1:] for c in LISTED], ids=[c[0] for c in LISTED])
 def test_how_fleet_list_names_a_machine_s_state(row, state):
     assert machine_state(row) == state
+
+
+def test_a_gang_across_two_drained_machines_is_told_of_the_first():
+    """Named by the first of its machines being drained."""
+    machines = [m.model_copy(update={"takes_work": False, "drain": True}) for m in fleet(machines=2)]
+    gang = running(job("g").gpus(16)).on(M0, range(8)).on(M1, range(8)).started(NOW - 5000).build()
+    [requeue] = jobs_to_requeue(machines, [gang])
+    assert (requeue.job_id, requeue.reason, requeue.graceful) == ("g", f"machine {M0} is being drained", True)
+
+
+def test_a_drained_machine_the_store_says_takes_work_still_has_its_jobs_moved():
+    """Every machine reachable, taking work, with no sick GPU: the fast path that says nobody
+    moves must still see the drain."""
+    machines = [m.model_copy(update={"drain": True}) if m.id == M0 else m for m in fleet(machines=2)]
+    j = running(job("j").gpus(4)).on(M0, range(4)).started(NOW - 5000).build()
+    assert [(r.job_id, r.reason, r.graceful) for r in jobs_to_requeue(machines, [j])] == \
+        [("j", f"machine {M0} is being drained", True)]
+
+
+def test_machines_taking_no_work_do_not_make_the_reserved_pool_big_enough_for_a_job_only_they_could_host():
+    """With m0-m2 cordoned, the pool's one machine
+    that can be whole is m3, so `big` (two whole machines) is not served by keeping it and
+    `small` starts there. Counted whole, the cordoned machines made the pool keep m3 for `big`."""
+    machines = cordoned(fleet(machines=4), M0, M1, M2)
+    result = cycle(snapshot(machines, queue=[job("big").gpus(16).topology("block").submitted(0),
+                                             job("small").gpus(2).submitted(1)], reserved_pool_fraction=0.5))
+    assert machines_of(placements(result)["small"].gpus) == {mid(0, 0, 3)}
+    assert "big" in pending(result)

@@ -771,3 +771,94 @@ def test_the_estimate_keeps_a_waiting_claimant_s_free_gpus_on_another_machine_fr
     assert preempted(result) == [] and pending(result)["claim"].reason.startswith("enough GPUs are expected to free up within half the grace")
     assert "behind" in pending(result)
     assert pending(result)["behind"].estimated_start > NOW + 30
+
+
+def _low_ends_in(job_id, machine, gpus, in_s=30):
+    """A low job of team x (anyone's victim) expected to end `in_s` seconds from now."""
+    gpus = list(gpus)
+    return running(job(job_id).gpus(len(gpus)).priority("low").team("x").expected(3600)).on(machine, gpus) \
+        .started(NOW - 3600 + in_s)
+
+
+# (name, the GPU type of: first claimant, second claimant, the job behind them). m0 (e0's) is of
+# type "A", m1 (e1's) of type "B": the job behind may use only the machine of one of them.
+WHOSE = [
+    ("the job ending under the first claimant's room is displaced for nobody behind", ("A", "B", "A")),
+    ("the job ending under the second claimant's room is displaced for nobody behind", ("B", "A", "A")),
+]
+
+
+@pytest.mark.parametrize("types", [w[1] for w in WHOSE], ids=[w[0] for w in WHOSE])
+def test_the_jobs_every_waiting_claimant_counts_on_are_displaced_for_nobody_behind(types):
+    """`first` and `second` each wait for the job ending on the machine of their
+    type; `third`, behind them, may use only the machine of type A, whose ending job is the first
+    claimant's in one row and the second's in the other. With that claimant's jobs forgotten, it
+    displaced the job the claimant waits for and took its room."""
+    machines = [m.model_copy(update={"gpu_type": "A" if m.id == M0 else "B"}) for m in fleet(machines=2, gpus=4)]
+    run = [_low_ends_in("e0", M0, range(4)), _low_ends_in("e1", M1, range(4))]
+    queue = [job(name).gpus(4).priority("high").gpu_type(t).submitted(NOW - 30 + 10 * k)
+             for k, (name, t) in enumerate(zip(("first", "second", "third"), types))]
+    result = cycle(snapshot(machines, running=run, queue=queue))
+    assert pending(result)["first"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["second"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert preempted(result) == [] and not result.earmarks
+    assert "third" in pending(result)
+
+
+def test_a_job_ending_beside_a_claimant_s_room_may_still_be_displaced_for_the_job_behind():
+    """`a` waits for e0 on m0. `b` needs all of m1: e1 ends there soon but leaves
+    it short (the long low job holds the rest), so b displaces both. Counting e1 as a's made b
+    wait with a free-able machine beside it."""
+    run = [_low_ends_in("e0", M0, range(8)), _low_ends_in("e1", M1, range(4)),
+           running(job("long").gpus(4).priority("low").team("x").expected(20_000)).on(M1, range(4, 8))
+           .started(NOW - 5000)]
+    queue = [job("a").gpus(8).priority("high").submitted(NOW - 20),
+             job("b").gpus(8).priority("high").submitted(NOW - 10)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue))
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert sorted(preempted(result)) == ["e1", "long"]
+    assert pending(result)["b"].reason.startswith("preempting")
+
+
+def test_a_claimant_behind_a_waiting_one_leaves_its_room_s_ending_job_to_end_on_its_own_time():
+    """Were the jobs a claimant waits for taken as told to leave, `b`'s search made e0, which a waits for, one of the jobs leaving: told it ends its grace
+    (minutes) rather than in 30 s, the walk told a it starts later than the 30 s it waits."""
+    run = [_low_ends_in("e0", M0, [0, 1, 2]), filler("busy", M0, [3]).started(NOW - 100)]
+    queue = [job("a").gpus(3).priority("high").submitted(NOW - 20),
+             job("b").gpus(1).priority("high").submitted(NOW - 10)]
+    result = cycle(snapshot(fleet(machines=1, gpus=4), running=run, queue=queue))
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["a"].estimated_start == NOW + 30
+
+
+def test_a_starving_job_reserves_none_of_the_machines_already_reserved_while_a_claimant_waits():
+    """`a` waits for e0 on m0; s0 reserves m1 (free first); s1 reserved m1 too,
+    two reservations on one machine, rather than m2."""
+    run = [_low_ends_in("e0", M0, range(8)),
+           filler("r1", M1, range(8), expected=NOW + 1000), filler("r2", M2, range(8), expected=NOW + 2000),
+           filler("r3", mid(0, 0, 3), range(8), expected=NOW + 3000)]
+    # a starves too (queued as long), so it is admitted ahead of s0 and s1, as its class says
+    queue = [job("a").gpus(8).priority("high").submitted(-10),
+             job("s0").gpus(8).submitted(0), job("s1").gpus(8).submitted(1)]
+    result = cycle(snapshot(fleet(machines=4), running=run, queue=queue, max_reservations=2))
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert [(r.job_id, r.machines) for r in result.reservations] == [("s0", (M1,)), ("s1", (M2,))]
+
+
+
+def test_a_waiting_claimant_is_estimated_to_start_in_its_room_not_on_a_machine_a_starving_job_reserved():
+    """A claimant waiting for its room is exempt from the other claimants' rooms, not from
+    reservations. s, starving, is admitted first and reserves m1, free
+    in 5 s; `a` waits for e0's m0, free in 250 s (grace 600 s). The walk put `a` on s's m1 at
+    5 s, where the next cycle gives m1 to s (admitted first) and `a` starts on m0 at 250 s."""
+    e0 = running(job("e0").gpus(8).team("x").expected(3600)).on(M0, range(8)).started(NOW - 3600 + 250)
+    run = [e0, filler("f", M1, range(8), started=NOW - 3600 + 5)]
+    queue = [job("s").gpus(8).submitted(0), job("a").gpus(8).priority("high").submitted(NOW - 20)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, grace_period=600))
+    assert [(r.job_id, r.machines, r.expected_start) for r in result.reservations] == [("s", (M1,), NOW + 5)]
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["a"].estimated_start == NOW + 250
+    # and so it is: at 5 s, s starts on m1 and `a` still waits for m0
+    later = cycle(snapshot(fleet(machines=2), running=[e0], queue=queue, now=NOW + 5, grace_period=600))
+    assert machines_of(placements(later)["s"].gpus) == {M1}
+    assert "a" in pending(later)
