@@ -341,6 +341,9 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
             continue
         usable = all(m in cap.index and healthy[cap.index[m]] >> g & 1 for m, g in earmark.gpus)
         if not usable:
+            # Its victims' GPUs will not be usable (a machine drained or lost, a GPU sick): waiting
+            # for them to leave (step d) would gain it nothing; it looks for GPUs again.
+            state.draining_for.pop(earmark.job_id, None)
             continue
         claimant = waiting.get(earmark.job_id)
         if claimant is not None and not state.usage.within_max(claimant.spec.team, claimant.spec.num_gpus):

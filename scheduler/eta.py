@@ -15,8 +15,8 @@ Algorithm overview
      admission holds them; a job that would have waited past the starvation threshold in the
      walk holds its soonest place too. Later jobs may use it only if they end before it starts.
      A claimant waiting for jobs about to end (admission, Preemption 1) holds the machines of
-     its room against every other job until it starts: admission keeps its free GPUs from
-     whoever comes after it, however short.
+     its room until it starts against every job but the claimants admitted before it:
+     admission keeps its free GPUs from whoever comes after it, however short.
   5. Advance to the next release, give its GPUs back, and repeat from 2.
   6. Work that arrives later is known only as a forecast (scheduler/forecast.py): a job that
      more important expected arrivals would go before waits, after its place in the walk, until
@@ -245,6 +245,7 @@ def estimate_starts(
     # job but their holder, as this cycle's admission held them against whoever came after.
     holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations] + [(_ROOM, h) for h in rooms]
     room_holders = {h.job_id for h in rooms}
+    room_rank = {h.job_id: k for k, h in enumerate(rooms)}  # in the order admission made them
     rooms_held = len(rooms)  # not reservations: they do not count towards max_holds
 
     def holds_may_grow() -> bool:
@@ -295,12 +296,13 @@ def estimate_starts(
                 continue
             avoid = NO_AVOID
             if holds:
-                # Claimants waiting for jobs about to end may share one job's GPUs (admission
-                # shares them out): their rooms hold nothing against each other.
-                room_holder = spec.job_id in room_holders
+                # A claimant's room holds against the claimants admitted after it, as admission
+                # keeps its GPUs from them, not against those before it: claimants may share one
+                # ending job's GPUs, each its own part (held each against the other, neither started).
+                rank = room_rank.get(spec.job_id)
                 applying = tuple(k for k, (h_order, h) in enumerate(holds)
-                                 if h_order < order and t + duration > h.expected_start
-                                 and h.job_id != spec.job_id and not (room_holder and h_order == _ROOM))
+                                 if h_order < order and t + duration > h.expected_start and h.job_id != spec.job_id
+                                 and (rank is None or h_order != _ROOM or room_rank[h.job_id] < rank))
                 if applying:
                     avoid = avoid_cache.get(applying)
                     if avoid is None:
@@ -308,8 +310,9 @@ def estimate_starts(
             # Cheap test first: most blocked shapes are blocked because too little is free at all.
             picks = None
             # A claimant waiting for its room may displace others, and such a job takes the
-            # reserved pool's GPUs rather than displace anyone (admission, step e).
-            tried = (shape_key, avoid, spec.job_id in room_holders)
+            # reserved pool's GPUs rather than displace anyone (admission, step e): from the next
+            # cycle on, as now it waits for its room instead.
+            tried = (shape_key, avoid, t > now and spec.job_id in room_holders)
             if room and tried not in no_room:
                 picks = picks_for(cap, shape.terms, n, avoid, NO_RESERVE if tried[2] else keep)
             if picks is None and avoid is not NO_AVOID and lane in holder_lanes and _holder_to_front(lane, applying, holds):

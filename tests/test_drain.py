@@ -22,6 +22,7 @@ from builders import (
 )
 
 from scheduler.health import jobs_to_requeue
+from scheduler.models import Earmark
 from workers.cli_fleet import machine_state
 
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
@@ -180,3 +181,16 @@ def test_machines_taking_no_work_do_not_make_the_reserved_pool_big_enough_for_a_
                                              job("small").gpus(2).submitted(1)], reserved_pool_fraction=0.5))
     assert machines_of(placements(result)["small"].gpus) == {mid(0, 0, 3)}
     assert "big" in pending(result)
+
+
+def test_a_claimant_whose_victim_s_machine_is_drained_looks_for_gpus_again():
+    """c's victim v checkpoints on m0 when m0 is drained: c's earmark there is dropped (those GPUs
+    will not be usable), and c waited for v all the same, told a grace, estimated hours. It now
+    displaces someone whose GPUs it can use."""
+    v = running(job("v").gpus(2).priority("low").team("x")).on(M0, [0, 1]).started(NOW - 5000).draining(NOW + 36, "c")
+    f1 = running(job("f1").gpus(8).priority("low").team("z").expected(20000)).on(M1, range(8)).started(NOW - 5000)
+    earmark = Earmark(job_id="c", gpus=((M0, 0), (M0, 1)), expires=NOW + 300)
+    result = cycle(snapshot(drained(fleet(machines=2), M0), running=[v, _on("f0", (M0, range(2, 8))), f1],
+                            queue=[job("c").gpus(2).priority("critical").submitted(NOW - 100)], earmarks=[earmark]))
+    assert [p.job_id for p in result.preemptions] == ["f1"]
+    assert [{m for m, _ in e.gpus} for e in result.earmarks] == [{M1}]

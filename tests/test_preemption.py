@@ -862,3 +862,30 @@ def test_a_waiting_claimant_is_estimated_to_start_in_its_room_not_on_a_machine_a
     later = cycle(snapshot(fleet(machines=2), running=[e0], queue=queue, now=NOW + 5, grace_period=600))
     assert machines_of(placements(later)["s"].gpus) == {M1}
     assert "a" in pending(later)
+
+
+def test_a_claimant_behind_another_is_not_estimated_to_start_on_the_free_gpus_that_one_keeps():
+    """a waits for `e`'s 2 GPUs beside m0's 6 free ones, which it keeps; b waits for `f`'s 6 on m1.
+    In the walk b started at once on a's 6 kept GPUs (rooms held nothing against each other): told
+    it starts now, though admission keeps them from it."""
+    low = running(job("low").gpus(2).priority("low").team("x")).on(M1, [6, 7]).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=2), running=[ends_in(30, "e", M0, [6, 7]), ends_in(30, "f", M1, range(6)), low],
+                            queue=[job("a").gpus(8).priority("high").submitted(NOW - 20),
+                                   job("b").gpus(6).priority("high").submitted(NOW - 10)],
+                            reserved_pool_fraction=0.0))
+    assert not result.placements and not result.preemptions
+    assert pending(result)["a"].estimated_start == pending(result)["b"].estimated_start == NOW + 30
+
+
+def test_a_claimant_waiting_for_its_room_is_not_estimated_to_start_now_on_the_reserved_pool():
+    """c waits for `e` (10 s) rather than take m0, kept whole for `big`: admission asks that first.
+    The walk let a claimant waiting for its room take the pool at once: told it starts now."""
+    low = running(job("low").gpus(2).priority("low").team("x")).on(M1, [2, 3]).started(NOW - 5000)
+    run = [ends_in(10, "e", M1, [0, 1]), low, filler("f2", M2, range(4), expected=20000),
+           filler("f3", mid(0, 0, 3), range(4), expected=20000)]
+    result = cycle(snapshot(fleet(machines=4, gpus=4), running=run, reserved_pool_fraction=0.5,
+                            queue=[job("big").gpus(8).submitted(NOW - 100),
+                                   job("c").gpus(2).priority("critical").submitted(NOW - 10)]))
+    assert "c" not in placements(result)
+    assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["c"].estimated_start == NOW + 10
