@@ -77,6 +77,7 @@ class Admission:
     placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
+    requeued: frozenset[str] = frozenset()  # of those, the ones moved off by health (a drain, a sick GPU)
     holds: list[reservation.Hold] = field(default_factory=list)
     held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
     # The holds' starts, soonest first, and held_before[k]: the machines of the k soonest holds.
@@ -122,6 +123,7 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
         cap=cap, usage=usage, running=running, now=snapshot.now, config=config, keep_whole=NO_RESERVE,
         draining_for=_draining_for(running),
         exposed=preemption.Exposed(running, exposed_now, exposed_now.unprotected), going=set(leaving),
+        requeued=frozenset(leaving),
     )
     _hold_earmarks(snapshot, state)
     state.keep_whole = _reserved_pool(cap, _without_promises(state, queue), config, usage)
@@ -158,6 +160,7 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
         state.waiting.sort(key=lambda waiting: place[waiting[0].spec.job_id])
     for wait in state.room_waits.values():  # free again for what reads the capacity after admission: the walk
         state.cap.give_back(wait.kept)
+        state.usage.promise(wait.team, -wait.gpus)  # the walk counts them when it starts the claimant
 
 
 def _after_the_pool_served(state: Admission) -> bool:
@@ -202,12 +205,13 @@ def _after_the_pool_served(state: Admission) -> bool:
 
 
 def _stop_waiting_for_room(state: Admission, job_id: str) -> None:
-    """Undo a claimant's wait for jobs about to end, to admit it again: the free GPUs it kept
-    and the ending ones it counted are everyone's again."""
+    """Undo a claimant's wait for jobs about to end, to admit it again: the free GPUs it kept,
+    the ending ones it counted and its team's promise are everyone's again."""
     if job_id not in state.room_waits:
         return
     wait = state.room_waits.pop(job_id)
     state.cap.give_back(wait.kept)
+    state.usage.promise(wait.team, -wait.gpus)
     for i, count in wait.room.ending.items():
         state.ending_counted[i] -= count
 
@@ -382,17 +386,21 @@ def _reserved_pool(cap: Capacity, queue: list[QueuedJob], config: PolicyConfig, 
     uses it, nor one whose team is at its maximum until it gives GPUs back: keeping machines
     idle for them would only waste GPUs. Nor is the reserve larger than the pool's machines that
     can be whole at all (no sick GPU, taking work): a job only more of them could host would
-    never start there."""
+    never start there. The share is of the machines in service (taking work, not drained)."""
     fraction = config.reserved_pool_fraction
     if not fraction or cap.gpus_per_machine == 0:
         return NO_RESERVE
     layout = cap.layout
     reserves = {}
+    machines = cap.machines
     for pool in cap.pools.values():
         members = pool.members
         can_be_whole = (len(members) if layout.all_healthy
                         else sum(1 for i in members if len(layout.healthy[i]) == pool.key.gpus))
-        reserve = min(math.ceil(fraction * len(members)), can_be_whole)
+        # A share of the machines in service: one cordoned or drained is as one that is down.
+        serving = (len(members) if layout.all_healthy
+                   else sum(1 for i in members if machines[i].takes_work and not machines[i].drain))
+        reserve = min(math.ceil(fraction * serving), can_be_whole)
         if reserve:
             reserves[pool.key] = reserve
     smallest = min((key.gpus for key in reserves), default=0)
@@ -424,12 +432,12 @@ def _draining_for(running: list[RunningJob]) -> dict[str, list[RunningJob]]:
     return out
 
 
-def _held_against(state: Admission, job: QueuedJob) -> frozenset[int]:
-    """Machines held for a starving job that this job would still occupy when it starts: those
-    of the holds that start before it would end, the soonest holds."""
+def _held_against(state: Admission, job: QueuedJob, starts_in: float = 0.0) -> frozenset[int]:
+    """Machines held for a starving job that this job would still occupy when it starts (in
+    `starts_in` seconds): those of the holds that start before it would end, the soonest holds."""
     if not state.holds:
         return placement.NO_AVOID
-    ends = state.now + eta.remaining_work(job, state.config.expected_restart_s)
+    ends = state.now + starts_in + eta.remaining_work(job, state.config.expected_restart_s)
     return state.held_before[bisect_left(state.hold_starts, ends)]
 
 
@@ -493,7 +501,8 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         return False
     # Asked only of a job that may displace someone: one that may not waits (and may hold a
     # reservation) whatever ends soon.
-    soon = _frees_up_soon(state, spec, avoid)
+    # Its room frees within a grace: the holds it would still be running into are those from then.
+    soon = _frees_up_soon(state, spec, _held_against(state, job, config.grace_period) if state.holds else avoid)
     if soon is not None:
         state.waiting.append((job, "enough GPUs are expected to free up within half the grace period, or "
                                    "as jobs already stopping end their grace; waiting for them instead of "
@@ -507,7 +516,11 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
         for i, count in soon.ending.items():
             state.ending_counted[i] = state.ending_counted.get(i, 0) + count
         counted = frozenset(job_id for job_id, i, _ in state.ending_soon if i in soon.ending and job_id not in going)
-        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon, counted)
+        state.room_waits[spec.job_id] = RoomWait(state.cap.take_picks(soon.free), soon, counted, spec.team,
+                                                 spec.num_gpus)
+        # Promised to it while admission goes on, as an earmark is: a job of its team behind it
+        # took the team's headroom, and the claimant found itself over its maximum by its room.
+        state.usage.promise(spec.team, spec.num_gpus)
         return True
     # The victims' placement may use the reserved pool: a claimant entitled to displace work
     # takes free GPUs kept whole there rather than cost a job its work (policy.md, Preemption 1).
@@ -648,6 +661,8 @@ class RoomWait(NamedTuple):
     kept: list[tuple[int, list[int]]]
     room: SoonRoom
     jobs: frozenset[str]
+    team: str  # its team, promised its GPUs until admission is done
+    gpus: int
 
     def machines(self) -> frozenset[int]:
         """The machines of its room."""
@@ -667,15 +682,18 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
     within half the grace period, waiting is hardly slower for the claimant and costs nobody
     anything. (Half: if the estimate was wrong, preempting then still starts the claimant within
-    about one grace period.) A job already stopping for nobody (a cancel) is sure to leave by the
-    end of its grace: if that is within a grace period, a preemption would free nothing sooner.
+    about one grace period.) A job already stopping for nobody (a cancel), or told this cycle to
+    move off (its machine drained, a GPU of it sick), is sure to leave by the end of its grace:
+    if that is within a grace period, a preemption would free nothing sooner.
     A victim's GPUs are its claimant's (`preempted_for`)."""
     cap, now = state.cap, state.now
     if state.ending_soon is None:
         half, whole = now + state.config.grace_period / 2, now + state.config.grace_period
+        requeued = state.requeued  # told this cycle to stop for nobody: gone by the end of a grace
         state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
                              if (end <= half and not running.draining)
                              or (running.draining and running.preempted_for is None and end <= whole)
+                             or running.spec.job_id in requeued
                              for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of
@@ -685,7 +703,7 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     if state.ending_by_machine is None or state.ending_by_machine[0] != len(state.going):  # `going` only grows
         by_machine: dict[int, int] = {}
         for job_id, i, count in state.ending_soon:
-            if job_id not in state.going:
+            if job_id not in state.going or job_id in state.requeued:
                 by_machine[i] = by_machine.get(i, 0) + count
         state.ending_by_machine = (len(state.going), by_machine)
     counted = state.ending_counted

@@ -194,3 +194,40 @@ def test_a_claimant_whose_victim_s_machine_is_drained_looks_for_gpus_again():
                             queue=[job("c").gpus(2).priority("critical").submitted(NOW - 100)], earmarks=[earmark]))
     assert [p.job_id for p in result.preemptions] == ["f1"]
     assert [{m for m, _ in e.gpus} for e in result.earmarks] == [{M1}]
+
+
+@pytest.mark.parametrize("out_of_service", [cordoned, drained], ids=["cordoned", "drained"])
+def test_the_reserved_pool_is_a_share_of_the_machines_in_service(out_of_service):
+    """Two blocks of two 4-GPU machines, one of each block out of service: no block has 6 GPUs
+    for `big`. Counted in the pool's share, the machines out of service made it 2 machines, which
+    `big` fits, and the one idle machine was kept whole for it while `small` waited beside it
+    (machines that are down were never counted)."""
+    machines = out_of_service(fleet(blocks=2, machines=2, gpus=4), mid(0, 0, 1), mid(1, 0, 1))
+    result = cycle(snapshot(machines, running=[_on("busy", (M0, range(4)))], reserved_pool_fraction=0.5,
+                            queue=[job("big").gpus(6).submitted(NOW - 100), job("small").gpus(1).submitted(NOW - 50)]))
+    assert machines_of(placements(result)["small"].gpus) == {mid(1, 0, 0)}
+
+
+@pytest.mark.parametrize("moving", [False, True], ids=["in the cycle of the drain", "in the next, as it moves"])
+def test_a_claimant_waits_for_the_gpus_a_job_moved_off_a_drained_machine_gives_back(moving):
+    """Gang g holds m0 (drained) and m1; its 8 GPUs on m1 come back within its grace. In the
+    cycle of the drain a critical claimant displaced `low` (its work lost) for GPUs that came back
+    no sooner; the next cycle, with g moving, it waited for them."""
+    gang = _on("g", (M0, range(8)), (M1, range(8)))
+    if moving:
+        gang = gang.draining(NOW + 120, None)
+    low = running(job("low").gpus(8).priority("low").team("z").expected(20000)).on(M2, range(8)).started(NOW - 5000)
+    result = cycle(snapshot(drained(fleet(machines=3), M0), running=[gang, low], reserved_pool_fraction=0.0,
+                            queue=[job("c").gpus(8).priority("critical").submitted(NOW - 10)]))
+    assert not result.preemptions
+    assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
+
+
+def test_a_claimant_waits_for_the_healthy_gpus_a_job_on_a_sick_gpu_gives_back():
+    """x's GPU 0 turns sick: x moves, and its 3 healthy GPUs come back within its grace; c needs 3."""
+    low = running(job("low").gpus(8).priority("low").team("z").expected(20000)).on(M1, range(8)).started(NOW - 5000)
+    result = cycle(snapshot(unhealthy(fleet(machines=2), M0, [0]), reserved_pool_fraction=0.0,
+                            running=[_on("x", (M0, range(4))), _on("f", (M0, range(4, 8))), low],
+                            queue=[job("c").gpus(3).priority("critical").submitted(NOW - 10)]))
+    assert [r.job_id for r in result.requeues] == ["x"]
+    assert not result.preemptions

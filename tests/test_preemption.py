@@ -889,3 +889,36 @@ def test_a_claimant_waiting_for_its_room_is_not_estimated_to_start_now_on_the_re
     assert "c" not in placements(result)
     assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
     assert pending(result)["c"].estimated_start == NOW + 10
+
+
+def test_a_claimant_does_not_wait_for_room_on_a_machine_reserved_for_when_it_would_still_run():
+    """S reserves both machines from NOW+1000. c (990 s) would end before that if it started now,
+    so it counted a room on m0, reserved, where `e` ends in 20 s; but it would start only then, and
+    run past S's start. In the walk c's room held m0 against S and S's hold kept c off it: S, c and
+    the job behind were all told they never start."""
+    x = running(job("x").gpus(1).priority("low").team("x").expected(6000)).on(M1, [3]).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=2, gpus=4), reserved_pool_fraction=0.0,
+                            running=[ends_in(20, "e", M0, [0, 1]), filler("L", M1, [0, 1, 2], expected=NOW + 1000), x],
+                            queue=[job("S").gpus(8).submitted(NOW - 4000), job("c").gpus(4).expected(990).submitted(NOW - 10),
+                                   job("after").gpus(1).priority("low").submitted(NOW - 5)]))
+    assert [(r.job_id, r.expected_start) for r in result.reservations] == [("S", NOW + 1000)]
+    assert not pending(result)["c"].reason.startswith("enough GPUs are expected to free up")
+    assert all(p.estimated_start is not None for p in result.pending), [(p.job_id, p.reason) for p in result.pending]
+
+
+def test_a_claimant_waiting_for_its_room_counts_against_its_team_s_maximum():
+    """Team b may hold 5. a (3 GPUs) waits for `e`'s 3; b, of its team and behind it, displaced
+    `low` for 3 more with the headroom a counted on: a low job lost its work for b, and when the
+    room freed, a was over the maximum and waited an hour beside it."""
+    low = running(job("low").gpus(8).priority("low").team("x").expected(20000)).on(M1, range(8)).started(NOW - 5000)
+    snap = snapshot(fleet(machines=2), quotas={"b": {"guaranteed": 0, "max": 5}}, reserved_pool_fraction=0.0,
+                    running=[ends_in(30, "e", M0, [0, 1, 2]), filler("f0", M0, range(3, 8), expected=20000), low],
+                    queue=[job("a").gpus(3).priority("critical").team("b").submitted(NOW - 20),
+                           job("b").gpus(3).priority("high").team("b").submitted(NOW - 10)])
+    result = cycle(snap)
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert preempted(result) == []
+    assert pending(result)["b"].reason == "team b would pass its maximum with this job's 3 GPUs (0 of 5 GPUs held, 3 promised to its waiting jobs)"
+    later = after_preemption(snap, result, now=NOW + 31, victims_gone=True)
+    later = later.model_copy(update={"running": tuple(r for r in later.running if r.spec.job_id != "e")})
+    assert "a" in placements(cycle(later))
