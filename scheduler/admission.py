@@ -78,6 +78,7 @@ class Admission:
     preemptions: list[Preemption] = field(default_factory=list)
     going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
     requeued: frozenset[str] = frozenset()  # of those, the ones moved off by health (a drain, a sick GPU)
+    orphaned: set[str] = field(default_factory=set)  # victims leaving whose claimant's earmark broke
     holds: list[reservation.Hold] = field(default_factory=list)
     held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
     # The holds' starts, soonest first, and held_before[k]: the machines of the k soonest holds.
@@ -345,9 +346,11 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
             continue
         usable = all(m in cap.index and healthy[cap.index[m]] >> g & 1 for m, g in earmark.gpus)
         if not usable:
-            # Its victims' GPUs will not be usable (a machine drained or lost, a GPU sick): waiting
-            # for them to leave (step d) would gain it nothing; it looks for GPUs again.
-            state.draining_for.pop(earmark.job_id, None)
+            # Its victims' GPUs will not all be usable (a machine drained or lost, a GPU sick):
+            # it looks for GPUs again instead of waiting for them (step d), and the GPUs they do
+            # give back are anyone's, as a cancelled job's are (_frees_up_soon).
+            for victim in state.draining_for.pop(earmark.job_id, ()):
+                state.orphaned.add(victim.spec.job_id)
             continue
         claimant = waiting.get(earmark.job_id)
         if claimant is not None and not state.usage.within_max(claimant.spec.team, claimant.spec.num_gpus):
@@ -682,17 +685,20 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
     Preempting costs the victims a checkpoint and a restart; if the GPUs come free on their own
     within half the grace period, waiting is hardly slower for the claimant and costs nobody
     anything. (Half: if the estimate was wrong, preempting then still starts the claimant within
-    about one grace period.) A job already stopping for nobody (a cancel), or told this cycle to
-    move off (its machine drained, a GPU of it sick), is sure to leave by the end of its grace:
-    if that is within a grace period, a preemption would free nothing sooner.
+    about one grace period.) A job already stopping for nobody (a cancel, or a victim whose
+    claimant's earmark broke), or told this cycle to move off (its machine drained, a GPU of it
+    sick), is sure to leave by the end of its grace: if that is within a grace period, a
+    preemption would free nothing sooner.
     A victim's GPUs are its claimant's (`preempted_for`)."""
     cap, now = state.cap, state.now
     if state.ending_soon is None:
         half, whole = now + state.config.grace_period / 2, now + state.config.grace_period
         requeued = state.requeued  # told this cycle to stop for nobody: gone by the end of a grace
+        orphaned = state.orphaned
         state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
                              if (end <= half and not running.draining)
-                             or (running.draining and running.preempted_for is None and end <= whole)
+                             or (running.draining and (running.preempted_for is None or running.spec.job_id in orphaned)
+                                 and end <= whole)
                              or running.spec.job_id in requeued
                              for i, count in machines]
     pools = cap.eligible_pools(spec)

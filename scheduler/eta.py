@@ -30,7 +30,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection, Iterable, Sequence
+from types import MappingProxyType
+from typing import Collection, Iterable, Mapping, Sequence
 
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.forecast import ArrivalLoad
@@ -110,6 +111,7 @@ def estimate_starts(
     restart: float = 0.0,
     reservations: Sequence[Hold] = (),
     rooms: Sequence[Hold] = (),
+    room_promises: Mapping[str, tuple[str, int]] = MappingProxyType({}),
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
@@ -127,6 +129,8 @@ def estimate_starts(
     holds_left = max_holds  # holds come and go as holders start; bound the planning work
     held = dict(usage.used)
     for team, gpus in usage.promised.items():  # GPUs earmarked for a team's claimants count, as admission counts them
+        held[team] = held.get(team, 0) + gpus
+    for team, gpus in room_promises.values():  # and those of its claimants waiting for jobs about to end
         held[team] = held.get(team, 0) + gpus
     block_free = cap.block_free
     has_room = cap.has_room
@@ -289,7 +293,8 @@ def estimate_starts(
             _, order, job, duration, _ = lane.jobs[0]
             spec = job.spec
             n = shape.n
-            if lane.limit is not None and held.get(lane.team, 0) + n > lane.limit:
+            promised = spec.job_id in room_promises  # its GPUs are counted already
+            if lane.limit is not None and held.get(lane.team, 0) + (0 if promised else n) > lane.limit:
                 lane.aside = True  # its team is at its maximum until some of its GPUs come back
                 blocked.append(shape_key)
                 offer(shape_key)
@@ -358,7 +363,8 @@ def estimate_starts(
                 left -= 1
                 if left == 0:
                     return raw
-            held[spec.team] = held.get(spec.team, 0) + n
+            if not promised:
+                held[spec.team] = held.get(spec.team, 0) + n
             heapq.heappush(calendar, (t + duration, seq, spec.team, n, cap.take_picks(picks), (), picks, None))
             seq += 1
             if holds and any(h.job_id == spec.job_id for _, h in holds):

@@ -19,6 +19,7 @@ from builders import (
     running,
     silent,
     snapshot,
+    unhealthy,
 )
 
 from scheduler.models import Earmark
@@ -922,3 +923,32 @@ def test_a_claimant_waiting_for_its_room_counts_against_its_team_s_maximum():
     later = after_preemption(snap, result, now=NOW + 31, victims_gone=True)
     later = later.model_copy(update={"running": tuple(r for r in later.running if r.spec.job_id != "e")})
     assert "a" in placements(cycle(later))
+
+
+def test_a_claimant_whose_earmark_broke_on_a_sick_gpu_waits_for_its_victim_s_healthy_gpus():
+    """c displaced v (m0's GPUs 0-3, grace ends in 36 s); m0's GPU 0 then turns sick, and c's
+    earmark is dropped. v's healthy GPUs 1-3 and m0's free GPU 7 make c's 4 in 36 s: it waits for
+    them, as for a cancelled job's, where it displaced f1 (its work lost)."""
+    v = running(job("v").gpus(4).priority("low").team("x")).on(M0, [0, 1, 2, 3]).started(NOW - 5000).draining(NOW + 36, "c")
+    f1 = running(job("f1").gpus(8).priority("low").team("z").expected(20000)).on(M1, range(8)).started(NOW - 5000)
+    earmark = Earmark(job_id="c", gpus=tuple((M0, g) for g in range(4)), expires=NOW + 300)
+    result = cycle(snapshot(unhealthy(fleet(machines=2), M0, [0]), reserved_pool_fraction=0.0,
+                            running=[v, filler("f0", M0, range(4, 7), expected=20000), f1],
+                            queue=[job("c").gpus(4).priority("critical").submitted(NOW - 100)], earmarks=[earmark]))
+    assert preempted(result) == []
+    assert pending(result)["c"].reason.startswith("enough GPUs are expected to free up within half the grace")
+
+
+def test_the_estimate_counts_a_waiting_claimant_s_gpus_against_its_team_s_maximum():
+    """Team b may hold 5. a (4 GPUs) waits for `e`'s 3 and m0's free one; b, of its team and
+    behind it, is told it would pass the maximum. The walk, without a's promise, started b at
+    once on m1's 2 free GPUs and then found a over the maximum: b told now, a an hour."""
+    low = running(job("low").gpus(6).priority("low").team("x").expected(20000)).on(M1, range(6)).started(NOW - 5000)
+    result = cycle(snapshot(fleet(machines=2), quotas={"b": {"guaranteed": 0, "max": 5}}, reserved_pool_fraction=0.0,
+                            running=[ends_in(30, "e", M0, [0, 1, 2]), filler("f0", M0, range(3, 7), expected=20000), low],
+                            queue=[job("a").gpus(4).priority("critical").team("b").submitted(NOW - 20),
+                                   job("b").gpus(2).priority("high").team("b").submitted(NOW - 10)]))
+    assert pending(result)["a"].reason.startswith("enough GPUs are expected to free up within half the grace")
+    assert pending(result)["b"].reason.startswith("team b would pass its maximum")
+    assert pending(result)["a"].estimated_start == NOW + 30
+    assert pending(result)["b"].estimated_start > NOW + 30
