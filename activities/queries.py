@@ -51,12 +51,19 @@ UPSERT_GPU = """
 INSERT INTO gpus (machine_id, idx) VALUES ($1, $2) ON CONFLICT (machine_id, idx) DO NOTHING"""
 MACHINE_EXISTS = "SELECT 1 FROM machines WHERE id = $1"
 MACHINE_GPU_TYPE = "SELECT gpu_type FROM machines WHERE id = $1"  # NULL: no such machine
+
+
+def allocations_on_sql(machine: str) -> str:
+    """How many allocations hold a GPU of `machine` (an SQL expression for its id) now."""
+    return (f"(SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h "
+            f"WHERE h.machine_id = {machine} AND upper_inf(h.held))")
+
+
 # An operator's cordon or drain (migration 0015), after the cycles in flight (ORDER_AFTER_CYCLES):
 # once it returns, no cycle places there. NULL: no such machine.
-SET_CORDON = """
+SET_CORDON = f"""
 UPDATE machines SET cordon = $2, cordon_reason = $3 WHERE id = $1
-RETURNING (SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h
-           WHERE h.machine_id = machines.id AND upper_inf(h.held)) AS allocations"""
+RETURNING {allocations_on_sql("machines.id")} AS allocations"""
 # A machine that joined when none of its GPUs could be named takes the type its agent reports later.
 NAME_UNKNOWN_MACHINE = """
 UPDATE machines SET gpu_type = $2, gpu_memory_gb = coalesce($3, gpu_memory_gb) WHERE id = $1 AND gpu_type = 'unknown'"""
@@ -153,9 +160,7 @@ LIST_MACHINES = f"""
 SELECT m.id, m.cluster, m.block, m.rack, m.gpu_type, m.gpu_memory_gb, m.partition,
        m.last_heartbeat, m.agent_pid, {NOW_EPOCH} - m.last_heartbeat AS silent_for,
        c.machine_timeout, {reachable_sql("c.machine_timeout", "$2")} AS reachable,
-       {TAKES_WORK} AS takes_work, m.cordon, m.cordon_reason,
-       (SELECT count(DISTINCT h.allocation_id) FROM gpu_holds h
-        WHERE h.machine_id = m.id AND upper_inf(h.held)) AS allocations,
+       {TAKES_WORK} AS takes_work, m.cordon, m.cordon_reason, {allocations_on_sql("m.id")} AS allocations,
        array(SELECT DISTINCT a.job_id FROM gpu_holds h JOIN allocations a ON a.id = h.allocation_id
              WHERE h.machine_id = m.id AND upper_inf(h.held) ORDER BY a.job_id) AS job_ids,
        array_agg(g.idx ORDER BY g.idx) AS gpus,

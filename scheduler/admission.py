@@ -77,7 +77,7 @@ class Admission:
     placed: list[tuple[QueuedJob, tuple[GpuSlot, ...], bool]] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
-    requeued: frozenset[str] = frozenset()  # of those, the ones moved off by health (a drain, a sick GPU)
+    requeued: frozenset[str] = frozenset()  # of those, the ones health moves off (a drain, a sick GPU; a lost one is gone)
     orphaned: set[str] = field(default_factory=set)  # victims leaving whose claimant's earmark broke
     holds: list[reservation.Hold] = field(default_factory=list)
     held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
@@ -505,7 +505,7 @@ def _preempt_for(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> boo
     # Asked only of a job that may displace someone: one that may not waits (and may hold a
     # reservation) whatever ends soon.
     # Its room frees within a grace: the holds it would still be running into are those from then.
-    soon = _frees_up_soon(state, spec, _held_against(state, job, config.grace_period) if state.holds else avoid)
+    soon = _frees_up_soon(state, spec, _held_against(state, job, config.grace_period))
     if soon is not None:
         state.waiting.append((job, "enough GPUs are expected to free up within half the grace period, or "
                                    "as jobs already stopping end their grace; waiting for them instead of "

@@ -248,7 +248,6 @@ def estimate_starts(
     # (from which place in the queue it applies, hold). The cycle's own holds apply to every
     # job but their holder, as this cycle's admission held them against whoever came after.
     holds: list[tuple[int, Hold]] = [(-1, h) for h in reservations] + [(_ROOM, h) for h in rooms]
-    room_holders = {h.job_id for h in rooms}
     room_rank = {h.job_id: k for k, h in enumerate(rooms)}  # in the order admission made them
     rooms_held = len(rooms)  # not reservations: they do not count towards max_holds
 
@@ -317,7 +316,7 @@ def estimate_starts(
             # A claimant waiting for its room may displace others, and such a job takes the
             # reserved pool's GPUs rather than displace anyone (admission, step e): from the next
             # cycle on, as now it waits for its room instead.
-            tried = (shape_key, avoid, t > now and spec.job_id in room_holders)
+            tried = (shape_key, avoid, t > now and spec.job_id in room_rank)
             if room and tried not in no_room:
                 picks = picks_for(cap, shape.terms, n, avoid, NO_RESERVE if tried[2] else keep)
             if picks is None and avoid is not NO_AVOID and lane in holder_lanes and _holder_to_front(lane, applying, holds):
@@ -370,7 +369,7 @@ def estimate_starts(
             if holds and any(h.job_id == spec.job_id for _, h in holds):
                 holds = [(o, h) for o, h in holds if h.job_id != spec.job_id]
                 avoid_cache.clear()
-                if spec.job_id in room_holders:
+                if spec.job_id in room_rank:
                     rooms_held -= 1
             lane.jobs.popleft()
             released_pool = False
