@@ -16,6 +16,7 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 )"""
 # Two processes migrating at once (two `dev up`s, a worker and a test) take turns.
 LOCK_MIGRATIONS = "SELECT pg_advisory_xact_lock(7723001)"
+MIGRATION_LOCK_WAIT = "SET LOCAL lock_timeout = {ms}"  # milliseconds; SET takes no parameters
 APPLIED_MIGRATIONS = "SELECT version FROM schema_migrations"
 RECORD_MIGRATION = "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)"
 

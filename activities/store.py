@@ -6,10 +6,12 @@ SQL lives in ``queries.py``; the row ↔ model conversions of a scheduling snaps
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import math
+import time
 from collections import Counter
 from contextlib import ExitStack
 from importlib import resources
@@ -55,6 +57,14 @@ UNMIGRATED_FIX = ("start a control worker (`python -m workers.control`, or `gpus
                   "database before it serves")
 
 
+# A migration's statement waits this long for a table's lock, then its transaction is rolled back
+# and tried again later: an ALTER TABLE queued behind a long transaction (a report, a stuck
+# session) would otherwise make every later query on that table queue behind it, and the
+# scheduler, its API and its agents stall for as long as that transaction lasts.
+MIGRATION_LOCK_WAIT_S = 2.0
+MIGRATION_PATIENCE_S = 120.0  # tries a blocked migration again this long before giving up
+MIGRATION_RETRY_AT_MOST_S = 5.0
+
 # Far above any transaction of ours (a cycle's is its planning, milliseconds to seconds).
 IDLE_IN_TRANSACTION_S = 300.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
@@ -81,6 +91,10 @@ class StoreError(Exception):
 
 class CycleConflict(StoreError):
     """Another transaction changed what the cycle read; the cycle is run again from a new read."""
+
+
+class MigrationBlocked(StoreError):
+    """A migration could not take a table's lock within the patience: another session holds it."""
 
 
 class FleetApplied(BaseModel):
@@ -183,9 +197,11 @@ class Store:
 
     # --- migrations -------------------------------------------------------------------------
 
-    async def migrate(self) -> list[str]:
+    async def migrate(self, *, lock_wait: float = MIGRATION_LOCK_WAIT_S,
+                      patience: float = MIGRATION_PATIENCE_S) -> list[str]:
         """Apply the SQL files of ``activities/migrations`` not applied yet, in order, each in
-        its own transaction; returns the names applied."""
+        its own transaction; returns the names applied. MigrationBlocked if a table one of them
+        changes stays locked by another session for `patience` seconds."""
         files = _migration_files()
         applied_now = []
         async with self.pool.acquire() as conn:
@@ -195,16 +211,37 @@ class Store:
                 await conn.execute(q.LOCK_MIGRATIONS)
                 await conn.execute(q.CREATE_MIGRATIONS_TABLE)
             for f in files:
-                version = int(f.name.split("_", 1)[0])
+                if await self._apply_migration(conn, f, lock_wait, patience):
+                    applied_now.append(f.name)
+        return applied_now
+
+    async def _apply_migration(self, conn, f, lock_wait: float, patience: float) -> bool:
+        """Apply one migration unless it is applied already; whether it was applied now. Its
+        statements wait at most `lock_wait` for a lock (their transaction is then rolled back,
+        releasing the lock queue behind it) and are tried again, with backoff, for `patience`."""
+        version = int(f.name.split("_", 1)[0])
+        deadline, delay = time.monotonic() + patience, 0.25
+        while True:
+            try:
                 async with conn.transaction():
                     await conn.execute(q.LOCK_MIGRATIONS)
                     done = {r["version"] for r in await conn.fetch(q.APPLIED_MIGRATIONS)}
                     if version in done:
-                        continue
+                        return False
+                    await conn.execute(q.MIGRATION_LOCK_WAIT.format(ms=max(1, round(lock_wait * 1000))))
                     await conn.execute(f.read_text())
                     await conn.execute(q.RECORD_MIGRATION, version, f.name)
-                    applied_now.append(f.name)
-        return applied_now
+                    return True
+            except asyncpg.LockNotAvailableError as e:
+                if time.monotonic() + delay > deadline:
+                    raise MigrationBlocked(
+                        f"migration {f.name} could not lock a table it changes for {patience:.0f} s: another "
+                        f"session holds it ({e}); find it in pg_stat_activity (pg_locks), end its transaction, "
+                        "and start the control worker again") from None
+                log.warning("migration %s waits for a table another session has locked; trying again in %.2f s",
+                            f.name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MIGRATION_RETRY_AT_MOST_S)
 
     async def unmigrated(self) -> list[str]:
         """The migrations this code needs that the database has not had (only the control

@@ -18,7 +18,8 @@ from asyncpg.transaction import Transaction
 from pydantic import ValidationError
 
 from activities import queries as q
-from activities.store import HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, GpuReport, Store, held_back
+from activities.store import (HELD_BACK_MAX, UNPICKED_COOL_DOWN, CycleConflict, GpuReport, MigrationBlocked, Store,
+                              held_back)
 from scheduler.cycle import run_cycle
 from scheduler.models import CycleResult, Machine, Placement, PolicyConfig, Preemption, Quota
 from live.servers import until_blocked_or_done
@@ -111,6 +112,74 @@ def test_processes_migrating_a_fresh_database_at_once_all_succeed_and_apply_each
     applied, versions = asyncio.run(scenario())
     assert sorted(name for names in applied for name in names) == sorted(set(n for names in applied for n in names))
     assert len([n for names in applied for n in names]) == len(versions) == SHIPPED_MIGRATIONS
+
+
+def _with_a_migration_altering_machines(monkeypatch, tmp_path) -> str:
+    """A next migration, 9999, that changes the machines table; its file name."""
+    import activities.store as store_module
+
+    extra = tmp_path / "9999_a_column_for_the_test.sql"
+    extra.write_text("ALTER TABLE machines ADD COLUMN test_column integer;")
+    shipped = store_module._migration_files()
+    monkeypatch.setattr(store_module, "_migration_files", lambda: (*shipped, extra))
+    return extra.name
+
+
+def test_a_migration_waiting_for_a_locked_table_lets_other_queries_on_it_through(live_servers, monkeypatch, tmp_path):
+    """An ALTER TABLE queued behind another session's transaction made every later query on the
+    table queue behind it: the scheduler, the API and the agents stalled until that transaction
+    ended. The migration now gives up its place in the lock queue and tries again."""
+    dsn = live_servers.migrated_database(f"store_{next(_names)}")
+    name = _with_a_migration_altering_machines(monkeypatch, tmp_path)
+
+    async def scenario():
+        store, holder, reader = await Store.connect(dsn), await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            holding = holder.transaction()
+            await holding.start()
+            await holder.fetch("SELECT * FROM machines")  # holds the table's ACCESS SHARE lock to its end
+            migrating = asyncio.create_task(store.migrate(lock_wait=0.2, patience=30))
+            slowest = 0.0
+            for _ in range(8):
+                await asyncio.sleep(0.1)
+                began = time.monotonic()
+                await asyncio.wait_for(reader.fetchval("SELECT count(*) FROM machines"), timeout=5)
+                slowest = max(slowest, time.monotonic() - began)
+            assert not migrating.done()
+            await holding.commit()
+            return slowest, await asyncio.wait_for(migrating, timeout=10)
+        finally:
+            for conn in (holder, reader):
+                await conn.close()
+            await store.close()
+
+    slowest, applied = asyncio.run(scenario())
+    assert slowest < 1.0, f"a query on the table waited {slowest:.1f} s behind the migration"
+    assert applied == [name]
+
+
+def test_a_migration_blocked_past_its_patience_says_which_and_applies_nothing(live_servers, monkeypatch, tmp_path):
+    dsn = live_servers.migrated_database(f"store_{next(_names)}")
+    name = _with_a_migration_altering_machines(monkeypatch, tmp_path)
+
+    async def scenario():
+        store, holder = await Store.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            async with holder.transaction():
+                await holder.fetch("SELECT * FROM machines")
+                with pytest.raises(MigrationBlocked) as blocked:
+                    await asyncio.wait_for(store.migrate(lock_wait=0.1, patience=1.0), timeout=10)
+            versions = {r["version"] for r in await store.pool.fetch("SELECT version FROM schema_migrations")}
+            columns = await store.pool.fetchval(
+                "SELECT count(*) FROM information_schema.columns WHERE table_name = 'machines' AND column_name = 'test_column'")
+            return str(blocked.value), versions, columns
+        finally:
+            await holder.close()
+            await store.close()
+
+    message, versions, columns = asyncio.run(scenario())
+    assert name in message and "pg_stat_activity" in message
+    assert 9999 not in versions and columns == 0
 
 
 @pytest.mark.parametrize("request_, field, words", [

@@ -25,7 +25,7 @@ from activities.checkpoints import s3_client
 from activities.jobs import JobActivities, configure_scheduler
 from activities.outages import DATABASE_DOWN
 from activities.planning import PlanningActivities
-from activities.store import Store
+from activities.store import MigrationBlocked, Store
 from workers.arg_types import positive_float, positive_int
 from workers.servers import SEARCH_ATTRIBUTES, ServerError, register_search_attributes
 from workers.settings import (EXIT_NOT_REACHABLE, NotReachable, Settings, SettingsError, add_settings_flags,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     except ServerError as e:  # the operator's to fix: one line, not a traceback
         log.error("%s", e)
         raise SystemExit(2) from None
-    except NotReachable as e:
+    except (NotReachable, MigrationBlocked) as e:  # a supervisor starts it again later
         log.error("%s", e)
         raise SystemExit(EXIT_NOT_REACHABLE) from None
 
