@@ -78,7 +78,7 @@ class Admission:
     preemptions: list[Preemption] = field(default_factory=list)
     going: set[str] = field(default_factory=set)  # running jobs told to leave this cycle
     requeued: frozenset[str] = frozenset()  # of those, the ones health moves off (a drain, a sick GPU; a lost one is gone)
-    orphaned: set[str] = field(default_factory=set)  # victims leaving whose claimant's earmark broke
+    orphaned: set[str] = field(default_factory=set)  # victims leaving whose claimant's promise broke or who left
     holds: list[reservation.Hold] = field(default_factory=list)
     held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
     # The holds' starts, soonest first, and held_before[k]: the machines of the k soonest holds.
@@ -127,6 +127,7 @@ def begin(snapshot: Snapshot, cap: Capacity, usage: TeamUsage, running: list[Run
         requeued=frozenset(leaving),
     )
     _hold_earmarks(snapshot, state)
+    _orphan_victims_of_departed_claimants(snapshot, state)
     state.keep_whole = _reserved_pool(cap, _without_promises(state, queue), config, usage)
     return state
 
@@ -356,6 +357,9 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
         if claimant is not None and not state.usage.within_max(claimant.spec.team, claimant.spec.num_gpus):
             # Its team's maximum was lowered under it since the promise: it cannot start on them,
             # and kept, they stood idle until the promise lapsed (the victim waiting beside them).
+            # The promise is dropped, so its victims leave for nobody.
+            for victim in state.draining_for.pop(earmark.job_id, ()):
+                state.orphaned.add(victim.spec.job_id)
             continue
         free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]
         cap.take(free)
@@ -364,6 +368,19 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
         if claimant is not None:  # a mover's GPUs count already: it still holds its old ones
             state.claimants[earmark.job_id] = claimant
             state.usage.promise(claimant.spec.team, claimant.spec.num_gpus)
+
+
+def _orphan_victims_of_departed_claimants(snapshot: Snapshot, state: Admission) -> None:
+    """A victim whose claimant no longer waits (cancelled, or started elsewhere) still leaves at
+    the end of its grace, for nobody: its GPUs are anyone's, as a cancelled job's are
+    (_frees_up_soon). Counted as its claimant's, they made the next claimant displace a second
+    job for GPUs that were coming free anyway."""
+    if not state.draining_for:
+        return
+    waiting = {job.spec.job_id for job in snapshot.queue}
+    for claimant in [c for c in state.draining_for if c not in waiting]:
+        for victim in state.draining_for.pop(claimant):
+            state.orphaned.add(victim.spec.job_id)
 
 
 def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:

@@ -506,6 +506,31 @@ def test_a_claimant_waits_for_the_gpus_of_a_job_already_stopping_rather_than_dis
         assert pending(result)["claim"].estimated_start == stops_at
 
 
+# v (m0's GPUs 0-3) is checkpointing for claimant `c`, its grace ending in 60 s; u (m1) could be
+# displaced; w (high, 4 GPUs) waits.
+@pytest.mark.parametrize("claimant_waits,promise,max_of_c", [
+    (False, True, None),
+    (False, False, None),
+    (True, True, 2),
+], ids=["c was cancelled, its promise passed back: w waits for v's GPUs, displacing nobody",
+        "c was cancelled, no promise passed back: the same",
+        "c's team maximum was lowered under it: its promise is dropped, and w waits for v's GPUs"])
+def test_a_victim_whose_claimant_no_longer_claims_its_gpus_frees_them_for_the_next_claimant(
+        claimant_waits, promise, max_of_c):
+    v = running(job("v").gpus(4).priority("low")).on(M0, range(4)).started(NOW - 5000).draining(NOW + 60, for_job="c")
+    u = running(job("u").gpus(4).priority("low")).on(M1, range(4)).started(NOW - 5000)
+    queue = [job("w").gpus(4).priority("high").queued()]
+    if claimant_waits:
+        queue.append(job("c").gpus(4).priority("critical").team("x").queued())
+    result = cycle(snapshot(fleet(machines=2), running=[v, u, filler("f0", M0, range(4, 8)), filler("f1", M1, range(4, 8))],
+                            queue=queue, quotas={"x": {"guaranteed": 0, "max": max_of_c}} if max_of_c else None,
+                            earmarks=[Earmark(job_id="c", gpus=tuple((M0, g) for g in range(4)), expires=NOW + 200)] if promise else [],
+                            max_reservations=0, reserved_pool_fraction=0.0))
+    assert preempted(result) == []
+    assert pending(result)["w"].reason.startswith("enough GPUs are expected to free up")
+    assert not result.earmarks
+
+
 # --- GPUs about to free up, shared out among the claimants waiting for them ---------------------
 
 WAITS = "enough GPUs are expected to free up within half the grace period"
