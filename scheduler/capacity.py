@@ -77,6 +77,7 @@ class Layout:
     has_inference_partition: bool
     gpus_per_machine: int
     all_healthy: bool  # every machine reachable, no sick GPU
+    out_of_service: dict[PoolKey, int]  # per pool, its machines that answer but take no work or drain
 
 
 # Per cluster (one process may plan several in turn): the last layout, and what its jobs held.
@@ -122,6 +123,8 @@ def _layout_of(machines: Sequence[Machine]) -> Layout:
         has_inference_partition=any(m.partition == INFERENCE_PARTITION for m in machines),
         gpus_per_machine=max((m.gpus for m in usable), default=0),
         all_healthy=all(m.reachable and m.takes_work and not m.drain and not m.unhealthy_gpus for m in machines),
+        out_of_service={key: n for key, members in pools.items()
+                        if (n := sum(1 for i in members if not usable[i].takes_work or usable[i].drain))},
     )
     if len(_last_layout) > 64:
         _last_layout.clear()

@@ -248,8 +248,8 @@ def explain_no_fit(cap: Capacity, spec: JobSpec) -> str:
 def _out_of_service(cap: Capacity, pools) -> str:
     """The machines the job may use that answer but take no work (an operator cordoned or drains
     them, or their agent owes an answer): an operator reading the reason knows where GPUs went."""
-    machines = cap.machines
-    out = sum(1 for pool in pools for i in pool.members if not machines[i].takes_work or machines[i].drain)
+    counts = cap.layout.out_of_service
+    out = sum(counts.get(pool.key, 0) for pool in pools) if counts else 0
     if not out:
         return ""
     if out == 1:
