@@ -467,7 +467,7 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     assert main(["status", "nope", *d]) == 2
     assert "no job 'nope'" in capsys.readouterr().err
     assert main(["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-2", *d, "--", "sh", "-c", "exit 3"]) == 0
-    assert main(["wait", "cli-2", "--timeout", "60", *d]) == 1
+    assert main(["wait", "cli-2", "--timeout", "60", *d]) == 3  # ended, not succeeded: not 1, a stack not answering
     assert main(["list", "--state", "failed", "--json", *d]) == 0
     out = capsys.readouterr().out
     assert [v["job_id"] for v in json.loads(out[out.index("["):])] == ["cli-2"]
@@ -478,6 +478,9 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     under_way = ["submit", "--team", "vision", "--gpus", "1", "--job-id", "cli-run", *d, "--", "sleep", "30"]
     assert main(under_way) == 0
     s.until(lambda: s.status("cli-run").state == "running")
+    capsys.readouterr()
+    assert main(["wait", "cli-run", "--timeout", "0.5", *d]) == 124  # as timeout(1): still running, not failed
+    assert "cli-run had not ended after 0.5 s" in capsys.readouterr().err
     assert main(["bump", "cli-run", "--priority", "high", *d]) == 0
     capsys.readouterr()
     assert main(under_way) == 0

@@ -36,6 +36,11 @@ EXIT_REFUSED = 2
 # takes to show (docs/live.md, Failures), or an API outage takes machines for dead.
 MIN_MACHINE_TIMEOUT = 7.0
 EXIT_UNREACHABLE = 1
+# `wait`: the job ended, but not succeeded (failed or cancelled); or it had not ended in time (as
+# timeout(1) exits). Apart from 1, so that a script tells a failed job from a slow one or a stack
+# that does not answer.
+EXIT_JOB_DID_NOT_SUCCEED = 3
+EXIT_WAIT_TIMED_OUT = 124
 
 
 def add_job_commands(subparsers) -> None:
@@ -99,7 +104,8 @@ def add_job_commands(subparsers) -> None:
     common(bump, json_flag=False)
     bump.set_defaults(func=cmd_bump)
 
-    wait = subparsers.add_parser("wait", help="wait for a job to end; exit 0 only if it succeeded")
+    wait = subparsers.add_parser("wait", help="wait for a job to end; exit 0 if it succeeded, 3 if it failed or was "
+                                              "cancelled, 124 if it had not ended within --timeout")
     wait.add_argument("job_id", type=utf8_name)
     wait.add_argument("--timeout", type=positive_float, default=None, help="seconds (default: no limit)")
     common(wait)
@@ -436,9 +442,9 @@ def cmd_wait(args) -> int:
             view = await client.wait(args.job_id, args.timeout)
         except asyncio.TimeoutError:
             print(f"error: {args.job_id} had not ended after {args.timeout:g} s", file=sys.stderr)
-            return EXIT_UNREACHABLE
+            return EXIT_WAIT_TIMED_OUT
         print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
-        return 0 if view.state == "succeeded" else 1
+        return 0 if view.state == "succeeded" else EXIT_JOB_DID_NOT_SUCCEED
 
     return run_with_client(args, body)
 
