@@ -79,12 +79,13 @@ class Attempts(Launching):
 
 
 async def attempts_of(address: str, runs: list[str], max_retries: int = 0, moved_after: float = 0.0,
-                      **worker) -> list[EndAttempt]:
+                      fakes: Attempts | None = None, **worker) -> list[EndAttempt]:
     """A job placed once per entry of `runs`, each ended as that entry says: the ends recorded.
-    "moved" runs `moved_after` seconds and is then moved off by the cycle (a drain, a sick GPU)."""
+    "moved" runs `moved_after` seconds and is then moved off by the cycle (a drain, a sick GPU),
+    with a grace; "moved at once", with none (a gang that lost a machine)."""
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     machine = f"m-{uuid.uuid4().hex[:8]}"
-    fakes = Attempts(runs)
+    fakes = fakes if fakes is not None else Attempts(runs)
     async with Worker(client, task_queue="gpusched-control-" + machine, workflows=[JobWorkflow],
                       activities=fakes.activities(), **worker), \
             Worker(client, task_queue=agent_task_queue(machine), activities=fakes.activities()):
@@ -102,12 +103,12 @@ async def attempts_of(address: str, runs: list[str], max_retries: int = 0, moved
                 await asyncio.wait_for(fakes.started.wait(), 30)
                 await handle.signal(JobWorkflow.preempt, PreemptSignal(allocation_id=attempt, grace_period=1,
                                                                        reason="a more important job"))
-            elif how == "moved":
+            elif how.startswith("moved"):
                 await asyncio.wait_for(fakes.started.wait(), 30)
                 await asyncio.sleep(moved_after)
                 await handle.signal(JobWorkflow.preempt, PreemptSignal(
-                    allocation_id=attempt, grace_period=1, reason=f"machine {machine} is being drained",
-                    end_reason=EndReason.machine_failure))
+                    allocation_id=attempt, grace_period=0 if how == "moved at once" else 1,
+                    reason=f"machine {machine} is being drained", end_reason=EndReason.machine_failure))
             for _ in range(600):  # 30 s: a workflow task that fails leaves the attempt unended
                 if len(fakes.ends) >= attempt:
                     break
@@ -166,6 +167,20 @@ def test_a_job_moved_off_its_machine_after_a_long_run_starts_its_count_again(liv
     assert [e.failures_in_a_row for e in ends[:6]] == in_a_row
     assert ends[5].next_state is last
     assert ("(5 infrastructure failures)" in ends[5].reason) is (last is JobState.failed)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("how, states", [
+    ("runs", ["checkpointing"]),
+    ("moved", ["checkpointing"]),
+    ("moved at once", []),
+], ids=["a preempted job checkpoints in its grace",
+        "so does a job moved off a drained machine or a sick GPU (before, it showed running)",
+        "a job stopped without a grace does not"])
+def test_a_job_told_to_stop_with_a_grace_shows_checkpointing(live_servers, how, states):
+    fakes = Attempts([how, "runs"])
+    asyncio.run(attempts_of(live_servers.temporal_address, [how], fakes=fakes))
+    assert fakes.states == states
 
 
 class AttemptsThatCheckpointWhenStopped(Attempts):

@@ -542,7 +542,12 @@ class JobWorkflow:
             return await self._ended(runs, [h.machine_id for h in hosts])
         # Asked to stop: each process gets SIGTERM, the grace period to checkpoint, then SIGKILL.
         preempt = self.preempts.get(alloc)
-        if preempt is not None and preempt.end_reason is EndReason.preempted and self.cancel_reason is None:
+        if preempt is not None and self.cancel_reason is None and (
+                preempt.end_reason is EndReason.preempted
+                or (preempt.grace_period > 0 and workflow.patched("a-graceful-move-shows-checkpointing"))):
+            # Told to stop with a grace: displaced, or moved off a drained machine or a sick GPU.
+            # (A move showed `running` through its grace: an operator watching a drain by
+            # `gpusched list --state checkpointing` saw nothing move.)
             self.state = JobState.checkpointing
             self._publish()
             await workflow.execute_activity(

@@ -28,12 +28,13 @@ class Admitting:
 
 class Launching(Admitting):
     """And the store activities of its attempts: every placement launched (from scratch), the
-    checkpointing state taken, a cancel's mark of its attempt recorded in ``marks``, each
-    attempt's end recorded in ``ends``."""
+    states set (checkpointing) recorded in ``states``, a cancel's mark of its attempt in ``marks``,
+    each attempt's end in ``ends``."""
 
     def __init__(self):
         self.ends: list[EndAttempt] = []
         self.marks: list[AttemptStopping] = []
+        self.states: list[str] = []
 
     @activity.defn(name="start_attempt")
     async def start_attempt(self, start: StartAttempt) -> AttemptGrant:
@@ -41,7 +42,7 @@ class Launching(Admitting):
 
     @activity.defn(name="set_job_state")
     async def set_job_state(self, change: JobStateChange) -> None:
-        pass
+        self.states.append(change.state.value)
 
     @activity.defn(name="mark_attempt_stopping")
     async def mark_attempt_stopping(self, stopping: AttemptStopping) -> None:
