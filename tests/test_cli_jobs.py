@@ -268,6 +268,10 @@ def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_no
      "argument --deadline: '+6y' is not a time from now; write it as +90m, +6h or +2d"),
     (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+-1h", "--", "true"],
      "argument --deadline: '+-1h' is not a time from now"),
+    (["submit", "--team", "vision", "--gpus", "1", "--deadline", "9999-12-31", "--", "true"],
+     "argument --deadline: '9999-12-31' is not between 1970 and 2096; give a date and time"),
+    (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+1000000d", "--", "true"],
+     "argument --deadline: '+1000000d' is not between 1970 and 2096"),
 ], ids=[
     "listing by a state that does not exist names the states there are",
     "a negative limit is refused before the database sees it",
@@ -279,6 +283,8 @@ def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_no
     "a deadline in words",
     "a deadline from now in an unknown unit",
     "a deadline from now that is in the past",
+    "a date past the last a deadline may name, said as dates (not as epoch seconds)",
+    "a time from now past it",
 ])
 def test_a_bad_flag_is_a_usage_error(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from scheduler.errors import InputError
 from scheduler.fleet import gpu_type_problem
+from workflows.types import LATEST_EPOCH
 
 
 def utf8_name(text: str) -> str:
@@ -46,16 +47,27 @@ def deadline(text: str) -> float:
             amount = math.nan
         if not math.isfinite(amount) or amount <= 0:
             raise argparse.ArgumentTypeError(f"{text!r} is not a time from now; write it as +90m, +6h or +2d")
-        return time.time() + amount * _UNITS[unit]
+        return _within_dates(text, time.time() + amount * _UNITS[unit])
     try:
         when = datetime.fromisoformat(spec)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a date and time (2026-12-08T09:00) nor a time from "
                                          "now (+6h)") from None
     try:
-        return when.timestamp()  # a naive time is the local time, as typed
+        at = when.timestamp()  # a naive time is the local time, as typed
     except (OverflowError, OSError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is out of the range of dates a clock can tell") from None
+    return _within_dates(text, at)
+
+
+def _within_dates(text: str, at: float) -> float:
+    """The deadline as the CLI's user typed it, refused in their words: the request's own check
+    (epoch seconds within LATEST_EPOCH) speaks to an API caller."""
+    if not 0 <= at <= LATEST_EPOCH:
+        latest = datetime.fromtimestamp(LATEST_EPOCH, timezone.utc).year
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1970 and {latest}; give a date and time "
+                                         "(2026-12-08T09:00) or a time from now (+6h)")
+    return at
 
 
 def whole(text: str) -> int:
