@@ -23,7 +23,7 @@ from builders import (
 
 from scheduler.health import jobs_to_requeue
 from scheduler.models import Earmark
-from workers.cli_fleet import machine_state
+from workers.cli_fleet import machine_state, uncordoned_state
 
 M0, M1 = mid(0, 0, 0), mid(0, 0, 1)
 
@@ -153,6 +153,18 @@ LISTED = [
 @pytest.mark.parametrize("row, state", [c[1:] for c in LISTED], ids=[c[0] for c in LISTED])
 def test_how_fleet_list_names_a_machine_s_state(row, state):
     assert machine_state(row) == state
+
+
+@pytest.mark.parametrize("row, said", [
+    ({"id": "m", "reachable": True, "takes_work": True}, "back in service; the next cycle may place jobs there"),
+    ({"id": "m", "reachable": False, "takes_work": True},
+     "uncordoned, but unreachable: it takes work once its agent is heard again"),
+    ({"id": "m", "reachable": True, "takes_work": False}, "uncordoned, but taking no work until its agent answers"),
+], ids=["a machine whose agent is heard is back in service",
+        "one switched off for its maintenance is not, until its agent is heard (before: 'back in service')",
+        "nor one whose agent owes an answer"])
+def test_what_an_uncordon_says_the_machine_is_now(row, said):
+    assert uncordoned_state([{"id": "other", "reachable": True, "takes_work": True}, row], "m") == said
 
 
 def test_a_gang_across_two_drained_machines_is_told_of_the_first():

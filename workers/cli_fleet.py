@@ -109,7 +109,8 @@ def cmd_fleet_cordon(args: argparse.Namespace) -> int:
             return EXIT_REFUSED
         why = f" ({reason})" if reason else ""
         if args.mode is None:
-            print(f"{machine_id}: back in service; the next cycle may place jobs there")
+            machines = await client.store.list_machines(machine_id.split("/", 1)[0])  # its cluster's
+            print(f"{machine_id}: {uncordoned_state(machines, machine_id)}")
         elif args.mode == "cordoned":
             print(f"{machine_id}: cordoned{why}: nothing new is placed there; its {jobs} job(s) run on")
         else:
@@ -118,6 +119,17 @@ def cmd_fleet_cordon(args: argparse.Namespace) -> int:
         return 0
 
     return run_with_client(args, body)
+
+
+def uncordoned_state(machines: list[dict], machine_id: str) -> str:
+    """What an uncordon gave back, in words: a machine whose agent is not heard is not in service
+    by being uncordoned."""
+    m = next((m for m in machines if m["id"] == machine_id), None)
+    if m is not None and not m["reachable"]:
+        return "uncordoned, but unreachable: it takes work once its agent is heard again"
+    if m is not None and not m["takes_work"]:
+        return "uncordoned, but taking no work until its agent answers"
+    return "back in service; the next cycle may place jobs there"
 
 
 def machine_state(m: dict) -> str:
