@@ -487,6 +487,8 @@ def test_the_commands_on_a_live_stack(stack, capsys):
     capsys.readouterr()
     assert main(["wait", "cli-run", "--timeout", "0.5", *d]) == 124  # as timeout(1): still running, not failed
     assert "cli-run had not ended after 0.5 s" in capsys.readouterr().err
+    assert main(["wait", "cli-run", "--timeout", "0.5", "--json", *d]) == 124
+    assert json.loads(capsys.readouterr().out)["state"] == "running"  # the job as it is, not nothing
     assert main(["bump", "cli-run", "--priority", "high", *d]) == 0
     capsys.readouterr()
     assert main(under_way) == 0
