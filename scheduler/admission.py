@@ -80,8 +80,6 @@ class Admission:
     requeued: frozenset[str] = frozenset()  # of those, the ones health moves off (a drain, a sick GPU; a lost one is gone)
     orphaned: set[str] = field(default_factory=set)  # victims leaving whose claimant's promise broke or who left
     holds: list[reservation.Hold] = field(default_factory=list)
-    # A hold's GPUs, promised to its holder's team while it waits (team, GPUs), by holder
-    hold_promises: dict[str, tuple[str, int]] = field(default_factory=dict)
     held_machines: frozenset[int] = placement.NO_AVOID  # every machine of `holds`
     # The holds' starts, soonest first, and held_before[k]: the machines of the k soonest holds.
     hold_starts: list[float] = field(default_factory=list)
@@ -165,13 +163,6 @@ def admit_queue(state: Admission, queue: list[QueuedJob]) -> None:
     for wait in state.room_waits.values():  # free again for what reads the capacity after admission: the walk
         state.cap.give_back(wait.kept)
         state.usage.promise(wait.team, -wait.gpus)  # the walk counts them when it starts the claimant
-    for promise in state.hold_promises.values():  # and so a holder's
-        state.usage.promise(*_negated(promise))
-
-
-def _negated(promise: tuple[str, int]) -> tuple[str, int]:
-    team, gpus = promise
-    return team, -gpus
 
 
 def _after_the_pool_served(state: Admission) -> bool:
@@ -209,8 +200,6 @@ def _after_the_pool_served(state: Admission) -> bool:
         # A reservation made while the pool was kept goes with the answer it came with: the job
         # is placed now, or reserves again (one job, one reservation).
         _set_holds(state, [h for h in state.holds if h.job_id not in again])
-        for job_id in again & state.hold_promises.keys():
-            state.usage.promise(*_negated(state.hold_promises.pop(job_id)))
     for job in kept_out:
         _stop_waiting_for_room(state, job.spec.job_id)
         admit(state, job)
@@ -322,10 +311,6 @@ def _reserve(state: Admission, job: QueuedJob, avoid: frozenset[int]) -> bool:
     if hold is None:
         return False
     _add_hold(state, hold)
-    # Promised to its team, as an earmark is: a job of the team behind it that took the headroom
-    # under the team's maximum left the holder, its machine free, over the maximum for hours.
-    state.hold_promises[spec.job_id] = (spec.team, spec.num_gpus)
-    state.usage.promise(spec.team, spec.num_gpus)
     why = _why_waiting(state, job, avoid)
     state.waiting.append((job, f"{why}; holds a reservation, expected to start "
                                 f"{in_words.from_now(hold.expected_start, state.now)}"))

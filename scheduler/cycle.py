@@ -159,8 +159,7 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
         restart=restart,
         reservations=state.holds,
         rooms=[wait.hold(job_id, now) for job_id, wait in state.room_waits.items()],
-        promises={**state.hold_promises,
-                  **{job_id: (wait.team, wait.gpus) for job_id, wait in state.room_waits.items()}},
+        room_promises={job_id: (wait.team, wait.gpus) for job_id, wait in state.room_waits.items()},
     )
     if claimants:
         starts.update(claimants if wanted is None else {k: v for k, v in claimants.items() if k in wanted})

@@ -111,13 +111,11 @@ def estimate_starts(
     restart: float = 0.0,
     reservations: Sequence[Hold] = (),
     rooms: Sequence[Hold] = (),
-    promises: Mapping[str, tuple[str, int]] = MappingProxyType({}),
+    room_promises: Mapping[str, tuple[str, int]] = MappingProxyType({}),
 ) -> dict[str, float]:
     """Estimated start per pending job id; a job missing from the answer does not start within
     the horizon. With `wanted`, only those jobs are answered, and the walk stops once they have
-    theirs: nothing it does later changes them. `promises`: (team, GPUs) by waiting job, counted
-    against its team's maximum until it starts (a reservation's holder, a claimant waiting for
-    jobs about to end). Mutates `cap` and `arrivals`."""
+    theirs: nothing it does later changes them. Mutates `cap` and `arrivals`."""
     left = len(pending) if wanted is None else sum(1 for job in pending if job.spec.job_id in wanted)
     if left == 0:
         return {}
@@ -132,7 +130,7 @@ def estimate_starts(
     held = dict(usage.used)
     for team, gpus in usage.promised.items():  # GPUs earmarked for a team's claimants count, as admission counts them
         held[team] = held.get(team, 0) + gpus
-    for team, gpus in promises.values():  # and those of its holders and of claimants waiting for jobs about to end
+    for team, gpus in room_promises.values():  # and those of its claimants waiting for jobs about to end
         held[team] = held.get(team, 0) + gpus
     block_free = cap.block_free
     has_room = cap.has_room
@@ -294,7 +292,7 @@ def estimate_starts(
             _, order, job, duration, _ = lane.jobs[0]
             spec = job.spec
             n = shape.n
-            promised = spec.job_id in promises  # its GPUs are counted already
+            promised = spec.job_id in room_promises  # its GPUs are counted already
             if lane.limit is not None and held.get(lane.team, 0) + (0 if promised else n) > lane.limit:
                 lane.aside = True  # its team is at its maximum until some of its GPUs come back
                 blocked.append(shape_key)

@@ -585,20 +585,3 @@ def test_a_job_kept_out_by_two_reservations_is_told_the_first():
     result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, max_reservations=2, reserved_pool_fraction=0))
     assert [(r.job_id, set(r.machines)) for r in result.reservations] == [("A", {M0}), ("B", {M1})]
     assert pending(result)["j"].reason == "behind the reservation of job A"
-
-
-def test_a_reservation_s_gpus_count_against_its_team_s_maximum():
-    """S (team a, maximum 12) reserves m1, free in 5 minutes; j, of its team and behind it, would
-    take 6 of m0's free GPUs. Before, j started: when m1 freed, S was over its team's maximum and
-    waited for j's run of hours, still told it would start in 5 minutes."""
-    S = job("S").gpus(8).team("a").submitted(NOW - 4000)
-    j = job("j").gpus(6).team("a").expected(20000).submitted(NOW - 10)
-    snap = snapshot(fleet(machines=2), running=[ends_in(300, "busy", M1, range(8)), filler("f0", M0, [6, 7])],
-                    queue=[S, j], quotas={"a": {"guaranteed": 4, "max": 12}}, reserved_pool_fraction=0.0)
-    result = cycle(snap)
-    assert [(r.job_id, r.expected_start) for r in result.reservations] == [("S", NOW + 300)]
-    assert "j" not in placements(result)
-    assert pending(result)["j"].reason == ("team a would pass its maximum with this job's 6 GPUs "
-                                           "(0 of 12 GPUs held, 8 promised to its waiting jobs)")
-    assert pending(result)["S"].estimated_start == NOW + 300
-    assert pending(result)["j"].estimated_start > NOW + 300  # the walk counts the promise too
