@@ -371,14 +371,21 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
 
 
 def _orphan_victims_of_departed_claimants(snapshot: Snapshot, state: Admission) -> None:
-    """A victim whose claimant no longer waits (cancelled, or started elsewhere) still leaves at
-    the end of its grace, for nobody: its GPUs are anyone's, as a cancelled job's are
-    (_frees_up_soon). Counted as its claimant's, they made the next claimant displace a second
-    job for GPUs that were coming free anyway."""
+    """A victim whose claimant no longer waits (cancelled, or started elsewhere), or waits over
+    its team's maximum without a promise (the maximum lowered under it: its earmark was dropped
+    in an earlier cycle), still leaves at the end of its grace, for nobody: its GPUs are anyone's,
+    as a cancelled job's are (_frees_up_soon). Counted as its claimant's, they made the next
+    claimant displace a second job for GPUs that were coming free anyway."""
     if not state.draining_for:
         return
-    waiting = {job.spec.job_id for job in snapshot.queue}
-    for claimant in [c for c in state.draining_for if c not in waiting]:
+    waiting = {job.spec.job_id: job for job in snapshot.queue}
+
+    def departed(claimant: str) -> bool:
+        job = waiting.get(claimant)
+        return job is None or (claimant not in state.earmarks
+                               and not state.usage.within_max(job.spec.team, job.spec.num_gpus))
+
+    for claimant in [c for c in state.draining_for if departed(c)]:
         for victim in state.draining_for.pop(claimant):
             state.orphaned.add(victim.spec.job_id)
 

@@ -522,13 +522,16 @@ def test_a_victim_whose_claimant_no_longer_claims_its_gpus_frees_them_for_the_ne
     queue = [job("w").gpus(4).priority("high").queued()]
     if claimant_waits:
         queue.append(job("c").gpus(4).priority("critical").team("x").queued())
-    result = cycle(snapshot(fleet(machines=2), running=[v, u, filler("f0", M0, range(4, 8)), filler("f1", M1, range(4, 8))],
-                            queue=queue, quotas={"x": {"guaranteed": 0, "max": max_of_c}} if max_of_c else None,
-                            earmarks=[Earmark(job_id="c", gpus=tuple((M0, g) for g in range(4)), expires=NOW + 200)] if promise else [],
-                            max_reservations=0, reserved_pool_fraction=0.0))
+    snap = snapshot(fleet(machines=2), running=[v, u, filler("f0", M0, range(4, 8)), filler("f1", M1, range(4, 8))],
+                    queue=queue, quotas={"x": {"guaranteed": 0, "max": max_of_c}} if max_of_c else None,
+                    earmarks=[Earmark(job_id="c", gpus=tuple((M0, g) for g in range(4)), expires=NOW + 200)] if promise else [],
+                    max_reservations=0, reserved_pool_fraction=0.0)
+    result = cycle(snap)
     assert preempted(result) == []
     assert pending(result)["w"].reason.startswith("enough GPUs are expected to free up")
     assert not result.earmarks
+    later = cycle(after_preemption(snap, result, now=NOW + 2))  # the promise dropped, v still leaving
+    assert preempted(later) == [], "w displaced u the next cycle, for GPUs coming free anyway"
 
 
 # --- GPUs about to free up, shared out among the claimants waiting for them ---------------------
