@@ -26,7 +26,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from workers.arg_types import deadline
 from workers.cli import main
 from workers.cli_jobs import _print_view, _when, list_table
-from workers.client import ClientError, GpuschedClient
+from workers.client import ClientError, GpuschedClient, NotYetAdmitted
 from scheduler.models import Priority, Quota
 from workflows.types import JOB_FAILED, AttemptView, JobView
 
@@ -269,9 +269,9 @@ def test_a_deadline_is_typed_as_a_time_from_now_or_a_date(typed, seconds_from_no
     (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+-1h", "--", "true"],
      "argument --deadline: '+-1h' is not a time from now"),
     (["submit", "--team", "vision", "--gpus", "1", "--deadline", "9999-12-31", "--", "true"],
-     "argument --deadline: '9999-12-31' is not between 1970 and 2096; give a date and time"),
+     "argument --deadline: '9999-12-31' is not between 1970-01-01 and 2096-10-02; give a date and time"),
     (["submit", "--team", "vision", "--gpus", "1", "--deadline", "+1000000d", "--", "true"],
-     "argument --deadline: '+1000000d' is not between 1970 and 2096"),
+     "argument --deadline: '+1000000d' is not between 1970-01-01 and 2096-10-02"),
 ], ids=[
     "listing by a state that does not exist names the states there are",
     "a negative limit is refused before the database sees it",
@@ -695,3 +695,22 @@ def test_gpusched_bump_refused_by_the_workflow_says_why(monkeypatch, states, cau
     with pytest.raises(ClientError) as refused:
         asyncio.run(client.bump("j", Priority.high))
     assert str(refused.value) == words
+
+
+@pytest.mark.parametrize("flags, out", [
+    ([], ""),
+    (["--json"], "null\n"),
+], ids=["a wait that runs out of time for a job not admitted yet exits 124",
+        "with --json too, printing null for the job it cannot show (before: exit 1, nothing printed)"])
+def test_a_wait_that_runs_out_of_time_exits_124_whether_or_not_the_job_can_be_shown(monkeypatch, capsys, flags, out):
+    async def wait(job_id, timeout):
+        raise asyncio.TimeoutError
+
+    async def status(job_id):
+        raise NotYetAdmitted(f"job {job_id} is not admitted yet")
+
+    client = SimpleNamespace(wait=wait, status=status)
+    monkeypatch.setattr("workers.cli_jobs.run_with_client", lambda args, body: asyncio.run(body(client)))
+    assert main(["wait", "j", "--timeout", "0.1", *flags]) == 124
+    said = capsys.readouterr()
+    assert said.out == out and "j had not ended after 0.1 s" in said.err

@@ -64,8 +64,8 @@ def _within_dates(text: str, at: float) -> float:
     """The deadline as the CLI's user typed it, refused in their words: the request's own check
     (epoch seconds within LATEST_EPOCH) speaks to an API caller."""
     if not 0 <= at <= LATEST_EPOCH:
-        latest = datetime.fromtimestamp(LATEST_EPOCH, timezone.utc).year
-        raise argparse.ArgumentTypeError(f"{text!r} is not between 1970 and {latest}; give a date and time "
+        latest = datetime.fromtimestamp(LATEST_EPOCH, timezone.utc).date().isoformat()
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1970-01-01 and {latest}; give a date and time "
                                          "(2026-12-08T09:00) or a time from now (+6h)")
     return at
 

@@ -442,8 +442,11 @@ def cmd_wait(args) -> int:
             view = await client.wait(args.job_id, args.timeout)
         except asyncio.TimeoutError:
             print(f"error: {args.job_id} had not ended after {args.timeout:g} s", file=sys.stderr)
-            if args.json:  # a script reading stdout gets the job as it is now, not nothing
-                print((await client.status(args.job_id)).model_dump_json(indent=2))
+            if args.json:  # a script reading stdout gets the job as it is now (null: not admitted yet)
+                try:
+                    print((await client.status(args.job_id)).model_dump_json(indent=2))
+                except NotYetAdmitted:
+                    print("null")
             return EXIT_WAIT_TIMED_OUT
         print(view.model_dump_json(indent=2)) if args.json else _print_view(view)
         return 0 if view.state == "succeeded" else EXIT_JOB_DID_NOT_SUCCEED
