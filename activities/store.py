@@ -237,7 +237,7 @@ class Store:
                     raise MigrationBlocked(
                         f"migration {f.name} could not lock a table it changes for {patience:.0f} s: another "
                         f"session holds it ({e}); find it in pg_stat_activity (pg_locks), end its transaction, "
-                        "and start the control worker again") from None
+                        "and start again (the control worker, or `gpusched dev up`)") from None
                 log.warning("migration %s waits for a table another session has locked; trying again in %.2f s",
                             f.name, delay)
                 await asyncio.sleep(delay)
