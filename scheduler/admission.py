@@ -350,16 +350,13 @@ def _hold_earmarks(snapshot: Snapshot, state: Admission) -> None:
             # Its victims' GPUs will not all be usable (a machine drained or lost, a GPU sick):
             # it looks for GPUs again instead of waiting for them (step d), and the GPUs they do
             # give back are anyone's, as a cancelled job's are (_frees_up_soon).
-            for victim in state.draining_for.pop(earmark.job_id, ()):
-                state.orphaned.add(victim.spec.job_id)
+            _leave_for_nobody(state, earmark.job_id)
             continue
         claimant = waiting.get(earmark.job_id)
         if claimant is not None and not state.usage.within_max(claimant.spec.team, claimant.spec.num_gpus):
             # Its team's maximum was lowered under it since the promise: it cannot start on them,
             # and kept, they stood idle until the promise lapsed (the victim waiting beside them).
-            # The promise is dropped, so its victims leave for nobody.
-            for victim in state.draining_for.pop(earmark.job_id, ()):
-                state.orphaned.add(victim.spec.job_id)
+            # The promise is dropped: its victims leave for nobody (_orphan_victims_of_departed_claimants).
             continue
         free = [(m, g) for m, g in earmark.gpus if g in cap.free[cap.index[m]]]
         cap.take(free)
@@ -386,8 +383,13 @@ def _orphan_victims_of_departed_claimants(snapshot: Snapshot, state: Admission) 
                                and not state.usage.within_max(job.spec.team, job.spec.num_gpus))
 
     for claimant in [c for c in state.draining_for if departed(c)]:
-        for victim in state.draining_for.pop(claimant):
-            state.orphaned.add(victim.spec.job_id)
+        _leave_for_nobody(state, claimant)
+
+
+def _leave_for_nobody(state: Admission, claimant: str) -> None:
+    """The claimant's victims still draining leave for nobody: their GPUs are no longer its."""
+    for victim in state.draining_for.pop(claimant, ()):
+        state.orphaned.add(victim.spec.job_id)
 
 
 def _waiting_for_victims(victims: list[RunningJob], now: float) -> str:

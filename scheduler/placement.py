@@ -249,7 +249,7 @@ def _out_of_service(cap: Capacity, pools) -> str:
     """The machines the job may use that answer but take no work (an operator cordoned or drains
     them, or their agent owes an answer): an operator reading the reason knows where GPUs went."""
     counts = cap.layout.out_of_service
-    out = sum(counts.get(pool.key, 0) for pool in pools) if counts else 0
+    out = sum(counts.get(pool.key, 0) for pool in pools)
     if not out:
         return ""
     if out == 1:
