@@ -328,7 +328,7 @@ def _release_book(state: Admission) -> reservation.ReleaseBook:
         back, _ = gpus_coming_back(state, expected_ends(state))
         counts_of = state.cap.counts_of
         state.book = reservation.ReleaseBook(
-            (r.at, r.machines if r.machines is not None else counts_of(r.slots)) for r in back)
+            (at, machines if machines is not None else counts_of(slots)) for at, _, slots, machines, _ in back)
         state.book_made_at = made_at
     return state.book
 
@@ -721,11 +721,12 @@ def _frees_up_soon(state: Admission, spec, avoid: frozenset[int]) -> SoonRoom | 
         half, whole = now + state.config.grace_period / 2, now + state.config.grace_period
         requeued = state.requeued  # told this cycle to stop for nobody: gone by the end of a grace
         orphaned = state.orphaned
-        state.ending_soon = [(running.spec.job_id, i, count) for running, end, machines in expected_ends(state)
-                             if (end <= half and not running.draining)
-                             or (running.draining and (running.preempted_for is None or running.spec.job_id in orphaned)
-                                 and end <= whole)
-                             or running.spec.job_id in requeued
+        # Most jobs end after a grace period from now and are not requeued: two tests each.
+        state.ending_soon = [(running.spec.job_id, i, count) for end, running, _, machines, _ in expected_ends(state)
+                             if (end <= whole and (
+                                 end <= half if running.draining_until is None
+                                 else running.preempted_for is None or running.spec.job_id in orphaned))
+                             or (requeued and running.spec.job_id in requeued)
                              for i, count in machines]
     pools = cap.eligible_pools(spec)
     pool_of = cap.pool_of

@@ -11,7 +11,7 @@ placed this cycle gives its GPUs back at the end of its expected run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from scheduler.eta import MIN_RUN, remaining_work
 from scheduler.expected_ends import Ends
@@ -21,14 +21,12 @@ if TYPE_CHECKING:
     from scheduler.admission import Admission
 
 
-class Return(NamedTuple):
-    """GPUs coming back to use at `at`: all or some of one job's."""
-
-    at: float
-    job: RunningJob | QueuedJob
-    slots: Sequence[GpuSlot]
-    machines: list[tuple[int, int]] | None  # (machine, GPU count): given when all of a running job's come back
-    counted: int  # the GPUs its team stops holding then (a mover's team holds its count on, on its new GPUs)
+# GPUs coming back to use: (at, job, slots, machines, counted): at `at`, all or some of one job's
+# GPUs, `slots`; `machines` as (machine, GPU count) when all of a running job's come back, else
+# None; `counted`, the GPUs its team stops holding then (a mover's team holds its count on, on its
+# new GPUs). Plain tuples, read by unpacking: the calendar is made hundreds of times a simulated
+# hour, and a running job's usual return is its entry of expected_ends, made once for its run.
+Return = tuple[float, Union[RunningJob, QueuedJob], Sequence[GpuSlot], Optional[list[tuple[int, int]]], int]
 
 
 def promised_slots(earmarks: Mapping[str, Earmark]) -> dict[GpuSlot, str]:
@@ -45,26 +43,36 @@ def gpus_coming_back(state: Admission, ends: Ends) -> tuple[list[Return], dict[s
     restart, grace, going, earmarks = config.expected_restart_s, config.grace_period, state.going, state.earmarks
     promised = promised_slots(earmarks)
     leave_at: dict[str, float] = {}  # per earmark holder: when the last of its promised GPUs is left
-    out: list[Return] = []
-    for job, end, machines in ends:
-        spec = job.spec
-        at = now + grace if spec.job_id in going else end
-        counted = 0 if spec.job_id in earmarks else spec.num_gpus
-        if promised and not promised.keys().isdisjoint(job.gpus):
-            for slot in job.gpus:
+    out: list[Return]
+    if not earmarks:  # nothing promised, so no mover either: every job's GPUs come back whole, at its end
+        if going:
+            left = now + grace
+            out = [(left, *entry[1:]) if entry[1].spec.job_id in going else entry for entry in ends]
+        else:
+            out = list(ends)
+    else:
+        out = []
+        none_promised = promised.keys().isdisjoint
+        for entry in ends:
+            end, job, gpus, machines, n = entry
+            job_id = job.spec.job_id
+            at = now + grace if job_id in going else end
+            counted = 0 if job_id in earmarks else n
+            if none_promised(gpus):
+                out.append(entry if at == end and counted == n else (at, job, gpus, machines, counted))
+                continue
+            for slot in gpus:
                 holder = promised.get(slot)
                 if holder is not None:
                     leave_at[holder] = max(leave_at.get(holder, now), at)
-            out.append(Return(at, job, [slot for slot in job.gpus if slot not in promised], None, counted))
-        else:
-            out.append(Return(at, job, job.gpus, machines, counted))
+            out.append((at, job, [slot for slot in gpus if slot not in promised], None, counted))
     for job, slots, _ in state.placed:
-        out.append(Return(now + remaining_work(job, restart), job, slots, None, job.spec.num_gpus))
+        out.append((now + remaining_work(job, restart), job, slots, None, job.spec.num_gpus))
     starts: dict[str, float] = {}
     for job in (job for job_id, job in state.claimants.items() if job_id in earmarks):  # those placed since: above
         spec = job.spec
         start = starts[spec.job_id] = leave_at.get(spec.job_id, now)
-        out.append(Return(start + remaining_work(job, restart), job, earmarks[spec.job_id].gpus, None, spec.num_gpus))
+        out.append((start + remaining_work(job, restart), job, earmarks[spec.job_id].gpus, None, spec.num_gpus))
     for job in state.running if len(starts) < len(earmarks) else ():
         earmark = earmarks.get(job.spec.job_id)
         if earmark is not None:
@@ -72,5 +80,5 @@ def gpus_coming_back(state: Admission, ends: Ends) -> tuple[list[Return], dict[s
             # estimate; its team's count comes back as it ends.
             leaves = now + grace if job.spec.job_id in going else job.expected_end(now)
             rest = job.model_copy(update={"draining_until": None}).expected_end(now) - now
-            out.append(Return(leaves + max(rest, MIN_RUN) + restart, job, earmark.gpus, None, job.spec.num_gpus))
+            out.append((leaves + max(rest, MIN_RUN) + restart, job, earmark.gpus, None, job.spec.num_gpus))
     return out, starts

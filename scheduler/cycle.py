@@ -141,8 +141,9 @@ def _walk(snapshot: Snapshot, state: Admission, gone: list[RunningJob],
             walked.give_held(cap.masks_of(job))
     restart = config.expected_restart_s
     back, claimants = gpus_coming_back(state, admission.expected_ends(state))
-    releases = [eta.Release(r.at, r.slots, r.job.spec.team, r.counted, r.machines,
-                            None if r.machines is None else cap.masks_of(r.job)) for r in back]
+    masks_of = cap.masks_of
+    releases = (eta.Release(at, slots, job.spec.team, counted, machines, None if machines is None else masks_of(job))
+                for at, job, slots, machines, counted in back)
     waiting = [job for job, _ in state.waiting if job.spec.job_id not in state.earmarks]
     starts = eta.estimate_starts(
         walked,

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from scheduler.capacity import NO_RESERVE, Capacity, KeepWhole, reserve_serves
 from scheduler.forecast import ArrivalLoad
@@ -48,8 +47,7 @@ STEP_FLOOR = 60.0
 STEP_SHARE = 0.02
 
 
-@dataclass
-class Release:
+class Release(NamedTuple):
     """GPUs coming back at `at`: a running or just placed job's."""
 
     at: float
@@ -123,7 +121,8 @@ def estimate_starts(
     late: set[int] = set()  # calendar entries of jobs that wait for expected arrivals
     # The calendar: (at, seq, team, GPU count, what the walk took or None, slots, machine counts,
     # a running job's GPUs as masks or None).
-    calendar = [(r.at, seq, r.team, r.gpus, None, r.slots, r.machines, r.masks) for seq, r in enumerate(releases)]
+    calendar = [(at, seq, team, gpus, None, slots, machines, masks)
+                for seq, (at, slots, team, gpus, machines, masks) in enumerate(releases)]
     heapq.heapify(calendar)
     seq = len(calendar)
     holds_left = max_holds  # holds come and go as holders start; bound the planning work

@@ -14,22 +14,26 @@ import math
 from typing import Sequence
 
 from scheduler.capacity import Layout, grouped
-from scheduler.models import RunningJob
+from scheduler.models import GpuSlot, RunningJob
 from scheduler.since_last_cycle import PerCluster, PerRunningJob
 
-Ends = list[tuple[RunningJob, float, list[tuple[int, int]]]]
+# Per running job: (expected end, job, its GPUs, (machine, GPU count) of them, its GPU count). In
+# the order of coming_back.Return, whose usual return of a running job's GPUs is this very tuple.
+End = tuple[float, RunningJob, tuple[GpuSlot, ...], list[tuple[int, int]], int]
+Ends = list[End]
 
 
 def expected_ends(layout: Layout, running: Sequence[RunningJob], now: float, restart: float) -> Ends:
-    """(job, expected end, (machine, GPU count) of the GPUs it gives back) per running job, in
-    order. `restart`: PolicyConfig.expected_restart_s."""
+    """Per running job, in order: when it is expected to give its GPUs back, the job, its GPUs,
+    (machine, GPU count) of them and how many. `restart`: PolicyConfig.expected_restart_s. A
+    job's entry is the same tuple from cycle to cycle while its end is ahead."""
     if not isinstance(running, (list, tuple)):
         running = tuple(running)
     with _kept.lock:
         plans = _kept.get(layout.cluster, lambda kept: kept.update(layout, restart, running),
                           lambda: _Plans(layout, restart, running)).by_job
         planned = list(map(plans.__getitem__, map(id, running)))
-    return [(job, end if end > now else job.expected_end(now), machines) for job, end, machines in planned]
+    return [entry if entry[0] > now else (job.expected_end(now), *entry[1:]) for job, entry in planned]
 
 
 def end_of(job: RunningJob, now: float, restart: float) -> float:
@@ -48,11 +52,12 @@ def plain_end(job: RunningJob, restart: float) -> float:
 
 
 class _Plans(PerRunningJob):
-    """Per running job (by identity): the job, its plain end and the machines it frees."""
+    """Per running job (by identity): the job, and its entry of `expected_ends` with its plain end."""
 
     def __init__(self, layout: Layout, restart: float, running: Sequence[RunningJob]):
         self.layout, self.restart = layout, restart
-        super().__init__(lambda job: (plain_end(job, restart), grouped(layout, job).counts), running)
+        super().__init__(lambda job: ((plain_end(job, restart), job, job.gpus, grouped(layout, job).counts,
+                                       job.spec.num_gpus),), running)
 
     def update(self, layout: Layout, restart: float, running: Sequence[RunningJob]) -> bool:
         """False when the layout or the restart changed, or most jobs did (build anew)."""

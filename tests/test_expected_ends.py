@@ -33,7 +33,7 @@ def _from_nothing(cap: Capacity, jobs: list[RunningJob], now: float, restart: fl
         end = j.estimated_end + restart if restart and j.resumed and not j.draining else j.estimated_end
         if j.draining or end <= now:
             end = j.expected_end(now)
-        out.append((j, end, cap.machines_of(j)))
+        out.append((end, j, j.gpus, cap.machines_of(j), j.spec.num_gpus))
     return out
 
 
@@ -69,7 +69,7 @@ def test_the_ends_kept_from_the_last_cycle_follow_a_new_expected_restart():
 
     cap, jobs = Capacity(fleet()), [_resumed()]
     expected_ends(cap.layout, jobs, NOW, 0.0)
-    [(_, end, _)] = expected_ends(cap.layout, jobs, NOW, 120.0)
+    [(end, *_)] = expected_ends(cap.layout, jobs, NOW, 120.0)
     assert end == jobs[0].estimated_end + 120.0
 
 
@@ -80,5 +80,5 @@ def test_the_ends_kept_from_the_last_cycle_follow_a_new_layout_of_the_machines()
     jobs = [running(job("r").gpus(8)).on(mid(0, 0, 1), range(8)).started(NOW - 100).build()]
     expected_ends(Capacity(machines).layout, jobs, NOW, 0.0)
     cap = Capacity(machines[::-1])
-    [(_, _, where)] = expected_ends(cap.layout, jobs, NOW, 0.0)
+    [(_, _, _, where, _)] = expected_ends(cap.layout, jobs, NOW, 0.0)
     assert where == cap.machines_of(jobs[0])
