@@ -21,8 +21,11 @@ from scheduler.admission import Admission
 from scheduler.capacity import Capacity
 from scheduler.coming_back import gpus_coming_back, promised_slots
 from scheduler.forecast import ArrivalLoad
-from scheduler.models import CycleResult, Pending, Placement, Reservation, RunningJob, Snapshot, gpu_path
+from scheduler.models import CycleResult, Pending, Placement, Priority, Reservation, RunningJob, Snapshot, gpu_path
 from scheduler.preemptible import first_past
+
+
+_LOWEST_RANK = max(priority.rank for priority in Priority)
 
 
 def run_cycle(snapshot: Snapshot) -> CycleResult:
@@ -202,7 +205,13 @@ def _next_wake(snapshot: Snapshot, state: Admission) -> float | None:
     reclaiming = any(usage.under_guarantee_with(team, n) for team, n in smallest.items())
     borrowed = usage.borrowed if reclaiming else ()
     min_runtime, window, most = config.min_runtime, config.thrash_window, config.thrash_max_preemptions
-    for job in state.running:
+    running = state.running
+    if most_important == _LOWEST_RANK and not borrowed:
+        # Only the lowest class waits (most cycles of an overloaded cluster) and no team reclaims:
+        # nobody waiting may displace anyone, and of the running jobs only drains ending count.
+        times.extend([job.draining_until for job in running if job.draining_until is not None])
+        running = ()
+    for job in running:
         if job.draining_until is not None:
             times.append(job.draining_until)
             continue

@@ -732,6 +732,34 @@ def test_a_claimant_waiting_for_jobs_expected_to_end_is_looked_at_again_as_that_
     assert preempted(later) == ["ending"]
 
 
+_YOUNG = _run("young", M0, team="a", started=NOW - 100)  # protected until NOW + 500 (min_runtime 600)
+_OTHER = _run("other", M1, range(4), team="a", started=NOW - 50)  # protected until NOW + 550
+_DRAINING = running(job("stopping").gpus(4).priority("low").team("a")).on(M1, range(4, 8)) \
+    .started(NOW - 50).draining(NOW + 300)
+
+
+@pytest.mark.parametrize("waiter, quotas, drain, wake", [
+    ("low", None, False, None),
+    ("normal", None, False, NOW + 500),
+    ("low", {"a": {"guaranteed": 0}, "b": {"guaranteed": 8}}, False, NOW + 500),
+    ("low", None, True, NOW + 300),
+    ("normal", None, True, NOW + 300),
+], ids=["only the lowest class waits: a protection ending changes nothing, and the cycle sleeps",
+        "a more important class waits: the cycle wakes as the lowest class's protection ends",
+        "the lowest class waits under its guarantee: the cycle wakes as the borrowed job's protection ends",
+        "only the lowest class waits: the cycle wakes as a drain ends",
+        "a more important class waits: the cycle wakes at the drain's end, before the protection's"])
+def test_a_cycle_wakes_when_a_waiting_job_could_first_be_decided_otherwise(waiter, quotas, drain, wake):
+    """A 4-GPU waiter of team b on a full cluster of jobs too young to preempt: it never starves
+    (less than a machine) and no idle GPUs invite a move; what can change its fate is a drain
+    ending, or the end of a protection it may break."""
+    queue = [job("waiter").gpus(4).priority(waiter).team("b").submitted(NOW)]
+    run = [_YOUNG, _OTHER, _DRAINING if drain else _run("another", M1, range(4, 8), team="a", started=NOW - 50)]
+    result = cycle(snapshot(fleet(machines=2), running=run, queue=queue, quotas=quotas))
+    assert not preempted(result) and not placements(result)
+    assert result.next_wake == wake
+
+
 # --- the jobs exposed to claimants of each class ------------------------------------------------------
 
 
