@@ -160,6 +160,30 @@ def test_a_worker_waits_for_a_server_that_is_restarting(name, failures, error, w
     assert len(calls) == tries
 
 
+def test_a_worker_told_to_stop_gives_up_a_try_under_way_and_lets_it_undo_its_work():
+    """A control worker whose migration waited for another's lock (up to two minutes, retrying)
+    went on waiting through SIGTERM: the stop was looked at only between tries."""
+    import asyncio
+
+    from workers.settings import keep_connecting
+
+    ended = []
+
+    async def migrate():
+        try:
+            await asyncio.sleep(60)  # a lock held elsewhere
+        finally:
+            ended.append("rolled back")
+
+    async def scenario():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.05, stop.set)
+        return await asyncio.wait_for(keep_connecting("Postgres, to migrate it,", migrate, stop, within=120), 5)
+
+    assert asyncio.run(scenario()) is None
+    assert ended == ["rolled back"]
+
+
 def test_a_setting_no_try_can_mend_is_not_waited_for_as_a_server_that_is_down():
     """A Temporal TLS file that cannot be read was retried as "not reachable" for a minute, and
     the worker then ended with a traceback; the workers now say it in one line (exit 2)."""

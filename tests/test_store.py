@@ -182,6 +182,38 @@ def test_a_migration_blocked_past_its_patience_says_which_and_applies_nothing(li
     assert 9999 not in versions and columns == 0
 
 
+def test_a_worker_told_to_stop_while_its_migration_waits_for_a_lock_stops_at_once_and_applies_nothing(
+        live_servers, monkeypatch, tmp_path):
+    """The control worker migrates as `keep_connecting` tries it; a stop was looked at only
+    between tries, so SIGTERM waited out the migration's patience (2 minutes)."""
+    from workers.settings import keep_connecting
+
+    dsn = live_servers.migrated_database(f"store_{next(_names)}")
+    _with_a_migration_altering_machines(monkeypatch, tmp_path)
+
+    async def scenario():
+        store, holder = await Store.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            async with holder.transaction():
+                await holder.fetch("SELECT * FROM machines")
+                stop = asyncio.Event()
+                asyncio.get_running_loop().call_later(0.5, stop.set)
+                began = time.monotonic()
+                answer = await asyncio.wait_for(
+                    keep_connecting("Postgres, to migrate it,", lambda: store.migrate(lock_wait=0.1, patience=60),
+                                    stop, within=60), timeout=10)
+                waited = time.monotonic() - began
+            versions = {r["version"] for r in await store.pool.fetch("SELECT version FROM schema_migrations")}
+            return answer, waited, versions
+        finally:
+            await holder.close()
+            await store.close()
+
+    answer, waited, versions = asyncio.run(scenario())
+    assert answer is None and waited < 3.0, f"stopped after {waited:.1f} s"
+    assert 9999 not in versions
+
+
 @pytest.mark.parametrize("request_, field, words", [
     (job("a", team="nobody"), "team", "has no quota"),
     (job("a", gpus=9), "num_gpus", "at most 8"),

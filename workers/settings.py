@@ -286,13 +286,16 @@ async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: 
                           within: float, retry_on: tuple[type[BaseException], ...] = (Exception,)) -> T | None:
     """``connect()``, tried again with backoff (0.5 s doubling to 5 s) while it fails with one of
     ``retry_on``, for ``within`` seconds: a server restarting, or started after the worker, is
-    waited for instead of ending the worker. None if ``stop`` is set meanwhile; once the time is
-    up, NotReachable naming ``what``, the wait and the last error."""
+    waited for instead of ending the worker. None if ``stop`` is set meanwhile, also while a try
+    is under way (it is cancelled: a migration waiting minutes for another's lock, for one); once
+    the time is up, NotReachable naming ``what``, the wait and the last error."""
     loop = asyncio.get_running_loop()
     deadline, delay = loop.time() + within, 0.5
     while True:
         try:
-            return await connect()
+            return await _unless_stopped(connect(), stop)
+        except _Stopped:
+            return None
         except SettingsError:
             raise  # a setting no try can mend (a TLS file that cannot be read): not "not reachable"
         except retry_on as err:
@@ -307,6 +310,31 @@ async def keep_connecting(what: str, connect: Callable[[], Awaitable[T]], stop: 
             except TimeoutError:
                 pass
             delay = min(delay * 2, 5.0)
+
+
+class _Stopped(Exception):
+    """A try given up because the worker was told to stop."""
+
+
+async def _unless_stopped(attempt: Awaitable[T], stop: asyncio.Event) -> T:
+    """``attempt``'s answer, or _Stopped (the attempt cancelled, and waited for while it undoes
+    what it began, a transaction's rollback) if ``stop`` is set first."""
+    trying = asyncio.ensure_future(attempt)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((trying, stopping), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        trying.cancel()
+        raise
+    finally:
+        stopping.cancel()
+    if trying.done():
+        return trying.result()
+    trying.cancel()
+    await asyncio.wait((trying,))  # not `await trying`: that would raise its CancelledError as ours
+    if not trying.cancelled():
+        trying.exception()  # retrieved: an error it raised as it stopped is of no interest now
+    raise _Stopped
 
 
 def without_password(dsn: str) -> str:
