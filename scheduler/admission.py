@@ -609,7 +609,8 @@ def _preemption_key(job: QueuedJob, avoid: frozenset[int]) -> tuple:
 
 
 def expected_ends(state: Admission) -> Ends:
-    """(job, expected end, (machine, GPU count) of its GPUs) for every running job, in order.
+    """(expected end, job, its GPUs, (machine, GPU count) of them, how many) for every running
+    job, in order (expected_ends.End).
 
     Asked by the check for GPUs freeing up soon, by reservations and by the estimate: worked out
     once per cycle instead of once by each."""

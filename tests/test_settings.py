@@ -184,6 +184,42 @@ def test_a_worker_told_to_stop_gives_up_a_try_under_way_and_lets_it_undo_its_wor
     assert ended == ["rolled back"]
 
 
+@pytest.mark.parametrize("ends", ["the worker is told to stop", "the caller's own wait runs out"])
+def test_a_try_given_up_is_waited_for_while_it_undoes_its_work(ends, caplog):
+    """Given up, a try still rolls back; the worker waits for that, and what the rollback raised
+    is not reported as an error never retrieved."""
+    import asyncio
+
+    from workers.settings import keep_connecting
+
+    steps = []
+
+    async def migrate():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.05)  # the rollback takes a moment
+            steps.append("rolled back")
+            raise RuntimeError("connection closed while rolling back")
+
+    async def scenario():
+        stop = asyncio.Event()
+        if ends == "the worker is told to stop":
+            asyncio.get_running_loop().call_later(0.05, stop.set)
+        try:
+            answer = await asyncio.wait_for(keep_connecting("Postgres, to migrate it,", migrate, stop, within=120),
+                                            5 if ends == "the worker is told to stop" else 0.05)
+        except TimeoutError:
+            answer = "timed out"
+        steps.append(f"answered {answer}")
+        await asyncio.sleep(0.1)  # anything left running would end, and be reported, here
+
+    asyncio.run(scenario())
+    expected = "answered None" if ends == "the worker is told to stop" else "answered timed out"
+    assert steps == ["rolled back", expected]
+    assert "never retrieved" not in caplog.text
+
+
 def test_a_setting_no_try_can_mend_is_not_waited_for_as_a_server_that_is_down():
     """A Temporal TLS file that cannot be read was retried as "not reachable" for a minute, and
     the worker then ended with a traceback; the workers now say it in one line (exit 2)."""

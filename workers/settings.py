@@ -317,24 +317,34 @@ class _Stopped(Exception):
 
 
 async def _unless_stopped(attempt: Awaitable[T], stop: asyncio.Event) -> T:
-    """``attempt``'s answer, or _Stopped (the attempt cancelled, and waited for while it undoes
-    what it began, a transaction's rollback) if ``stop`` is set first."""
+    """``attempt``'s answer, or _Stopped if ``stop`` is set first: the attempt is cancelled and
+    waited for while it undoes what it began (a transaction's rollback). One that answers all
+    the same (it had just connected) is answered, for the caller to close what it opened."""
     trying = asyncio.ensure_future(attempt)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait((trying, stopping), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        trying.cancel()
+    except asyncio.CancelledError:  # the caller's own wait ended (a timeout, its shutdown)
+        await _cancelled(trying)
         raise
     finally:
         stopping.cancel()
-    if trying.done():
-        return trying.result()
-    trying.cancel()
-    await asyncio.wait((trying,))  # not `await trying`: that would raise its CancelledError as ours
-    if not trying.cancelled():
-        trying.exception()  # retrieved: an error it raised as it stopped is of no interest now
-    raise _Stopped
+    if not trying.done():
+        await _cancelled(trying)
+        if trying.cancelled() or trying.exception() is not None:
+            raise _Stopped
+    return trying.result()
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel ``task`` and wait until it has ended; an error it raised as it stopped is of no
+    interest now (retrieved, so that it is not reported as never retrieved)."""
+    task.cancel()
+    try:
+        await asyncio.wait((task,))
+    finally:
+        if task.done() and not task.cancelled():
+            task.exception()
 
 
 def without_password(dsn: str) -> str:
