@@ -11,7 +11,7 @@ placed this cycle gives its GPUs back at the end of its expected run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from scheduler.eta import MIN_RUN, remaining_work
 from scheduler.expected_ends import Ends
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # None; `counted`, the GPUs its team stops holding then (a mover's team holds its count on, on its
 # new GPUs). Plain tuples, read by unpacking: the calendar is made hundreds of times a simulated
 # hour, and a running job's usual return is its entry of expected_ends, made once for its run.
-Return = tuple[float, Union[RunningJob, QueuedJob], Sequence[GpuSlot], Optional[list[tuple[int, int]]], int]
+Return = tuple[float, RunningJob | QueuedJob, Sequence[GpuSlot], list[tuple[int, int]] | None, int]
 
 
 def promised_slots(earmarks: Mapping[str, Earmark]) -> dict[GpuSlot, str]:
