@@ -30,9 +30,9 @@ def job_env(**extra: str) -> dict:
     return env
 
 
-def start(args: list[str], env: dict) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+def start(args: list[str], env: dict, backend: str = "python") -> tuple[subprocess.Popen, "queue.Queue[str]"]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.example_job", "--backend", "python", *args],
+        [sys.executable, "-m", "workers.example_job", "--backend", backend, *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines: "queue.Queue[str]" = queue.Queue()
@@ -83,7 +83,8 @@ def test_a_fresh_run_finishes_with_the_expected_state():
     assert out[-1] == f"example-job: done, steps=6 final_state={final_state(6).hex()}"
 
 
-def test_stopped_with_sigterm_then_resumed_ends_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("backend", ["python", "idle"])
+def test_stopped_with_sigterm_then_resumed_ends_like_an_uninterrupted_run(tmp_path, backend):
     ckdir, reports = tmp_path / "ck", tmp_path / "reports"
     reports.mkdir()
     stop = threading.Event()
@@ -94,7 +95,7 @@ def test_stopped_with_sigterm_then_resumed_ends_like_an_uninterrupted_run(tmp_pa
                       GPUSCHED_GRACE_PERIOD="5", GPUSCHED_CHECKPOINT_INTERVAL="0.2",
                       GPUSCHED_ALLOCATION_ID="7", GPUSCHED_ATTEMPT="1", GPUSCHED_JOB_ID="ex")
         args = ["--steps", "40", "--step-seconds", "0.05", "--state-mb", "0.25"]
-        proc, lines = start(args, env)
+        proc, lines = start(args, env, backend)
         out: list[str] = []
         wait_for(lines, "example-job: checkpoint seq 1 ", out)  # a scheduled one
         wait_for(lines, "step ", out)
@@ -132,6 +133,21 @@ def test_stopped_with_sigterm_then_resumed_ends_like_an_uninterrupted_run(tmp_pa
     assert out2[2] == (f"step {step + 1}/40 state={final_state(step + 1).hex()[:12]}"
                        f"... (resumed from checkpoint {seq} at step {step})")
     assert out2[-1] == f"example-job: done, steps=40 final_state={final_state(40).hex()}"
+
+
+def test_the_idle_backend_waits_its_steps_out_without_working():
+    """The live tests' jobs: the same state and output, with a step's time waited, not burnt."""
+    proc = subprocess.Popen([sys.executable, "-m", "workers.example_job", "--backend", "idle", "--steps", "4",
+                             "--step-seconds", "0.5"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, text=True)
+    began = time.monotonic()
+    out = proc.stdout.read().splitlines()
+    _, status, usage = os.wait4(proc.pid, 0)
+    took = time.monotonic() - began
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    assert out[0] == "example-job: backend idle (waits out each step)"
+    assert out[-1] == f"example-job: done, steps=4 final_state={final_state(4).hex()}"
+    # The python backend burns the 2 s it runs; the idle one only starts Python and hashes the state.
+    assert took >= 2.0 and usage.ru_utime + usage.ru_stime < 1.0, (took, usage)
 
 
 def test_a_corrupted_resume_checkpoint_is_refused(tmp_path):

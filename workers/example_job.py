@@ -1,12 +1,13 @@
 """`gpusched example-job`: a bundled job that works, checkpoints through jobkit, and resumes.
 
     gpusched example-job --steps N [--step-seconds S] [--state-mb M] [--fail-at-step K]
-                         [--backend auto|python|torch]
+                         [--backend auto|python|torch|idle]
     python -m workers.example_job ...      (the same, without the CLI)
 
 Each step does real work for about S seconds: a matmul loop on the GPU when torch and CUDA are
 there (``cuda:0``, i.e. the first GPU of ``CUDA_VISIBLE_DEVICES``), on the CPU with torch alone,
-otherwise a pure-Python hash chain. The job's *state* depends only on the step count, never on
+otherwise a pure-Python hash chain; ``idle`` waits the step out instead (the live tests' jobs: on
+a 2-core machine their work only starved the scheduler under test). The job's *state* depends only on the step count, never on
 the backend or on timing: ``state_k = H(state_{k-1}, k)`` where H is 2,000 chained SHA-256 rounds.
 So a run stopped and resumed any number of times ends with the state of an uninterrupted run.
 
@@ -95,6 +96,19 @@ class Burner:
         return True
 
 
+class IdleBurner(Burner):
+    """Waits each step out: the job's state, checkpoints and stops are the same, without the work."""
+
+    name = "idle (waits out each step)"
+
+    def burn(self, until: float, stop: Callable[[], bool]) -> bool:
+        while (left := until - time.monotonic()) > 0:
+            if stop():
+                return False
+            time.sleep(min(left, 0.02))  # a stop is seen within 20 ms, as a burner sees it between rounds
+        return True
+
+
 class TorchBurner(Burner):
     def __init__(self, torch, device: str) -> None:
         super().__init__()
@@ -115,6 +129,8 @@ class TorchBurner(Burner):
 
 
 def pick_burner(backend: str) -> Burner:
+    if backend == "idle":
+        return IdleBurner()
     if backend in ("auto", "torch"):
         try:
             import torch  # noqa: PLC0415  (optional; never a dependency)
@@ -255,8 +271,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"pad each checkpoint to about this many MiB, at most {MAX_STATE_MB} (default 0)")
     parser.add_argument("--fail-at-step", type=_nonneg(int, least=1), default=None, metavar="K",
                         help="exit 3 when step K (1 or more) would run (for tests)")
-    parser.add_argument("--backend", choices=("auto", "python", "torch"), default="auto",
-                        help="where the work runs: auto (torch+CUDA, torch, else python)")
+    parser.add_argument("--backend", choices=("auto", "python", "torch", "idle"), default="auto",
+                        help="where the work runs: auto (torch+CUDA, torch, else python); idle waits instead")
 
 
 def add_example_job_command(subparsers) -> None:

@@ -26,9 +26,10 @@ def sleeper(seconds: float) -> list[str]:
 
 
 def example_job(steps: int, step_seconds: float) -> list[str]:
-    """The bundled example job (real work per step, checkpoints through jobkit)."""
+    """The bundled example job (checkpoints through jobkit), waiting out its steps: their work
+    only took the CPU from the stack under test (tests/test_example_job.py runs the work)."""
     return [sys.executable, "-m", "workers.example_job", "--steps", str(steps),
-            "--step-seconds", str(step_seconds), "--backend", "python"]
+            "--step-seconds", str(step_seconds), "--backend", "idle"]
 
 
 class Stack:
