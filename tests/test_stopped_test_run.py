@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.servers import pid_alive
+
 TESTS = Path(__file__).resolve().parent
 
 CONFTEST = f"""
@@ -28,7 +30,14 @@ globals().update({{k: v for k, v in vars(module).items() if not k.startswith("__
 WAITING_TEST = """
 import json, os, time
 
-def test_waits_on_the_servers(live_servers):
+import pytest
+
+@pytest.fixture
+def slow_teardown():
+    yield
+    time.sleep(float(os.environ["TEARDOWN_S"]))  # a teardown of several stacks on a slow host
+
+def test_waits_on_the_servers(live_servers, slow_teardown):
     servers = (live_servers.postgres, live_servers.temporal, live_servers.s3)
     with open(os.environ["SERVERS_OUT"] + ".part", "w") as f:
         json.dump({"pids": [s.pid for s in servers], "root": str(live_servers.root)}, f)
@@ -37,25 +46,18 @@ def test_waits_on_the_servers(live_servers):
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.live
-@pytest.mark.parametrize("processes", [
-    pytest.param("0", id="in one process"),
-    pytest.param("2", id="under xdist, the signal sent to its controller only"),
+@pytest.mark.parametrize("processes, teardown_s", [
+    pytest.param("0", 0, id="in one process"),
+    # xdist's own shutdown gives a test process 15 s, then ends it where its teardown is.
+    pytest.param("2", 17, id="under xdist, the signal sent to its controller only, a teardown of 17 s"),
 ])
-def test_a_run_stopped_with_sigterm_stops_the_servers_it_started(tmp_path, processes):
+def test_a_run_stopped_with_sigterm_stops_the_servers_it_started(tmp_path, processes, teardown_s):
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_waiting.py").write_text(WAITING_TEST)
     out = tmp_path / "servers.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "PYTEST_"))}
-    env.update(SERVERS_OUT=str(out), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env.update(SERVERS_OUT=str(out), TEARDOWN_S=str(teardown_s), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", processes,
                             "--rootdir", str(tmp_path), str(tmp_path / "test_waiting.py")],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -70,12 +72,12 @@ def test_a_run_stopped_with_sigterm_stops_the_servers_it_started(tmp_path, proce
         output, _ = run.communicate(timeout=150)
         assert run.returncode == 2, output  # pytest's "interrupted"
         assert "KeyboardInterrupt: SIGTERM" in output, output
-        assert [pid for pid in started["pids"] if alive(pid)] == [], output
+        assert [pid for pid in started["pids"] if pid_alive(pid)] == [], output
         assert not Path(started["root"]).exists(), output
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         for pid in started["pids"]:  # what a failed run left, so that it is not left for good
-            if alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
