@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Collection
 
 from activities.outages import in_words
@@ -66,6 +67,25 @@ def s3_client(endpoint: str | None, access_key: str | None, secret_key: str | No
                         aws_secret_access_key=secret_key, region_name=region,
                         config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=read_timeout,
                                       retries={"max_attempts": retries}))  # botocore: retries after the first try
+
+
+class S3OnFirstUse:
+    """Stands for ``s3_client(**settings)``, made when first used and shared from then on: making
+    one costs about half a second of CPU (boto3's import and its S3 model), which the control
+    worker and the API paid at every start, whether or not a checkpoint ever came. Calls run in
+    threads, so two first uses make one client."""
+
+    def __init__(self, make: Callable[[], object] | None = None, **settings) -> None:
+        self._make = make or (lambda: s3_client(**settings))
+        self._client = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):  # only for names the proxy does not have: the client's
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make()
+        return getattr(self._client, name)
 
 
 class CheckpointCommitter:

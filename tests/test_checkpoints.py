@@ -697,3 +697,31 @@ def test_the_clean_up_after_a_commit_says_what_stopped_it_and_raises_nothing(cap
         asyncio.run(committer._clean_up("j", 3, []))  # would raise, and go unretrieved, before
     [entry] = caplog.records
     assert entry.getMessage().startswith(said) and (entry.exc_info is not None) is traceback
+
+
+def test_the_s3_client_is_made_at_its_first_use_once_though_threads_race_to_it():
+    """The control worker and the API make it so (half a second of CPU at every start before)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from activities.checkpoints import S3OnFirstUse
+
+    made, everyone_asks = [], threading.Barrier(8)
+
+    def make():
+        time.sleep(0.05)  # long enough for the other threads to ask meanwhile
+        made.append(1)
+        return SimpleNamespace(head_object=lambda **kw: ("head", kw["Key"]))
+
+    s3 = S3OnFirstUse(make)
+    assert made == []
+
+    def ask(i: int):
+        everyone_asks.wait()
+        return s3.head_object(Bucket="b", Key=str(i))
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == [("head", str(i)) for i in range(8)] and made == [1]

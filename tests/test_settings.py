@@ -80,6 +80,26 @@ def test_a_damaged_stack_file_is_refused_in_words(monkeypatch, tmp_path, content
         load_settings(tmp_path)
 
 
+@pytest.mark.parametrize("endpoint, refused", [
+    ("http://127.0.0.1:8333", False),
+    ("https://s3.example.com", False),
+    ("127.0.0.1:8333", True),
+    ("not a url", True),
+    ("ftp://store:21", True),
+    ("http://:8333", True),
+    ("http://store:port", True),
+], ids=["an http URL", "an https URL without a port", "an address without a scheme", "no URL at all",
+        "another scheme", "no host", "a port that is not a number"])
+def test_an_s3_endpoint_no_client_can_use_is_named_at_start(monkeypatch, tmp_path, endpoint, refused):
+    """The S3 client is made at its first use, so a worker would otherwise take it at start."""
+    monkeypatch.setenv("GPUSCHED_S3_ENDPOINT", endpoint)
+    if refused:
+        with pytest.raises(SettingsError, match="GPUSCHED_S3_ENDPOINT: .* is no S3 endpoint: give an http"):
+            load_settings(tmp_path)
+    else:
+        assert load_settings(tmp_path).s3_endpoint == endpoint
+
+
 @pytest.mark.parametrize("env, words", [
     ({"GPUSCHED_TEMPORAL_TLS_CERT": "/etc/hostname"}, "go together"),
     ({"GPUSCHED_TEMPORAL_TLS_KEY": "/etc/hostname"}, "go together"),

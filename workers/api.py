@@ -49,7 +49,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, s3_client
+from activities.checkpoints import CheckpointCommitter, CheckpointStoreUnavailable, S3OnFirstUse
 from activities.outages import DATABASE_DOWN, database_down
 from activities.store import LISTEN_EVERY, UNMIGRATED_FIX, GpuReport, Store
 from scheduler.fleet import MAX_GPUS_PER_MACHINE
@@ -138,7 +138,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx["store"] = store if store is not None else await connect_store(settings)
-        s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+        s3 = S3OnFirstUse(endpoint=settings.s3_endpoint, access_key=settings.s3_access_key,
+                          secret_key=settings.s3_secret_key, region=settings.s3_region)
         ctx["checkpoints"] = CheckpointCommitter(ctx["store"], s3, settings.s3_bucket)
         listening = asyncio.create_task(_listen(ctx["store"]))
         yield

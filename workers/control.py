@@ -21,7 +21,7 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from activities.checkpoints import s3_client
+from activities.checkpoints import S3OnFirstUse
 from activities.jobs import JobActivities, configure_scheduler
 from activities.outages import DATABASE_DOWN
 from activities.planning import PlanningActivities
@@ -111,8 +111,8 @@ async def serve(settings: Settings, data_dir: Path | None, loop: SchedulerInput,
         await ensure_search_attributes(client)
         # A HEAD that must end within STORE_LOOK_S (its thread is not stopped at the timeout):
         # (2 s + 5 s) for each of at most two tries; also the sweep of an ended job's leftovers.
-        s3 = s3_client(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region,
-                       read_timeout=5, retries=1)
+        s3 = S3OnFirstUse(endpoint=settings.s3_endpoint, access_key=settings.s3_access_key,
+                          secret_key=settings.s3_secret_key, region=settings.s3_region, read_timeout=5, retries=1)
         jobs = JobActivities(store, client, settings.task_queue_prefix, loop, settings.s3_bucket, s3)
         planning = PlanningActivities(store)
         worker = Worker(

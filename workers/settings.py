@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from workflows.types import CONTROL_TASK_QUEUE, agent_task_queue, first_error
 
@@ -68,6 +68,22 @@ class Settings(BaseModel):
     # An agent's is its machine's token (`machine_token`), which speaks for that machine alone.
     api_token: str | None = None
     temporal_ui_url: str | None = None  # where people read job histories, when there is a UI
+
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _an_http_url(cls, endpoint: str | None) -> str | None:
+        # Said at start: the S3 client is made at its first use (activities.checkpoints.S3OnFirstUse),
+        # which would otherwise be the first checkpoint's, long after.
+        if endpoint is not None:
+            try:
+                parts = urlsplit(endpoint)
+                parts.port  # noqa: B018  (raises for a port that is not one)
+            except ValueError:
+                parts = None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{endpoint!r} is no S3 endpoint: give an http:// or https:// URL with a host, "
+                                 "e.g. http://127.0.0.1:8333")
+        return endpoint
     # Task queue names are prefixed so that several stacks (parallel test runs) can share one
     # Temporal server; empty in production.
     task_queue_prefix: str = ""
