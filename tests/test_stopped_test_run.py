@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,3 +82,5 @@ def test_a_run_stopped_with_sigterm_stops_the_servers_it_started(tmp_path, proce
         for pid in started["pids"]:  # what a failed run left, so that it is not left for good
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        if "root" in started:
+            shutil.rmtree(started["root"], ignore_errors=True)
