@@ -78,10 +78,8 @@ async def run_a_gang(address: str, machines: int, spec_bytes: int, id_chars: int
             await asyncio.sleep(0.05)
         else:
             raise AssertionError(f"the attempt never ended ({len(fakes.ran)} ranks ran): {await handle.describe()}")
-        # On a loaded 2-core host (three test processes) a 500-rank gang's workflow once took over
-        # 30 s to end after its attempt had.
         with contextlib.suppress(WorkflowFailureError):
-            await asyncio.wait_for(handle.result(), 120)
+            await asyncio.wait_for(handle.result(), 30)
     return fakes
 
 
