@@ -50,21 +50,19 @@ def _stop_as_on_ctrl_c(controller: bool):
 
 
 def _children() -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
+    me = str(os.getpid())
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _stat(entry)[1:2] == [me]]
 
 
 def _alive(pid: int) -> bool:
+    # Not workers.servers.pid_alive: it reaps a child it finds exited, and these are execnet's.
+    return _stat(pid)[:1] not in ([], ["Z"])
+
+
+def _stat(pid) -> list[str]:
+    """/proc/PID/stat's fields after the command (state, ppid, ...); [] for a process gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
